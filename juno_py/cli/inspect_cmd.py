@@ -1,0 +1,71 @@
+"""`juno-py inspect`: what is in a GGUF file."""
+
+import json
+from collections import defaultdict
+
+import click
+
+from juno_py.cli.main import cli, one_line_errors
+from juno_py.gguf import GGUFFile
+from juno_py.store import resolve_model
+
+_HYPER = ("context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
+          "attention.head_count_kv", "attention.key_length", "attention.value_length", "rope.freq_base",
+          "rope.dimension_count", "attention.layer_norm_rms_epsilon", "attention.sliding_window", "vocab_size",
+          "expert_count")
+
+
+def summarize(f: GGUFFile) -> dict:
+    meta = f.metadata
+    arch = meta.get("general.architecture", "?")
+    by_type: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for t in f.tensors.values():
+        by_type[t.type_name][0] += 1
+        by_type[t.type_name][1] += t.nbytes
+    tokens = meta.get("tokenizer.ggml.tokens")
+    return {
+        "path": str(f.path),
+        "gguf_version": f.version,
+        "architecture": arch,
+        "name": meta.get("general.name"),
+        "hyperparameters": {k: meta[f"{arch}.{k}"] for k in _HYPER if f"{arch}.{k}" in meta},
+        "tokenizer": {"model": meta.get("tokenizer.ggml.model"), "pre": meta.get("tokenizer.ggml.pre"),
+                      "vocab_size": len(tokens) if isinstance(tokens, list) else None,
+                      "chat_template": "tokenizer.chat_template" in meta},
+        "alignment": f.alignment,
+        "metadata_keys": len(f.fields),
+        "tensor_count": len(f.tensors),
+        "tensor_bytes": sum(t.nbytes for t in f.tensors.values()),
+        "types": {k: {"tensors": v[0], "bytes": v[1]} for k, v in sorted(by_type.items())},
+    }
+
+
+@cli.command()
+@click.argument("model")
+@click.option("--tensors", is_flag=True, help="List every tensor: name, type, row-major shape, bytes.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@one_line_errors
+def inspect(model: str, tensors: bool, as_json: bool) -> None:
+    """Show what MODEL (a .gguf path or a model-store name) holds."""
+    with GGUFFile(resolve_model(model)) as f:
+        info = summarize(f)
+        rows = [{"name": t.name, "type": t.type_name, "shape": list(t.shape), "bytes": t.nbytes}
+                for t in f.tensors.values()]
+    if as_json:
+        if tensors:
+            info["tensors"] = rows
+        click.echo(json.dumps(info, indent=2))
+        return
+    click.echo(f"{info['path']}  (GGUF v{info['gguf_version']}, alignment {info['alignment']})")
+    click.echo(f"architecture: {info['architecture']}  name: {info['name']}")
+    for k, v in info["hyperparameters"].items():
+        click.echo(f"  {k}: {v}")
+    tok = info["tokenizer"]
+    click.echo(f"tokenizer: {tok['model']} (pre {tok['pre']}), {tok['vocab_size']} tokens, "
+               f"chat template: {'yes' if tok['chat_template'] else 'no'}")
+    click.echo(f"tensors: {info['tensor_count']}, {info['tensor_bytes'] / 1e6:.1f} MB")
+    for k, v in info["types"].items():
+        click.echo(f"  {k:8s} {v['tensors']:5d} tensors  {v['bytes'] / 1e6:9.2f} MB")
+    if tensors:
+        for r in rows:
+            click.echo(f"{r['name']:40s} {r['type']:7s} {str(tuple(r['shape'])):20s} {r['bytes']}")

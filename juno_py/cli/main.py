@@ -1,0 +1,40 @@
+"""The `juno-py` command: a click group whose subcommands live one per module in this package."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import click
+
+from juno_py.errors import JunoError
+
+
+def one_line_errors(fn):
+    """Turn a JunoError (or a missing file) into one line on stderr and exit status 1, no traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (JunoError, FileNotFoundError, PermissionError, IsADirectoryError) as e:
+            click.echo(f"juno-py: error: {e}", err=True)
+            sys.exit(1)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="juno-py")
+def cli() -> None:
+    """Train LoRA and DoRA adapters directly on quantized GGUF models, play them back, merge them."""
+
+
+def _register() -> None:
+    # each module adds its command(s) to `cli`
+    from juno_py.cli import inspect_cmd, models_cmd  # noqa: F401
+
+
+def main() -> None:
+    _register()
+    cli(prog_name="juno-py")

@@ -1,0 +1,116 @@
+"""Codec registry: per GGML type, the block geometry and the functions that decode and encode blocks.
+
+Each codec works on many blocks at once: `dequantize_blocks(raw)` takes a uint8 tensor
+`[n_blocks, type_size]` and returns float32 `[n_blocks, block_size]`; `quantize_blocks(x)` is the inverse
+for float32 `[n_blocks, block_size]`. Modules in this package register their codecs on import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from juno_py.errors import UnsupportedQuantType
+from juno_py.gguf.constants import GGML_BLOCK_SIZES, GGMLType, type_name
+
+BlockFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Codec:
+    ggml_type: GGMLType
+    block_size: int
+    type_size: int
+    dequantize_blocks: BlockFn
+    quantize_blocks: Optional[BlockFn] = None
+
+    @property
+    def name(self) -> str:
+        return self.ggml_type.name
+
+    def row_bytes(self, n_cols: int) -> int:
+        return n_cols // self.block_size * self.type_size
+
+
+_REGISTRY: dict[int, Codec] = {}
+
+
+def register(ggml_type: GGMLType, dequantize_blocks: BlockFn, quantize_blocks: Optional[BlockFn] = None) -> None:
+    block_size, type_size = GGML_BLOCK_SIZES[ggml_type]
+    existing = _REGISTRY.get(ggml_type)
+    if existing is not None and quantize_blocks is None:
+        quantize_blocks = existing.quantize_blocks
+    _REGISTRY[ggml_type] = Codec(GGMLType(ggml_type), block_size, type_size, dequantize_blocks, quantize_blocks)
+
+
+def register_quantizer(ggml_type: GGMLType, quantize_blocks: BlockFn) -> None:
+    """Add an encoder to a type whose decoder is already registered."""
+    codec = _REGISTRY[ggml_type]
+    _REGISTRY[ggml_type] = Codec(codec.ggml_type, codec.block_size, codec.type_size, codec.dequantize_blocks,
+                                 quantize_blocks)
+
+
+def get_codec(ggml_type: int, what: str = "") -> Codec:
+    codec = _REGISTRY.get(int(ggml_type))
+    if codec is None:
+        where = f" (tensor {what})" if what else ""
+        raise UnsupportedQuantType(f"cannot decode GGML type {type_name(ggml_type)}{where}: "
+                                   f"supported types are {', '.join(supported_types())}")
+    return codec
+
+
+def supported_types() -> list[str]:
+    return [c.name for c in sorted(_REGISTRY.values(), key=lambda c: c.ggml_type)]
+
+
+def quantizable_types() -> list[str]:
+    return [c.name for c in sorted(_REGISTRY.values(), key=lambda c: c.ggml_type) if c.quantize_blocks]
+
+
+def _as_uint8_tensor(raw) -> torch.Tensor:
+    if isinstance(raw, torch.Tensor):
+        return raw if raw.dtype == torch.uint8 else raw.view(torch.uint8)
+    arr = np.asarray(raw)
+    if arr.dtype != np.uint8:
+        arr = arr.view(np.uint8)
+    return torch.from_numpy(np.ascontiguousarray(arr))
+
+
+def dequantize(ggml_type: int, raw, n_cols: int, what: str = "") -> torch.Tensor:
+    """Decode rows of raw bytes (uint8 `[rows, bytes_per_row]`, numpy or torch) into float32 `[rows, n_cols]`."""
+    codec = get_codec(ggml_type, what)
+    if n_cols % codec.block_size:
+        raise UnsupportedQuantType(f"{codec.name}{' tensor ' + what if what else ''}: row length {n_cols} is not a "
+                                   f"multiple of the block size {codec.block_size}")
+    data = _as_uint8_tensor(raw)
+    rows = data.numel() // codec.row_bytes(n_cols) if n_cols else 0
+    blocks = data.reshape(-1, codec.type_size)
+    out = codec.dequantize_blocks(blocks)
+    return out.reshape(rows, n_cols)
+
+
+def quantize(ggml_type: int, x, what: str = "") -> np.ndarray:
+    """Encode a 2-D float tensor `[rows, n_cols]` into uint8 `[rows, bytes_per_row]` (numpy)."""
+    codec = get_codec(ggml_type, what)
+    if codec.quantize_blocks is None:
+        raise UnsupportedQuantType(f"cannot encode GGML type {codec.name}{' (tensor ' + what + ')' if what else ''}: "
+                                   f"encodable types are {', '.join(quantizable_types())}")
+    t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x))
+    if t.dim() == 1:
+        t = t.unsqueeze(0)
+    if t.dim() != 2:
+        raise ValueError(f"quantize expects a 2-D tensor, got shape {tuple(t.shape)}")
+    rows, n_cols = t.shape
+    if n_cols % codec.block_size:
+        raise UnsupportedQuantType(f"{codec.name}{' tensor ' + what if what else ''}: row length {n_cols} is not a "
+                                   f"multiple of the block size {codec.block_size}")
+    blocks = t.detach().to("cpu", torch.float32).contiguous().reshape(-1, codec.block_size)
+    out = codec.quantize_blocks(blocks)
+    return out.reshape(rows, codec.row_bytes(n_cols)).numpy()
+
+
+# codec modules register themselves on import
+from juno_py.gguf.quants import simple as _simple  # noqa: E402,F401
