@@ -19,6 +19,7 @@ from typing import Any, Iterable, Optional
 
 import numpy as np
 
+from juno_py.atomic import atomic_output
 from juno_py.gguf.constants import GGML_BLOCK_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, SCALAR_DTYPES, ValueType
 from juno_py.gguf.reader import Field, GGUFFile
 
@@ -137,8 +138,12 @@ class GGUFWriter:
 
     # output
     def _header(self) -> bytes:
-        parts = [GGUF_MAGIC, struct.pack("<IQQ", self.version, len(self._tensors), len(self.fields))]
-        for key, f in self.fields.items():
+        fields = dict(self.fields)
+        if self.alignment != GGUF_DEFAULT_ALIGNMENT and "general.alignment" not in fields:
+            # readers assume 32 unless told: a custom alignment must be stated in the metadata
+            fields["general.alignment"] = Field("general.alignment", ValueType.UINT32, self.alignment)
+        parts = [GGUF_MAGIC, struct.pack("<IQQ", self.version, len(self._tensors), len(fields))]
+        for key, f in fields.items():
             parts.append(_encode_string(key))
             parts.append(struct.pack("<I", int(f.vtype)))
             parts.append(_encode_value(f.vtype, f.value, f.item_type))
@@ -152,18 +157,13 @@ class GGUFWriter:
         """Write header and data to a temporary file and rename it over `path`."""
         if self._done:
             raise RuntimeError("GGUFWriter.finish called twice")
-        tmp_fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self._spill_path.parent)
         try:
-            with os.fdopen(tmp_fd, "wb") as out:
+            with atomic_output(self.path) as out:
                 out.write(self._header())
                 self._spill.flush()
                 self._spill.seek(0)
                 shutil.copyfileobj(self._spill, out, _COPY_CHUNK)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, self.path)
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
             self.abort()
             raise
         self._close_spill()

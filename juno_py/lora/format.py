@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import struct
-import tempfile
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
@@ -18,6 +16,7 @@ from typing import Optional
 
 import numpy as np
 
+from juno_py.atomic import atomic_write_bytes
 from juno_py.errors import JunoError
 
 MAGIC = 0x4C4F5241  # "LORA"
@@ -311,16 +310,4 @@ def encode_adapter(entries: list[AdapterEntry]) -> bytes:
 
 def write_adapter(path, entries: list[AdapterEntry]) -> Path:
     """Write version 2 atomically: a temporary file beside `path`, then a rename."""
-    path = Path(path)
-    blob = encode_adapter(entries)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent if str(path.parent) else ".")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write_bytes(path, encode_adapter(entries))

@@ -1,0 +1,99 @@
+"""Typed metrics events, their JSONL stream, and the `metrics.json` summary (count, mean, last, p95 per series).
+
+An event is a kind (`train_step`, `validation`, `norm_refresh`, `checkpoint`, `playback`, `merge`) plus
+identity fields shared by a whole run and the numbers of that moment. `MetricsRecorder` turns every numeric
+field of every event into a series named `<kind>.<field>`; a series that never received a value reports 0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from juno_py.atomic import atomic_output
+
+EVENT_KINDS = ("train_step", "validation", "norm_refresh", "checkpoint", "playback", "merge")
+
+# series every summary carries, so consumers can rely on them (0 when the run produced none)
+STANDARD_SERIES = (
+    "train_step.loss", "train_step.grad_norm", "train_step.tokens", "train_step.lr_a", "train_step.lr_b",
+    "train_step.forward_ms", "train_step.backward_ms", "train_step.optimizer_ms", "validation.loss",
+)
+
+
+@dataclass
+class Identity:
+    """What a run is: attached to every event."""
+
+    algorithm: str = "lora"
+    scaling: str = "standard"
+    init: str = "kaiming-uniform"
+    architecture: str = ""
+    device: str = "cpu"
+    rank: int = 0
+    alpha: float = 0.0
+    targets: str = ""
+
+
+@dataclass
+class Event:
+    kind: str
+    values: dict[str, Any]
+    time: float = field(default_factory=time.time)
+
+    def __post_init__(self):
+        if self.kind not in EVENT_KINDS:
+            raise ValueError(f"unknown metrics event kind {self.kind!r}: expected one of {', '.join(EVENT_KINDS)}")
+
+
+def _p95(values: list[float]) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(0.95 * len(s)) - 1))]
+
+
+class MetricsRecorder:
+    def __init__(self, identity: Optional[Identity] = None, events_out: Optional[Path] = None):
+        self.identity = identity or Identity()
+        self.series: dict[str, list[float]] = {}
+        self.events: list[Event] = []
+        self._events_file = open(events_out, "a", encoding="utf-8") if events_out else None
+
+    def emit(self, kind: str, **values: Any) -> Event:
+        ev = Event(kind, values)
+        self.events.append(ev)
+        for k, v in values.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            if math.isfinite(v):
+                self.series.setdefault(f"{kind}.{k}", []).append(float(v))
+        if self._events_file is not None:
+            record = {"kind": kind, "time": ev.time, **self.identity.__dict__, **values}
+            self._events_file.write(json.dumps(record, default=str) + "\n")
+            self._events_file.flush()
+        return ev
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"identity": dict(self.identity.__dict__), "series": {}}
+        for name in sorted(set(STANDARD_SERIES) | set(self.series)):
+            vals = self.series.get(name, [])
+            out["series"][name] = {
+                "count": len(vals),
+                "mean": sum(vals) / len(vals) if vals else 0.0,
+                "last": vals[-1] if vals else 0.0,
+                "p95": _p95(vals) if vals else 0.0,
+            }
+        return out
+
+    def write_summary(self, path) -> Path:
+        with atomic_output(path, "w") as f:
+            json.dump(self.summary(), f, indent=2)
+        return Path(path)
+
+    def close(self) -> None:
+        if self._events_file is not None:
+            self._events_file.close()
+            self._events_file = None

@@ -82,7 +82,9 @@ def assert_refused(path):
         tracemalloc.stop()
     msg = str(e.value)
     assert "\n" not in msg and str(path) in msg and "offset" in msg
-    assert peak <= 4 * size + (1 << 20), f"reader allocated {peak} bytes for a {size}-byte file"
+    # Bounded by the file, never by a declared count. The constant is Python's object overhead: a vocabulary
+    # entry costs 8 + len bytes in the file and about 57 + len as a str in a list (measured: ~5x on SmolLM2).
+    assert peak <= 8 * size + (1 << 20), f"reader allocated {peak} bytes for a {size}-byte file"
     return msg
 
 

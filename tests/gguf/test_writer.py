@@ -38,7 +38,7 @@ def test_failure_writes_nothing_and_keeps_old_file(tmp_path):
 
 def test_wrong_byte_count_is_refused(tmp_path):
     with GGUFWriter(tmp_path / "m.gguf") as w:
-        with pytest.raises(ValueError, match="expected 36 bytes"):
+        with pytest.raises(ValueError, match="expected 36 for shape"):
             w.add_tensor("a", np.zeros(40, np.uint8), GGMLType.Q4_0, (2, 32))
         w.abort()
     assert not (tmp_path / "m.gguf").exists()

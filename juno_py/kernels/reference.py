@@ -1,0 +1,23 @@
+"""Eager torch references for the DoRA kernels: the fused Triton kernels (GPU issue) are checked against these."""
+
+from __future__ import annotations
+
+import torch
+
+
+def compose_eager(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: float) -> torch.Tensor:
+    """y = g ⊙ (base + s·lora), with g broadcast over the last dimension.
+
+    The arithmetic runs in fp32 whatever the inputs: g lies within about 1e-3 of 1, where bf16 rounding
+    would erase the adapter's effect. Autograd gives d_base = g·dy, d_lora = g·s·dy, d_g = Σ inner·dy.
+    """
+    out_dtype = base.dtype
+    inner = base.float() + s * lora.float()
+    return (g.float() * inner).to(out_dtype)
+
+
+def norm_assemble_eager(base_sq: torch.Tensor, cross: torch.Tensor, ba_sq: torch.Tensor, s: float) -> torch.Tensor:
+    """‖W + sBA‖_row = sqrt(max(‖W‖² + 2s·cross + s²·‖BA‖², 0)) in fp32 (or fp64 if the inputs are)."""
+    dt = torch.promote_types(base_sq.dtype, torch.float32)
+    total = base_sq.to(dt) + (2.0 * s) * cross.to(dt) + (s * s) * ba_sq.to(dt)
+    return torch.sqrt(torch.clamp(total, min=0.0))
