@@ -23,3 +23,7 @@ class AdapterMismatch(JunoError, ValueError):
 
 class ModelStoreError(JunoError, RuntimeError):
     """Fetching or verifying a model from the package index failed."""
+
+
+class TokenizerError(JunoError, ValueError):
+    """A vocabulary, pre-tokenizer or chat template we cannot use."""
