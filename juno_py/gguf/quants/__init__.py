@@ -7,6 +7,7 @@ for float32 `[n_blocks, block_size]`. Modules in this package register their cod
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -53,11 +54,11 @@ def register_quantizer(ggml_type: GGMLType, quantize_blocks: BlockFn) -> None:
                                  quantize_blocks)
 
 
-def get_codec(ggml_type: int, what: str = "") -> Codec:
+def get_codec(ggml_type: int, what: str = "", action: str = "decode") -> Codec:
     codec = _REGISTRY.get(int(ggml_type))
     if codec is None:
         where = f" (tensor {what})" if what else ""
-        raise UnsupportedQuantType(f"cannot decode GGML type {type_name(ggml_type)}{where}: "
+        raise UnsupportedQuantType(f"cannot {action} GGML type {type_name(ggml_type)}{where}: "
                                    f"supported types are {', '.join(supported_types())}")
     return codec
 
@@ -76,7 +77,13 @@ def _as_uint8_tensor(raw) -> torch.Tensor:
     arr = np.asarray(raw)
     if arr.dtype != np.uint8:
         arr = arr.view(np.uint8)
-    return torch.from_numpy(np.ascontiguousarray(arr))
+    arr = np.ascontiguousarray(arr)
+    if arr.flags.writeable:
+        return torch.from_numpy(arr)
+    # read-only mappings (the usual source) are fine: codecs never write into their input
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(arr)
 
 
 def dequantize(ggml_type: int, raw, n_cols: int, what: str = "") -> torch.Tensor:
@@ -94,7 +101,7 @@ def dequantize(ggml_type: int, raw, n_cols: int, what: str = "") -> torch.Tensor
 
 def quantize(ggml_type: int, x, what: str = "") -> np.ndarray:
     """Encode a 2-D float tensor `[rows, n_cols]` into uint8 `[rows, bytes_per_row]` (numpy)."""
-    codec = get_codec(ggml_type, what)
+    codec = get_codec(ggml_type, what, action="encode")
     if codec.quantize_blocks is None:
         raise UnsupportedQuantType(f"cannot encode GGML type {codec.name}{' (tensor ' + what + ')' if what else ''}: "
                                    f"encodable types are {', '.join(quantizable_types())}")
@@ -114,3 +121,6 @@ def quantize(ggml_type: int, x, what: str = "") -> np.ndarray:
 
 # codec modules register themselves on import
 from juno_py.gguf.quants import simple as _simple  # noqa: E402,F401
+from juno_py.gguf.quants import kquants as _kquants  # noqa: E402,F401
+from juno_py.gguf.quants import iquants as _iquants  # noqa: E402,F401
+from juno_py.gguf.quants import kquant_quantize as _kquant_quantize  # noqa: E402,F401

@@ -1,0 +1,138 @@
+"""Throughput of the quant codecs against the `gguf` package, both measured in the same run.
+
+    python benchmarks/codecs.py [--types q4_0,q4_k,...] [--rows 1024] [--cols 4096] [--repeat 7] [--threads N]
+                                [--clock wall|thread]
+
+Prints a markdown table: decode and encode speed per type in MB/s of quantized data and M elements/s, for
+juno-py and for gguf, and their ratio. Each figure is the best of `--repeat` alternating runs, which keeps a
+noisy, shared machine from favouring either side. gguf runs on one core; torch uses its default thread count
+unless `--threads` says otherwise (on a machine busy with other work, torch's threads wait on each other at
+every step, so compare on an idle machine, or with `--threads 1`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import platform
+import time
+import warnings
+
+import gguf
+import numpy as np
+import torch
+
+from juno_py.gguf import quants
+from juno_py.gguf.constants import GGML_BLOCK_SIZES, GGMLType, parse_type_name
+from juno_py.gguf.quants.simple import F16_SCALE_OFFSETS
+
+DEFAULT_TYPES = "f16,bf16,q4_0,q4_1,q5_0,q5_1,q8_0,q2_k,q3_k,q4_k,q5_k,q6_k,iq4_nl,iq4_xs"
+
+
+def sample_rows(ggml_type: GGMLType, rows: int, cols: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Float rows and their encoding: gguf's encoder where it has one, else random codes under small scales."""
+    x = (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
+    gtype = gguf.GGMLQuantizationType(int(ggml_type))
+    if has_gguf_encoder(gtype):
+        raw = np.ascontiguousarray(gguf.quants.quantize(x, gtype)).view(np.uint8).reshape(rows, -1)
+    else:
+        block_size, type_size = GGML_BLOCK_SIZES[ggml_type]
+        raw = rng.integers(0, 256, (rows, cols // block_size * type_size), dtype=np.uint8)
+        blocks = raw.reshape(-1, type_size)
+        for offset in F16_SCALE_OFFSETS[ggml_type]:
+            scales = rng.uniform(1e-4, 1e-3, blocks.shape[0]).astype(np.float16)
+            blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return x, raw
+
+
+def has_gguf_encoder(gtype: gguf.GGMLQuantizationType) -> bool:
+    """Encoders are compared only where gguf has one (it has none for k-quants and i-quants)."""
+    try:
+        gguf.quants.quantize(np.zeros((1, 256), dtype=np.float32), gtype)
+        return True
+    except NotImplementedError:
+        return False
+
+
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+clock = time.perf_counter
+
+
+def best_times(runs: dict[str, callable], repeat: int) -> dict[str, float]:
+    best = {name: float("inf") for name in runs}
+    for _ in range(repeat):
+        for name, run in runs.items():
+            start = clock()
+            run()
+            best[name] = min(best[name], clock() - start)
+    return best
+
+
+def measure(ggml_type: GGMLType, rows: int, cols: int, repeat: int, rng: np.random.Generator) -> dict:
+    x, raw = sample_rows(ggml_type, rows, cols, rng)
+    gtype = gguf.GGMLQuantizationType(int(ggml_type))
+    x_torch = torch.from_numpy(x)
+    result = {"type": ggml_type.name, "bytes": raw.nbytes, "elements": x.size}
+    decode = best_times({"juno": lambda: quants.dequantize(int(ggml_type), raw, cols),
+                         "gguf": lambda: gguf.quants.dequantize(raw, gtype)}, repeat)
+    result["decode"] = decode
+    if ggml_type.name in quants.quantizable_types() and has_gguf_encoder(gtype):
+        result["encode"] = best_times({"juno": lambda: quants.quantize(int(ggml_type), x_torch),
+                                       "gguf": lambda: gguf.quants.quantize(x, gtype)}, repeat)
+    return result
+
+
+def _cells(times: dict[str, float] | None, n_bytes: int, n_elements: int) -> list[str]:
+    if times is None:
+        return ["", "", "", ""]
+    juno, ref = times["juno"], times.get("gguf")
+    cells = [f"{n_bytes / juno / 1e6:,.0f}", f"{n_elements / juno / 1e6:,.0f}"]
+    if ref is None:
+        return cells + ["", ""]
+    return cells + [f"{n_elements / ref / 1e6:,.0f}", f"**{ref / juno:.2f}×**"]
+
+
+def markdown_table(results: list[dict]) -> str:
+    header = ("| type | decode MB/s | decode M el/s | gguf M el/s | ratio | encode MB/s | encode M el/s | "
+              "gguf M el/s | ratio |")
+    lines = [header, "|" + "---|" * 9]
+    for r in results:
+        cells = _cells(r["decode"], r["bytes"], r["elements"]) + _cells(r.get("encode"), r["bytes"], r["elements"])
+        lines.append(f"| {r['type']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--types", default=DEFAULT_TYPES, help="comma-separated GGML type names")
+    parser.add_argument("--rows", type=int, default=1024)
+    parser.add_argument("--cols", type=int, default=4096, help="row length, a multiple of 256")
+    parser.add_argument("--repeat", type=int, default=7, help="runs per measurement; the best one counts")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="'thread' counts CPU time of this thread only: steady on a busy machine, and exact for "
+                             "both sides with --threads 1")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.clock == "thread" and torch.get_num_threads() != 1:
+        parser.error("--clock thread measures one thread: use it with --threads 1")
+    global clock
+    clock = CLOCKS[args.clock]
+
+    warnings.simplefilter("ignore", RuntimeWarning)
+    rng = np.random.default_rng(args.seed)
+    types = [parse_type_name(name) for name in args.types.split(",") if name.strip()]
+    # the first large allocations of a process fault in fresh pages: warm the allocators up before measuring
+    measure(types[0], args.rows, args.cols, 2, rng)
+    results = [measure(t, args.rows, args.cols, args.repeat, rng) for t in types]
+    print(f"{args.rows} × {args.cols} elements per type, best of {args.repeat} ({args.clock} clock); "
+          f"torch {torch.__version__} with "
+          f"{torch.get_num_threads()} threads, gguf {importlib.metadata.version('gguf')}, "
+          f"numpy {np.__version__}, {platform.processor() or platform.machine()}\n")
+    print(markdown_table(results))
+
+
+if __name__ == "__main__":
+    main()

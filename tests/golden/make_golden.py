@@ -1,0 +1,357 @@
+"""Make the golden data under tests/golden/data from independent implementations (llama.cpp through
+llama-cpp-python). Run by hand, never in CI; see tests/golden/README.md.
+
+    python tests/golden/make_golden.py                  # every set
+    python tests/golden/make_golden.py --only kquants   # one set
+    python tests/golden/make_golden.py --report kquants # print the measurements quoted in docs/
+
+Each golden set is one function `make_<set>(out_dir)`, listed in GOLDEN_SETS; a report is `report_<set>()`,
+listed in REPORTS. Module-level code imports numpy only, so tests may import the input generators from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+MODELS = {"smollm2": "/tmp/models/smollm2-135m.gguf", "gemma3": "/tmp/models/gemma3-270m.gguf"}
+
+QK_K = 256
+KQUANT_TYPES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+KQUANT_TYPE_SIZES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+
+
+# ------------------------------------------------------------------------------------------------- llama.cpp
+
+def load_ggml():
+    """libggml-base from the installed llama-cpp-python (or the file named by $GGML_BASE_LIB, for a llama.cpp
+    built elsewhere), with `ggml_quantize_chunk` typed."""
+    if os.environ.get("GGML_BASE_LIB"):
+        names = [Path(os.environ["GGML_BASE_LIB"])]
+    else:
+        import llama_cpp  # noqa: F401  (only to locate its shared libraries)
+
+        lib_dir = Path(llama_cpp.__file__).resolve().parent / "lib"
+        names = sorted(lib_dir.glob("libggml-base.so*")) + sorted(lib_dir.glob("libggml.so*"))
+        if not names:
+            raise SystemExit(f"no libggml-base.so under {lib_dir}")
+    lib = ctypes.CDLL(str(names[0]))
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.ggml_quantize_init.argtypes = [ctypes.c_int]
+    lib.ggml_row_size.restype = ctypes.c_size_t
+    lib.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
+    return lib
+
+
+def ggml_quantize(lib, ggml_type: int, x: np.ndarray) -> np.ndarray:
+    """llama.cpp's reference quantizer (no importance matrix) on rows x [rows, n_per_row] → uint8 rows."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    rows, n_per_row = x.shape
+    lib.ggml_quantize_init(ggml_type)
+    out = np.zeros((rows, lib.ggml_row_size(ggml_type, n_per_row)), np.uint8)
+    written = lib.ggml_quantize_chunk(ggml_type, x.ctypes.data, out.ctypes.data, 0, rows, n_per_row, None)
+    assert written == out.nbytes, (written, out.nbytes)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ k-quant inputs
+
+def kquant_edge_blocks() -> tuple[np.ndarray, list[str]]:
+    """Hand-made 256-value blocks that walk the corners of the k-quant searches: [n, 256] float32, names."""
+    rng = np.random.default_rng(20250301)
+    g = lambda scale=1.0: (rng.standard_normal(QK_K) * scale).astype(np.float32)  # noqa: E731
+    blocks: list[tuple[str, np.ndarray]] = []
+
+    def add(name, values):
+        blocks.append((name, np.asarray(values, dtype=np.float32).reshape(QK_K)))
+
+    add("zeros", np.zeros(QK_K))
+    add("negative_zeros", np.full(QK_K, -0.0))
+    for c in (1.0, -2.5, 1e-20, -3e4, 7.0e-8):
+        add(f"constant_{c:g}", np.full(QK_K, c))
+    for big in (1e3, -1e3, 1e6, 6e4):
+        for pos in (0, 17, 255):
+            x = g(0.01)
+            x[pos] = big
+            add(f"outlier_{big:g}_at_{pos}", x)
+    add("outlier_in_zeros", np.eye(1, QK_K, 100)[0] * 3.0)
+    add("subnormal_random", g(1e-40))
+    add("subnormal_min", np.where(np.arange(QK_K) % 3 == 0, np.float32(1.4e-45), 0.0))
+    x = g(1.0)
+    x[::2] = g(1e-39)[::2]
+    add("subnormal_mixed_with_normal", x)
+    add("subnormal_one_in_zeros", np.eye(1, QK_K, 5)[0] * np.float32(3e-41))
+    for k in (16, 32):
+        x = g(1.0).reshape(-1, k) * (10.0 ** np.linspace(-6, 3, QK_K // k))[:, None]
+        add(f"magnitudes_across_sub_blocks_{k}", x)
+        x = g(1.0).reshape(-1, k) * (10.0 ** np.linspace(3, -6, QK_K // k))[:, None]
+        add(f"magnitudes_across_sub_blocks_{k}_descending", x)
+    add("positive_only", np.abs(g()))
+    add("negative_only", -np.abs(g()))
+    add("positive_offset", 10.0 + np.abs(g(0.1)))
+    add("negative_offset", -10.0 - np.abs(g(0.1)))
+    for s in (1e-10, 1e-15, 3e-16, 1e-16, 1e-30):
+        add(f"tiny_{s:g}", g(s))
+    for k in (16, 32):
+        # one sub-block far smaller than the others: its 6-bit (or 4-bit) scale and min round to 0
+        x = g(1.0).reshape(-1, k)
+        x[3] *= 1e-4
+        x[-1] = 0.0
+        add(f"sub_block_scale_rounds_to_zero_{k}", x)
+        x = g(1.0).reshape(-1, k)
+        x[::2] *= 1e-3
+        add(f"alternate_sub_blocks_small_{k}", x)
+        x = np.abs(g(1.0)).reshape(-1, k) + 5.0
+        x[1] = -np.abs(x[1]) - 20.0
+        add(f"min_dominates_{k}", x)
+        x = np.tile(np.arange(k, dtype=np.float32), QK_K // k)
+        add(f"ramp_{k}", x)
+        add(f"ramp_{k}_negative", -x - 1)
+        x = np.repeat(g(1.0)[:QK_K // k], k)
+        add(f"flat_sub_blocks_{k}", x)
+    add("uniform_full_range", np.linspace(-1, 1, QK_K))
+    add("uniform_positive", np.linspace(0, 1, QK_K))
+    add("integers", np.round(g(4.0)))
+    add("half_integers", np.round(g(4.0)) + 0.5)
+    add("levels_q4", (np.arange(QK_K) % 16) * 0.25 - 1.0)
+    add("levels_q6", (np.arange(QK_K) % 64 - 32) * 0.125)
+    x = np.zeros(QK_K)
+    x[::16] = 1.0
+    x[8::16] = -1.0
+    add("same_magnitude_both_signs", x)
+    x = np.zeros(QK_K)
+    x[::16] = -1.0
+    x[8::16] = 1.0
+    add("same_magnitude_both_signs_negative_first", x)
+    add("alternating_signs", np.where(np.arange(QK_K) % 2, 1.0, -1.0) * np.abs(g()))
+    x = np.zeros(QK_K)
+    x[rng.choice(QK_K, 5, replace=False)] = g()[:5]
+    add("sparse", x)
+    add("large_1e18", g(1e18))          # x*x*x overflows: the sums go inf/NaN and the C comparisons skip them
+    add("huge_1e30", g(1e30))
+    add("huge_3e37", g(3e37))
+    x = g(1.0)
+    x[3], x[7] = 3e38, -3e38            # max - min overflows
+    add("extremes_pm_3e38", x)
+    add("max_range_alternating", np.where(np.arange(QK_K) % 2, 3.4e38, -3.4e38))
+    add("large_3e4", g(3e4))
+    add("fp16_overflow_scale", g(1e6))
+    add("fp16_underflow_scale", g(1e-6))
+    x = g(1.0)
+    x[1::2] = x[::2]
+    add("pairs", x)
+    add("two_values", np.where(rng.random(QK_K) < 0.5, 0.3, -0.7))
+    for i in range(4):
+        add(f"heavy_tailed_{i}", rng.standard_cauchy(QK_K) * 0.1)
+    names = [n for n, _ in blocks]
+    return np.stack([b for _, b in blocks]).astype(np.float32), names
+
+
+def _splitmix64(counter: np.ndarray) -> np.ndarray:
+    z = counter + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _uniform(seed: int, n: int) -> np.ndarray:
+    """Uniform [0, 1) float64 from a counter hash: the same bits on every platform and numpy version."""
+    with np.errstate(over="ignore"):
+        counter = np.arange(n, dtype=np.uint64) + np.uint64(seed) * np.uint64(1 << 40)
+        return (_splitmix64(counter) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+
+
+def kquant_random_blocks(kind: str, n_blocks: int) -> np.ndarray:
+    """Random blocks [n_blocks, 256] float32 built with + - * / only (no libm, no numpy Generator), so a test
+    regenerates exactly what the golden bytes were made from. Kinds: normal_1e-3, normal_1, normal_1e3
+    (Irwin-Hall sums of 4 uniforms, about Gaussian) and heavy (a Gaussian over a uniform: power-law tails)."""
+    n = n_blocks * QK_K
+    seed = {"normal_1e-3": 1, "normal_1": 2, "normal_1e3": 3, "heavy": 4}[kind]
+    u = _uniform(seed, 5 * n).reshape(5, n)
+    gauss = (u[0] + u[1] + u[2] + u[3] - 2.0) * 1.7320508075688772
+    if kind == "heavy":
+        values = gauss * 0.02 / (u[4] + 0.002)
+    else:
+        values = gauss * float(kind.split("_")[1])
+    return values.astype(np.float32).reshape(n_blocks, QK_K)
+
+
+KQUANT_RANDOM_KINDS = ("normal_1e-3", "normal_1", "normal_1e3", "heavy")
+KQUANT_RANDOM_BLOCKS = 256  # per kind
+
+
+def kquant_random_set() -> np.ndarray:
+    return np.concatenate([kquant_random_blocks(k, KQUANT_RANDOM_BLOCKS) for k in KQUANT_RANDOM_KINDS])
+
+
+def array_digest(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+# tensors whose dequantized rows feed the "real" k-quant set: (model, tensor, blocks taken)
+KQUANT_REAL_TENSORS = [
+    ("gemma3", "blk.2.attn_output.weight", 128),   # Q4_K
+    ("gemma3", "blk.5.ffn_down.weight", 128),      # Q6_K
+    ("gemma3", "blk.7.ffn_gate.weight", 128),      # Q5_0, rows of 640 flattened
+    ("gemma3", "blk.9.attn_v.weight", 128),        # Q8_0
+    ("gemma3", "token_embd.weight", 128),          # Q8_0
+    ("smollm2", "blk.3.ffn_down.weight", 128),     # Q4_1, rows of 1536
+    ("smollm2", "blk.11.attn_q.weight", 128),      # Q4_1, rows of 576 flattened
+    ("smollm2", "token_embd.weight", 128),         # Q8_0
+]
+
+
+def read_tensor(model: str, name: str):
+    import gguf
+
+    reader = gguf.GGUFReader(MODELS[model])
+    for t in reader.tensors:
+        if t.name == name:
+            return t
+    raise KeyError(f"{name} not in {MODELS[model]}")
+
+
+def dequantized_blocks(model: str, name: str, n_blocks: int) -> np.ndarray:
+    """`n_blocks` 256-value blocks of a tensor dequantized with the gguf package: whole rows spread evenly over
+    the tensor, flattened (rows of 576 or 640 values straddle blocks, as a merge of such a tensor would not,
+    but the values are the model's)."""
+    import gguf
+
+    t = read_tensor(model, name)
+    raw = np.asarray(t.data)
+    n_cols = int(t.shape[0])
+    n_rows = min(len(raw), -(-n_blocks * QK_K // n_cols))
+    rows = raw[np.linspace(0, len(raw) - 1, n_rows).astype(np.int64)]
+    values = gguf.quants.dequantize(rows, t.tensor_type).astype(np.float32).reshape(-1)
+    return np.ascontiguousarray(values[: n_blocks * QK_K].reshape(-1, QK_K))
+
+
+# ----------------------------------------------------------------------------------------------- the sets
+
+def make_kquants(out_dir: Path) -> None:
+    """kquants_inputs.npz (edge and real-model blocks, the digest of the random blocks) and one
+    kquants_<type>.npz per k-quant type with llama.cpp's bytes for each set."""
+    lib = load_ggml()
+    edge, edge_names = kquant_edge_blocks()
+    random = kquant_random_set()
+    real_parts = [dequantized_blocks(m, t, n) for m, t, n in KQUANT_REAL_TENSORS]
+    real = np.concatenate(real_parts)
+    real_sources = [f"{m}:{t}" for m, t, n in KQUANT_REAL_TENSORS for _ in range(n)]
+    np.savez_compressed(out_dir / "kquants_inputs.npz", edge=edge, edge_names=np.array(edge_names),
+                        real=real, real_sources=np.array(real_sources),
+                        random_kinds=np.array(KQUANT_RANDOM_KINDS), random_blocks=KQUANT_RANDOM_BLOCKS,
+                        random_sha256=array_digest(random))
+    for name, ggml_type in KQUANT_TYPES.items():
+        sets = {s: ggml_quantize(lib, ggml_type, x) for s, x in (("edge", edge), ("random", random), ("real", real))}
+        np.savez_compressed(out_dir / f"kquants_{name}.npz", **sets)
+        print(f"kquants_{name}.npz: " + ", ".join(f"{s} {v.shape}" for s, v in sets.items()))
+
+
+GOLDEN_SETS = {"kquants": make_kquants}
+
+
+def make_tokenization(out_dir: Path) -> None:
+    """tokenization_smollm2.json, tokenization_gemma3.json, tokenization_variants.json: llama.cpp's token
+    ids, detokenization and end-of-generation ids (the generator lives in golden_tokenization.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    import golden_tokenization
+
+    golden_tokenization.make(out_dir)
+
+
+GOLDEN_SETS["tokenization"] = make_tokenization
+
+
+# ------------------------------------------------------------------------------------------------ reports
+
+def _requantization_changes(lib, t, quantize_rows, rows_per_chunk: int = 8192) -> tuple[int, int]:
+    """Blocks of tensor `t` whose bytes change when its dequantized rows are quantized again: (changed, total)."""
+    import gguf
+
+    raw = np.asarray(t.data)
+    n_cols = int(t.shape[0])
+    block_size, type_size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+    changed = 0
+    for start in range(0, len(raw), rows_per_chunk):
+        rows = raw[start:start + rows_per_chunk]
+        values = gguf.quants.dequantize(rows, t.tensor_type).reshape(-1, n_cols).astype(np.float32)
+        again = quantize_rows(int(t.tensor_type), values)
+        changed += int((rows.reshape(-1, type_size) != again.reshape(-1, type_size)).any(1).sum())
+    return changed, raw.size // type_size
+
+
+def report_kquants() -> None:
+    """Measurements quoted in docs/quantization.md: blocks that change when a real file is re-encoded, the
+    agreement of juno-py with llama.cpp on large samples, and the round-trip RMSE on Gaussian data."""
+    import gguf
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from juno_py.gguf.quants import dequantize, quantize
+
+    lib = load_ggml()
+    encoders = {"llama.cpp": lambda ggml_type, x: ggml_quantize(lib, ggml_type, x),
+                "juno-py": lambda ggml_type, x: quantize(ggml_type, torch.from_numpy(x))}
+    print("## blocks that change when the dequantized data of a real file is quantized again (no imatrix)")
+    for model, path in MODELS.items():
+        by_type: dict[str, list] = {}
+        for t in gguf.GGUFReader(path).tensors:
+            if t.tensor_type.name in ("Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_1"):
+                by_type.setdefault(t.tensor_type.name, []).append(t)
+        for type_name, tensors in sorted(by_type.items()):
+            line = []
+            for who, encode in encoders.items():
+                counts = [_requantization_changes(lib, t, encode) for t in tensors]
+                changed, total = sum(c for c, _ in counts), sum(n for _, n in counts)
+                line.append(f"{who} {changed / total:.4%}")
+            print(f"{model} {type_name} ({len(tensors)} tensors, {total} blocks): " + ", ".join(line))
+
+    print("\n## agreement of juno-py with llama.cpp (fraction of byte-identical blocks)")
+    samples = {kind: kquant_random_blocks(kind, 16384) for kind in KQUANT_RANDOM_KINDS}
+    samples["real"] = np.concatenate([dequantized_blocks(m, t, 4096) for m, t, _ in KQUANT_REAL_TENSORS])
+    samples["edge"] = kquant_edge_blocks()[0]
+    for name, ggml_type in KQUANT_TYPES.items():
+        parts = []
+        for kind, x in samples.items():
+            same = (encoders["juno-py"](ggml_type, x) == ggml_quantize(lib, ggml_type, x)).all(1)
+            parts.append(f"{kind} {same.mean():.6f} of {len(x)}")
+        print(f"{name}: " + ", ".join(parts))
+
+    print("\n## RMSE of quantize -> dequantize, N(0, 1) data, 16384 blocks")
+    x = np.random.default_rng(0).standard_normal((16384, QK_K)).astype(np.float32)
+    for name, ggml_type in KQUANT_TYPES.items():
+        back = dequantize(ggml_type, quantize(ggml_type, torch.from_numpy(x)), QK_K).numpy()
+        print(f"{name}: rmse {np.sqrt(np.mean((back - x) ** 2.0)):.5f}, max abs error {np.abs(back - x).max():.4f}")
+
+
+REPORTS = {"kquants": report_kquants}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append", choices=sorted(GOLDEN_SETS),
+                        help="make only this set (repeatable)")
+    parser.add_argument("--report", choices=sorted(REPORTS), help="print a measurement report instead")
+    parser.add_argument("--out", type=Path, default=DATA_DIR)
+    args = parser.parse_args()
+    if args.report:
+        REPORTS[args.report]()
+        return
+    os.makedirs(args.out, exist_ok=True)
+    for name in args.only or sorted(GOLDEN_SETS):
+        print(f"== {name}")
+        GOLDEN_SETS[name](args.out)
+
+
+if __name__ == "__main__":
+    main()
