@@ -20,3 +20,23 @@ def smollm2_path():
 @pytest.fixture(scope="session")
 def gemma3_path():
     return _store_model("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """tiny_gguf(arch, ggml_type=F32, **knobs) -> path of a tiny random-weight model (cached per argument set)."""
+    from juno_py.gguf import GGMLType
+    from tests.fixtures.tiny_models import write_tiny_gguf
+
+    made = {}
+    folder = tmp_path_factory.mktemp("tiny_models")
+
+    def make(arch, ggml_type=None, **knobs):
+        ggml_type = GGMLType.F32 if ggml_type is None else ggml_type
+        key = (arch, int(ggml_type), repr(sorted(knobs.items())))
+        if key not in made:
+            path = folder / f"{arch}-{ggml_type.name.lower()}-{len(made)}.gguf"
+            made[key] = write_tiny_gguf(path, arch, ggml_type, **knobs)
+        return made[key]
+
+    return make

@@ -11,9 +11,9 @@ def compose_eager(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: fl
     The arithmetic runs in fp32 whatever the inputs: g lies within about 1e-3 of 1, where bf16 rounding
     would erase the adapter's effect. Autograd gives d_base = g·dy, d_lora = g·s·dy, d_g = Σ inner·dy.
     """
-    out_dtype = base.dtype
-    inner = base.float() + s * lora.float()
-    return (g.float() * inner).to(out_dtype)
+    acc = torch.float64 if torch.float64 in (base.dtype, lora.dtype, g.dtype) else torch.float32
+    inner = base.to(acc) + s * lora.to(acc)
+    return (g.to(acc) * inner).to(base.dtype if base.dtype != torch.float32 else acc)
 
 
 def norm_assemble_eager(base_sq: torch.Tensor, cross: torch.Tensor, ba_sq: torch.Tensor, s: float) -> torch.Tensor:

@@ -1,0 +1,252 @@
+"""Adapters on a loaded model: attach fresh ones for training, save them as adapter.bin, load them for playback.
+
+`attach(model, targets=..., config=...)` wraps each chosen frozen linear in an `AdaptedLinear` and returns an
+`AdapterSet`, the trainable side of the model. `load_adapters(model, ["a.bin:0.5", "b.bin"])` plays files back.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterable, Iterator, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from juno_py.errors import AdapterMismatch
+from juno_py.lora.adapters import AdaptedLinear, AdapterConfig, LoraAdapter, factored_row_norm
+from juno_py.lora.format import (TARGETS, AdapterEntry, Fingerprint, Init, Mode, Scaling, parse_key, read_adapter,
+                                 sort_key, write_adapter)
+
+TARGET_ALIASES = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "wgate", "up": "wup", "down": "wdown"}
+
+
+def parse_targets(spec: Union[str, Sequence[str]]) -> tuple[str, ...]:
+    """'qv' | 'all' | 'attn' | 'mlp' | a comma list of targets ('wq,wv' or 'q,v,gate')."""
+    if not isinstance(spec, str):
+        names = list(spec)
+    elif spec == "qv":
+        names = ["wq", "wv"]
+    elif spec == "all":
+        names = list(TARGETS)
+    elif spec == "attn":
+        names = ["wq", "wk", "wv", "wo"]
+    elif spec == "mlp":
+        names = ["wgate", "wup", "wdown"]
+    else:
+        names = [n.strip() for n in spec.split(",") if n.strip()]
+    out = []
+    for n in names:
+        t = TARGET_ALIASES.get(n, n)
+        if t not in TARGETS:
+            raise ValueError(f"unknown target {n!r}: expected qv, all, attn, mlp or a comma list of "
+                             f"{', '.join(TARGETS)}")
+        if t not in out:
+            out.append(t)
+    return tuple(sorted(out, key=TARGETS.index))
+
+
+class AdapterSet:
+    """The adapters attached to one model, keyed '<layer>:<target>' in adapter.bin order."""
+
+    def __init__(self, model, modules: dict[str, AdaptedLinear]):
+        self.model = model
+        self.modules = dict(sorted(modules.items(), key=lambda kv: sort_key(kv[0])))
+
+    @property
+    def adapters(self) -> dict[str, LoraAdapter]:
+        return {k: m.adapters[0] for k, m in self.modules.items()}
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for ad in self.adapters.values():
+            yield from ad.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for key, ad in self.adapters.items():
+            for name, p in ad.named_parameters():
+                yield f"{key}.{name}", p
+
+    def param_groups(self) -> dict[str, list[nn.Parameter]]:
+        """A, B and magnitude parameters apart: weight decay applies to A only; LoRA+ scales B's rate."""
+        groups: dict[str, list[nn.Parameter]] = {"A": [], "B": [], "magnitude": []}
+        for ad in self.adapters.values():
+            groups["A"].append(ad.lora_A)
+            groups["B"].append(ad.lora_B)
+            if ad.magnitude is not None:
+                groups["magnitude"].append(ad.magnitude)
+        return groups
+
+    def n_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def entries(self) -> list[AdapterEntry]:
+        fps = _Fingerprints(self.model)
+        return [self.adapters[key].to_entry(key, fps.of(ref_tensor(self.model, key))) for key in self.modules]
+
+    def save(self, path) -> Path:
+        return write_adapter(path, self.entries())
+
+    def load_entries(self, entries: Iterable[AdapterEntry]) -> None:
+        """Copy saved values into the attached adapters (resume): every key must exist with the same shapes."""
+        got = {e.key: e for e in entries}
+        if set(got) != set(self.modules):
+            missing, extra = set(self.modules) - set(got), set(got) - set(self.modules)
+            raise AdapterMismatch(f"adapter entries differ from the attached set: missing {sorted(missing)[:5]}, "
+                                  f"unexpected {sorted(extra)[:5]}")
+        with torch.no_grad():
+            for key, ad in self.adapters.items():
+                e = got[key]
+                if e.A.shape != tuple(ad.lora_A.shape) or e.B.shape != tuple(ad.lora_B.shape):
+                    raise AdapterMismatch(f"entry {key!r}: shapes A {e.A.shape}, B {e.B.shape} differ from the "
+                                          f"attached A {tuple(ad.lora_A.shape)}, B {tuple(ad.lora_B.shape)}")
+                ad.lora_A.copy_(torch.from_numpy(e.A))
+                ad.lora_B.copy_(torch.from_numpy(e.B))
+                if ad.magnitude is not None:
+                    ad.magnitude.copy_(torch.from_numpy(e.magnitude))
+
+    def train(self, mode: bool = True) -> "AdapterSet":
+        for ad in self.adapters.values():
+            ad.train(mode)
+        return self
+
+    def eval(self) -> "AdapterSet":
+        return self.train(False)
+
+
+def ref_tensor(model, key: str) -> str:
+    layer, target = parse_key(key)
+    return model.layout.blocks[layer].targets[target].tensor
+
+
+class _Fingerprints:
+    """SHA-256 of base tensors, each hashed once."""
+
+    def __init__(self, model):
+        self.gguf = model.gguf
+        self._cache: dict[str, Fingerprint] = {}
+
+    def of(self, tensor: str) -> Fingerprint:
+        if tensor not in self._cache:
+            self._cache[tensor] = Fingerprint.of_tensor(self.gguf.tensor(tensor))
+        return self._cache[tensor]
+
+
+def _base_of(module: nn.Module) -> nn.Module:
+    return module.base if isinstance(module, AdaptedLinear) else module
+
+
+def attach(model, targets: Union[str, Sequence[str]] = "qv", config: Optional[AdapterConfig] = None,
+           seed: int = 0, layers: Optional[Iterable[int]] = None, **overrides) -> AdapterSet:
+    """Wrap the chosen targets of every (or the given) layer in fresh adapters; returns the trainable set.
+
+    `config` (or keyword overrides such as rank=, alpha=, mode=Mode.DORA) sets rank, alpha, scaling, init,
+    dropout and mode. A is initialised from `seed`; B is zero, so the model's outputs are unchanged.
+    """
+    config = config or AdapterConfig()
+    if overrides:
+        config = AdapterConfig(**{**config.__dict__, **overrides})
+    names = parse_targets(targets)
+    layer_set = set(layers) if layers is not None else None
+    gen = torch.Generator().manual_seed(seed)
+    modules: dict[str, AdaptedLinear] = {}
+    for ref in model.targets(names):
+        if layer_set is not None and ref.layer not in layer_set:
+            continue
+        base = _base_of(ref.module)
+        mag = base.row_norms_sq().sqrt() if config.mode == Mode.DORA else None
+        ad = LoraAdapter(base.in_features, base.out_features, config, generator=gen, magnitude=mag)
+        key = f"{ref.layer}:{ref.target}"
+        wrapped = AdaptedLinear(base, [ad], name=key)
+        model.blocks[ref.layer].linears[ref.target] = wrapped
+        modules[key] = wrapped
+    for p in model.parameters():
+        p.requires_grad_(False)
+    aset = AdapterSet(model, modules)
+    for p in aset.parameters():
+        p.requires_grad_(True)
+    return aset
+
+
+def detach(model) -> None:
+    """Remove every adapter, restoring the frozen base linears."""
+    for blk in model.blocks:
+        for name, mod in list(blk.linears.items()):
+            if isinstance(mod, AdaptedLinear):
+                blk.linears[name] = mod.base
+
+
+def parse_adapter_spec(spec: str) -> tuple[str, float]:
+    """'a.bin' → (a.bin, 1.0); 'a.bin:0.5' → (a.bin, 0.5)."""
+    path, sep, tail = spec.rpartition(":")
+    if sep and path:
+        try:
+            return path, float(tail)
+        except ValueError:
+            pass
+    return spec, 1.0
+
+
+def check_entry_fits(model, e: AdapterEntry, path, fps: _Fingerprints, force: bool = False) -> AdaptedLinear | nn.Module:
+    """Check one adapter entry against the model's layout; returns the frozen base linear it applies to."""
+    where = f"{path}: entry {e.key!r}"
+    try:
+        layer, target = parse_key(e.key)
+    except ValueError as err:
+        raise AdapterMismatch(f"{where}: {err}") from None
+    n_layer = len(model.blocks)
+    if layer >= n_layer:
+        raise AdapterMismatch(f"{where}: layer {layer} does not exist, the model has {n_layer} layers")
+    base = _base_of(model.blocks[layer].linears[target])
+    if (e.in_dim, e.out_dim) != (base.in_features, base.out_features):
+        raise AdapterMismatch(f"{where}: shape in {e.in_dim} x out {e.out_dim} does not fit the model's "
+                              f"{target} (in {base.in_features} x out {base.out_features})")
+    if e.fingerprint is not None:
+        tensor = model.layout.blocks[layer].targets[target].tensor
+        mine = fps.of(tensor)
+        if mine != e.fingerprint:
+            what = (f"{where}: fingerprint differs from the base tensor {tensor!r} (type {e.fingerprint.ggml_type} "
+                    f"dims {e.fingerprint.dims} vs type {mine.ggml_type} dims {mine.dims}): trained on another "
+                    f"base or quantization")
+            if e.mode == Mode.DORA and not force:
+                raise AdapterMismatch(what + "; a DoRA adapter's magnitude is tied to its base, refused (use --force "
+                                             "to load it anyway)")
+            warnings.warn(what, stacklevel=3)
+    return base
+
+
+def load_adapters(model, specs: Sequence[Union[str, tuple[str, float]]], force: bool = False) -> dict[str, AdaptedLinear]:
+    """Play adapter files back on `model`: LoRAs summed with their scales; a DoRA adapter alone at scale 1."""
+    parsed = [parse_adapter_spec(s) if isinstance(s, str) else (str(s[0]), float(s[1])) for s in specs]
+    files = []
+    for path, scale in parsed:
+        _, entries = read_adapter(path)
+        files.append((path, scale, entries))
+    has_dora = [any(e.mode == Mode.DORA for e in entries) for _, _, entries in files]
+    if any(has_dora) and (len(files) > 1 or files[0][1] != 1.0):
+        bad = files[has_dora.index(True)][0]
+        raise AdapterMismatch(f"{bad}: a DoRA adapter plays alone and at scale 1 (got {len(files)} adapter(s), "
+                              f"scales {[s for _, s, _ in files]}); merge it instead to combine")
+    fps = _Fingerprints(model)
+    grouped: dict[str, list[tuple[LoraAdapter, float]]] = defaultdict(list)
+    bases: dict[str, nn.Module] = {}
+    for path, scale, entries in files:
+        for e in entries:
+            bases[e.key] = check_entry_fits(model, e, path, fps, force)
+            grouped[e.key].append((LoraAdapter.from_entry(e), scale))
+    detach(model)
+    out = {}
+    for key, items in sorted(grouped.items(), key=lambda kv: sort_key(kv[0])):
+        layer, target = parse_key(key)
+        mod = AdaptedLinear(bases[key], [a for a, _ in items], [w for _, w in items], name=key)
+        for p in mod.adapters.parameters():
+            p.requires_grad_(False)
+        mod.eval()
+        model.blocks[layer].linears[target] = mod
+        out[key] = mod
+    return out
+
+
+__all__ = ["attach", "detach", "load_adapters", "parse_targets", "parse_adapter_spec", "AdapterSet", "AdapterConfig",
+           "AdaptedLinear", "LoraAdapter", "factored_row_norm", "Mode", "Scaling", "Init", "read_adapter",
+           "write_adapter", "AdapterEntry", "Fingerprint"]

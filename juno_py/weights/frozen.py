@@ -275,15 +275,16 @@ class FrozenQuantLinear(nn.Module):
         """`g·W` for g `[..., n_out]` → `[..., n_in]` (what backward runs; no autograd)."""
         return self._stream_transpose(g)
 
-    def row_norms_sq(self) -> torch.Tensor:
-        """Squared L2 norms of the exact dequantized rows, fp32 `[n_out]` (accumulated in fp64, computed once)."""
+    def row_norms_sq(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Squared L2 norms of the exact dequantized rows `[n_out]` (fp64 arithmetic, computed once, kept in fp64;
+        returned as `dtype`)."""
         if self._row_norms_sq is None:
             out = torch.empty(self._n_out, dtype=torch.float64, device=self.raw.device)
             for a, b, w in self._blocks(torch.float32, exact=True):
-                out[a:b] = w.square().sum(dim=1, dtype=torch.float64)
+                out[a:b] = w.to(torch.float64).square().sum(dim=1)
                 del w
-            self._row_norms_sq = out.to(torch.float32)
-        return self._row_norms_sq
+            self._row_norms_sq = out
+        return self._row_norms_sq.to(dtype)
 
     # ---- housekeeping ---------------------------------------------------------------------------------------
     def extra_repr(self) -> str:

@@ -207,6 +207,11 @@ def edge_blocks() -> dict[str, np.ndarray]:
         "subnormal": rng.uniform(-1, 1, 32) * 1e-40,
         "smallest subnormals": rng.integers(-3, 4, 32) * float(f32.smallest_subnormal),
         "subnormal with zeros": np.where(np.arange(32) % 3 == 0, 0.0, 7e-45),
+        "zeros of both signs": np.where(np.arange(32) % 3 == 0, -0.0, 0.0),
+        "positive with zeros of both signs": np.where(np.arange(32) % 5 == 0, -0.0,
+                                                      np.where(np.arange(32) % 7 == 0, 0.0, 0.5)),
+        "negative with zeros of both signs": np.where(np.arange(32) % 5 == 0, 0.0,
+                                                      np.where(np.arange(32) % 7 == 0, -0.0, -0.5)),
         "negative only": -rng.uniform(0.5, 2.0, 32),
         "positive only": rng.uniform(0.5, 2.0, 32),
         "float32 max": np.where(np.arange(32) % 2 == 0, float(f32.max), -float(f32.max)),
@@ -230,6 +235,17 @@ def test_quantize_edge_blocks_match_gguf(ggml_type):
         except AssertionError as e:
             raise AssertionError(f"edge block {name!r}: {e}") from None
     assert_quantize_matches_gguf(ggml_type, np.stack(list(blocks.values())).reshape(1, -1))
+
+
+@pytest.mark.parametrize("ggml_type", ENCODABLE_TYPES, ids=lambda t: t.name)
+def test_quantize_blocks_of_signed_zeros_and_ties_match_gguf(ggml_type):
+    """Which of several equal extremes (+0 or −0, x or −x) sets a scale's sign bit is decided by how numpy
+    reduces: thousands of blocks drawn from a few such values."""
+    rng = np.random.default_rng(21)
+    values = np.array([0.0, -0.0, 0.5, -0.5, 1.0, 1.4e-45, -1.4e-45], dtype=np.float32)
+    weights = [[0.3, 0.3, 0.1, 0.1, 0.1, 0.05, 0.05], [0.45, 0.45, 0.1, 0, 0, 0, 0], [0.4, 0.4, 0, 0.2, 0, 0, 0]]
+    blocks = np.concatenate([rng.choice(values, size=(1000, 32), p=w) for w in weights])
+    assert_quantize_matches_gguf(ggml_type, blocks.reshape(-1, 128))
 
 
 @pytest.mark.parametrize("ggml_type", ENCODABLE_TYPES, ids=lambda t: t.name)

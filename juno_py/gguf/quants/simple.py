@@ -251,8 +251,9 @@ class BlockLayout:
         # scales for all blocks at once: they are small, and per chunk their many little steps would cost more
         # in call overhead than in arithmetic
         scale, bias = self.scales(raw, *(f16_field(raw, offset) for offset in self.f16_scales))
-        scale = scale.view(n, self.sub_blocks, 1)
-        bias = None if bias is None else bias.view(n, self.sub_blocks, 1)
+        # contiguous, so that the per-element passes can treat (block, sub-block) as one dimension
+        scale = scale.contiguous().view(n, self.sub_blocks, 1)
+        bias = None if bias is None else bias.contiguous().view(n, self.sub_blocks, 1)
         out = new_result((n, self.block_size), torch.float32)
         sub_shape = (self.sub_blocks, self.block_size // self.sub_blocks)
 
@@ -368,6 +369,23 @@ def signed_absmax(x: torch.Tensor) -> torch.Tensor:
     return picked
 
 
+def row_min_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, numpy's `x.min(axis=1)` and `x.max(axis=1)`, `[n, 1]` each.
+
+    Where the extreme is zero and both signs of zero are present, which one numpy returns depends on the order
+    of its SIMD reduction tree: those rows (few: zero extremes are rare outside all-zero blocks) ask numpy.
+    """
+    lo = x.amin(dim=1, keepdim=True)
+    hi = x.amax(dim=1, keepdim=True)
+    zero = ((lo == 0) | (hi == 0)).view(-1)
+    if bool(zero.any()):
+        rows = zero.nonzero().view(-1)
+        tied = x.index_select(0, rows).numpy()
+        lo.index_copy_(0, rows, torch.from_numpy(tied.min(axis=1, keepdims=True)))
+        hi.index_copy_(0, rows, torch.from_numpy(tied.max(axis=1, keepdims=True)))
+    return lo, hi
+
+
 def _legacy_encoder(layout: BlockLayout):
     bits = layout.low.bits + (layout.high.bits if layout.high else 0)
     max_code = (1 << bits) - 1
@@ -379,8 +397,8 @@ def _legacy_encoder(layout: BlockLayout):
             d = signed_absmax(x) / -layout.code_offset
             y = (x * safe_reciprocal(d)).add_(layout.code_offset + 0.5)
         else:
-            lo = x.amin(dim=1, keepdim=True)
-            d = (x.amax(dim=1, keepdim=True) - lo) / max_code
+            lo, hi = row_min_max(x)
+            d = (hi - lo) / max_code
             y = (x - lo).mul_(safe_reciprocal(d)).add_(0.5)
             out[:, 2:4] = float32_to_f16_bits(lo)
         codes = float_codes_to_uint8(y, max_code)

@@ -1,0 +1,184 @@
+"""Architectures we run: the allowlist as a table of per-architecture facts, and the hyperparameters read from
+GGUF metadata with llama.cpp's defaults where the file is silent.
+
+Facts that are not in the metadata (rotary style, Gemma 3's sliding-window pattern and local RoPE base, its
+attention scale) live in `ARCHITECTURES` and in `ModelArgs.from_gguf`, each as llama.cpp defines them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from juno_py.errors import GGUFFormatError, UnsupportedArchitecture
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What differs between the block structures we implement."""
+
+    rope_style: str  # "norm": rotate adjacent pairs (x[2i], x[2i+1]); "neox": rotate halves (x[i], x[i+d/2])
+    activation: str = "silu"  # gate activation of the gated MLP: "silu" or "gelu_tanh"
+    qk_norm: bool = False  # per-head RMSNorm of Q and K before RoPE (attn_q_norm, attn_k_norm)
+    sandwich_norms: bool = False  # RMSNorm after attention and after the MLP (post_attention_norm, post_ffw_norm)
+    embed_scale: bool = False  # embeddings multiplied by sqrt(n_embd)
+    swa_pattern: int = 0  # layer il uses sliding-window attention when il % pattern < pattern - 1 (0: never)
+    swa_rope_base: float = 10000.0  # RoPE base of sliding layers when rope.freq_base_swa is absent
+    required_biases: tuple[str, ...] = ()  # biases llama.cpp requires (others are used when present)
+
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    # Mistral-style models arrive as llama. llama.cpp's converter permutes Q and K rows so that rotating
+    # adjacent pairs on the file's rows equals Hugging Face's rotate-half on its own rows.
+    "llama": ArchSpec(rope_style="norm"),
+    "qwen2": ArchSpec(rope_style="neox", required_biases=("wq", "wk", "wv")),
+    "qwen3": ArchSpec(rope_style="neox", qk_norm=True),
+    "phi3": ArchSpec(rope_style="neox"),  # llama.cpp disables Phi-3's sliding window; so do we
+    "gemma3": ArchSpec(rope_style="neox", activation="gelu_tanh", qk_norm=True, sandwich_norms=True,
+                       embed_scale=True, swa_pattern=6),
+}
+
+
+def arch_spec(architecture: str, path: Any = "") -> ArchSpec:
+    spec = ARCHITECTURES.get(architecture)
+    if spec is None:
+        where = f"{path}: " if path else ""
+        raise UnsupportedArchitecture(f"{where}architecture {architecture!r} is not supported: expected one of "
+                                      f"{', '.join(ARCHITECTURES)}")
+    return spec
+
+
+class _Meta:
+    """Typed access to `<arch>.*` metadata keys; every complaint names the file and the key."""
+
+    def __init__(self, gguf):
+        self.path = gguf.path
+        self.arch = gguf.architecture
+        self.values = gguf.metadata
+
+    def get(self, key: str, default: Any = _MISSING, kind: type = int) -> Any:
+        full = f"{self.arch}.{key}"
+        if full not in self.values:
+            if default is _MISSING:
+                raise GGUFFormatError(f"{self.path}: metadata {full!r} is missing, expected {kind.__name__}")
+            return default
+        value = self.values[full]
+        if isinstance(value, list):  # per-layer arrays (head counts, ff sizes): we need them uniform
+            if not value or any(v != value[0] for v in value):
+                raise GGUFFormatError(f"{self.path}: metadata {full!r} varies per layer ({value[:4]}...): "
+                                      f"expected one value for every layer")
+            value = value[0]
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else \
+            isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        if not ok:
+            raise GGUFFormatError(f"{self.path}: metadata {full!r} is {value!r}, expected {kind.__name__}")
+        return kind(value)
+
+    def positive(self, key: str, default: Any = _MISSING) -> int:
+        value = self.get(key, default)
+        if value <= 0:
+            raise GGUFFormatError(f"{self.path}: metadata {self.arch}.{key!r} is {value}, expected a positive integer")
+        return value
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    architecture: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int  # attention.key_length
+    head_dim_v: int  # attention.value_length
+    n_ff: int
+    norm_eps: float
+    rope_dim: int  # rotated dimensions per head (partial rotary when < head_dim)
+    rope_base: float
+    rope_base_swa: float
+    rope_freq_scale: float  # 1 / rope.scaling.factor (linear scaling)
+    rope_attn_factor: float  # multiplies cos and sin (LongRoPE's attention factor)
+    n_ctx_train: int
+    n_ctx_orig: int  # rope.scaling.original_context_length: above it LongRoPE uses its long factors
+    sliding_window: int  # 0 when no layer slides
+    swa_pattern: int
+    attn_scale: float
+    final_logit_softcap: float  # 0: none
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_head_kv * self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        return self.n_head_kv * self.head_dim_v
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.sliding_window > 0 and self.swa_pattern > 0 and layer % self.swa_pattern < self.swa_pattern - 1
+
+    def rope_base_of(self, layer: int) -> float:
+        return self.rope_base_swa if self.is_sliding(layer) else self.rope_base
+
+    def rope_scale_of(self, layer: int) -> float:
+        return 1.0 if self.is_sliding(layer) else self.rope_freq_scale  # llama.cpp: sliding layers never scale
+
+    @classmethod
+    def from_gguf(cls, gguf) -> "ModelArgs":
+        arch = gguf.architecture
+        spec = arch_spec(arch, gguf.path)
+        m = _Meta(gguf)
+        n_embd = m.positive("embedding_length")
+        n_head = m.positive("attention.head_count")
+        n_head_kv = m.positive("attention.head_count_kv", n_head)
+        if n_head % n_head_kv:
+            raise GGUFFormatError(f"{gguf.path}: metadata {arch}.attention.head_count_kv is {n_head_kv}, expected a "
+                                  f"divisor of attention.head_count ({n_head})")
+        head_dim = m.positive("attention.key_length", n_embd // n_head)
+        head_dim_v = m.positive("attention.value_length", n_embd // n_head)
+        rope_dim = m.positive("rope.dimension_count", head_dim)
+        if rope_dim > head_dim or rope_dim % 2:
+            raise GGUFFormatError(f"{gguf.path}: metadata {arch}.rope.dimension_count is {rope_dim}, expected an even "
+                                  f"number no larger than the head size {head_dim}")
+        scaling = m.get("rope.scaling.type", "linear", str)  # llama.cpp's default; a factor of 0 means none
+        if scaling not in ("none", "linear", "longrope"):
+            raise UnsupportedArchitecture(f"{gguf.path}: metadata {arch}.rope.scaling.type is {scaling!r}: supported "
+                                          f"RoPE scalings are none, linear and longrope (LongRoPE factor tensors)")
+        factor = m.get("rope.scaling.factor", 0.0, float) or m.get("rope.scale_linear", 0.0, float)
+        n_ctx_train = m.positive("context_length", 2048)
+        n_layer = m.positive("block_count")
+        sliding_window = m.get("attention.sliding_window", 0) if spec.swa_pattern else 0
+        if sliding_window < 0:
+            raise GGUFFormatError(f"{gguf.path}: metadata {arch}.attention.sliding_window is {sliding_window}, "
+                                  f"expected a non-negative integer")
+        if arch == "gemma3" and n_layer == 62:  # Gemma 3 27B: llama.cpp scales by n_embd / n_head
+            attn_scale = 1.0 / math.sqrt(n_embd / n_head)
+        else:
+            attn_scale = 1.0 / math.sqrt(head_dim)
+        return cls(
+            architecture=arch,
+            n_layer=n_layer,
+            n_embd=n_embd,
+            n_head=n_head,
+            n_head_kv=n_head_kv,
+            head_dim=head_dim,
+            head_dim_v=head_dim_v,
+            n_ff=m.positive("feed_forward_length"),
+            norm_eps=m.get("attention.layer_norm_rms_epsilon", kind=float),
+            rope_dim=rope_dim,
+            rope_base=m.get("rope.freq_base", 10000.0, float),
+            rope_base_swa=m.get("rope.freq_base_swa", spec.swa_rope_base, float),
+            rope_freq_scale=1.0 / factor if factor and scaling != "none" else 1.0,
+            rope_attn_factor=m.get("rope.scaling.attn_factor", 1.0, float),
+            n_ctx_train=n_ctx_train,
+            n_ctx_orig=m.positive("rope.scaling.original_context_length", n_ctx_train),
+            sliding_window=sliding_window,
+            swa_pattern=spec.swa_pattern,
+            attn_scale=attn_scale,
+            final_logit_softcap=m.get("final_logit_softcapping", 0.0, float),
+        )

@@ -1,0 +1,331 @@
+"""The decoder: embedding of the tokens used, blocks of attention and gated MLP over frozen quantized linears,
+final norm, output projection. One block structure serves every architecture of the allowlist; what differs is
+data in `ArchSpec` and `ModelArgs`.
+
+The residual stream, norms, RoPE and attention run in fp32; only the frozen linears use `compute_dtype`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import Iterator, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from juno_py.errors import GGUFFormatError
+from juno_py.models.config import ArchSpec, ModelArgs, arch_spec
+from juno_py.models.layout import TARGETS, Layout, resolve_layout
+from juno_py.models.loss import chunked_cross_entropy
+from juno_py.weights.frozen import FrozenQuantLinear
+
+WEIGHTS_CACHES = ("none", "bf16", "fp32")
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: Tensor, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.register_buffer("weight", weight.float())
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x.to(self.weight.dtype)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_inv_freq(rope_dim: int, base: float, freq_scale: float = 1.0, factors: Optional[Tensor] = None) -> Tensor:
+    """Angle per position of each rotated pair, float64: scale · base^(-2i/rope_dim) / factor_i."""
+    inv = freq_scale * base ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
+    return inv if factors is None else inv / factors.double()
+
+
+def rope_cos_sin(positions: Tensor, inv_freq: Tensor, attn_factor: float = 1.0,
+                 dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """cos and sin `[B, T, 1, rope_dim/2]` (fp32, or `dtype`) for integer positions `[B, T]`."""
+    angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq.to(positions.device)
+    cos, sin = angles.cos() * attn_factor, angles.sin() * attn_factor
+    return cos.to(dtype).unsqueeze(2), sin.to(dtype).unsqueeze(2)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, style: str) -> Tensor:
+    """Rotate the first rope_dim features of each head of `x` `[B, T, H, D]`; the rest pass through."""
+    n_rot = 2 * cos.shape[-1]
+    rot, rest = x[..., :n_rot], x[..., n_rot:]
+    if style == "neox":
+        a, b = rot[..., : n_rot // 2], rot[..., n_rot // 2:]
+        rot = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+    else:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    return torch.cat((rot, rest), dim=-1) if rest.shape[-1] else rot
+
+
+def attention_mask(q_pos: Tensor, k_pos: Tensor, window: int = 0, allowed: Optional[Tensor] = None) -> Tensor:
+    """Which keys each query may see, bool `[B, 1, T, S]`: causal by position, within `window` positions
+    (sliding layers), and inside `allowed` `[B, T, S]` (padding, packed documents) when given.
+
+    A query that may see nothing would turn softmax into NaN; it sees everything instead (its output is garbage
+    but finite, and such positions carry no loss).
+    """
+    delta = q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)
+    mask = delta >= 0
+    if window:
+        mask &= delta < window
+    if allowed is not None:
+        mask &= allowed.to(mask.device, torch.bool)
+    mask |= ~mask.any(-1, keepdim=True)
+    return mask.unsqueeze(1)
+
+
+class KVCache:
+    """Keys, values and positions of earlier tokens for every block, preallocated for `max_len` tokens."""
+
+    def __init__(self, args: ModelArgs, batch: int, max_len: int, device=None, dtype=torch.float32):
+        self.max_len = max_len
+        shape_k = (batch, args.n_head_kv, max_len, args.head_dim)
+        shape_v = (batch, args.n_head_kv, max_len, args.head_dim_v)
+        self.k = [torch.zeros(shape_k, device=device, dtype=dtype) for _ in range(args.n_layer)]
+        self.v = [torch.zeros(shape_v, device=device, dtype=dtype) for _ in range(args.n_layer)]
+        self.positions = torch.zeros((batch, max_len), device=device, dtype=torch.long)
+        self.length = 0
+        self._start = 0
+
+    def extend(self, positions: Tensor) -> Tensor:
+        """Reserve room for the new tokens' entries; returns the key positions `[B, length]` they attend to."""
+        t = positions.shape[1]
+        if self.length + t > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} tokens; {self.length} used, {t} more requested")
+        self._start = self.length
+        self.length += t
+        self.positions[:, self._start:self.length] = positions
+        return self.positions[:, :self.length]
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        end = self._start + k.shape[2]
+        self.k[layer][:, :, self._start:end] = k
+        self.v[layer][:, :, self._start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding that dequantizes only the rows of the tokens in the batch."""
+
+    def __init__(self, gguf, tensor: str, scale: Optional[float] = None):
+        super().__init__()
+        self.gguf, self.tensor, self.scale = gguf, tensor, scale
+        self.n_vocab, self.dim = gguf.tensors[tensor].shape
+        self.device = torch.device("cpu")
+
+    def _apply(self, fn, recurse=True):
+        self.device = fn(torch.empty(0)).device
+        return super()._apply(fn, recurse)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        from juno_py.gguf import quants
+
+        ids, inverse = torch.unique(tokens.reshape(-1).cpu(), return_inverse=True)
+        if len(ids) and (ids[0] < 0 or ids[-1] >= self.n_vocab):
+            bad = int(ids[0] if ids[0] < 0 else ids[-1])
+            raise IndexError(f"token id {bad} is outside the vocabulary of {self.n_vocab} ({self.tensor})")
+        info = self.gguf.tensors[self.tensor]
+        rows = quants.dequantize(info.ggml_type, info.raw[ids.numpy()], self.dim, what=self.tensor)
+        out = rows[inverse].reshape(*tokens.shape, self.dim)
+        if self.scale is not None:
+            out = out * torch.tensor(self.scale, dtype=torch.float32)
+        return out.to(self.device)
+
+
+class Block(nn.Module):
+    """One decoder block. `linears` holds the frozen linear of every logical target (`wq` ... `wdown`), looked up
+    at each call so that an adapter can wrap one by replacing its entry."""
+
+    def __init__(self, args: ModelArgs, spec: ArchSpec, layer: int, linears: dict[str, nn.Module],
+                 norms: dict[str, Tensor]):
+        super().__init__()
+        self.args, self.spec, self.layer = args, spec, layer
+        self.linears = nn.ModuleDict(linears)
+        self.norms = nn.ModuleDict({role: RMSNorm(w, args.norm_eps) for role, w in norms.items()})
+        self.window = args.sliding_window if args.is_sliding(layer) else 0
+        self.act_dtype = torch.float32  # the residual stream's dtype (float64 only for exactness checks)
+        self.act = ACTIVATIONS[spec.activation]
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Optional[Tensor],
+                cache: Optional[KVCache] = None) -> Tensor:
+        h = self.attention(self.norms["attn_norm"](x), rope, mask, cache)
+        if self.spec.sandwich_norms:
+            h = self.norms["post_attention_norm"](h)
+        x = x + h
+        h = self.feed_forward(self.norms["ffn_norm"](x))
+        if self.spec.sandwich_norms:
+            h = self.norms["post_ffw_norm"](h)
+        return x + h
+
+    def attention(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Optional[Tensor],
+                  cache: Optional[KVCache]) -> Tensor:
+        a, (b, t, _) = self.args, x.shape
+        q = self.linears["wq"](x).to(self.act_dtype).view(b, t, a.n_head, a.head_dim)
+        k = self.linears["wk"](x).to(self.act_dtype).view(b, t, a.n_head_kv, a.head_dim)
+        v = self.linears["wv"](x).to(self.act_dtype).view(b, t, a.n_head_kv, a.head_dim_v)
+        if self.spec.qk_norm:
+            q, k = self.norms["attn_q_norm"](q), self.norms["attn_k_norm"](k)
+        q, k = apply_rope(q, *rope, self.spec.rope_style), apply_rope(k, *rope, self.spec.rope_style)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(self.layer, k, v)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=a.attn_scale,
+                                           enable_gqa=a.n_head != a.n_head_kv)
+        return self.linears["wo"](y.transpose(1, 2).reshape(b, t, a.n_head * a.head_dim_v)).to(self.act_dtype)
+
+    def feed_forward(self, x: Tensor) -> Tensor:
+        gate, up = self.linears["wgate"](x).to(self.act_dtype), self.linears["wup"](x).to(self.act_dtype)
+        return self.linears["wdown"](self.act(gate) * up).to(self.act_dtype)
+
+
+@dataclass(frozen=True)
+class TargetRef:
+    """A logical target of one block and where its frozen weight lives in the file."""
+
+    layer: int
+    target: str
+    module: nn.Module
+    tensor: str
+    rows: tuple[int, int]
+
+
+class Transformer(nn.Module):
+    def __init__(self, gguf, args: ModelArgs, spec: ArchSpec, layout: Layout, weights_cache: str = "none",
+                 compute_dtype: torch.dtype = torch.float32, n_ctx: Optional[int] = None):
+        super().__init__()
+        if weights_cache not in WEIGHTS_CACHES:
+            raise ValueError(f"weights_cache is {weights_cache!r}: expected one of {', '.join(WEIGHTS_CACHES)}")
+        self.gguf, self.args, self.spec, self.layout = gguf, args, spec, layout
+        self.checkpoint_blocks = False  # recompute each block in backward (activation checkpointing)
+        self.act_dtype = torch.float32
+
+        def linear(name: str, rows: Optional[slice] = None, bias: Optional[str] = None) -> nn.Module:
+            return FrozenQuantLinear.from_gguf(gguf, name, rows=rows, bias=bias, cache=weights_cache,
+                                               compute_dtype=compute_dtype)
+
+        def vector(name: str) -> Tensor:
+            return gguf.dequantize(name).float()
+
+        self.embed = QuantEmbedding(gguf, layout.token_embd, math.sqrt(args.n_embd) if spec.embed_scale else None)
+        self.blocks = nn.ModuleList()
+        for il, bl in enumerate(layout.blocks):
+            linears = {t: linear(s.tensor, s.row_slice, s.bias) for t, s in bl.targets.items()}
+            norms = {role: vector(name) for role, name in bl.norms.items()}
+            self.blocks.append(Block(args, spec, il, linears, norms))
+        self.norm = RMSNorm(vector(layout.output_norm), args.norm_eps)
+        self.output = linear(layout.output, None, layout.output_bias)
+
+        # RoPE: one table of angles per distinct (base, scale) among the layers
+        factors = None
+        if layout.rope_freqs:
+            factors = vector(layout.rope_freqs)
+        elif layout.rope_factors_long or layout.rope_factors_short:
+            long_ctx = (n_ctx or args.n_ctx_orig) > args.n_ctx_orig  # llama.cpp picks by the context size
+            name = layout.rope_factors_long if long_ctx else layout.rope_factors_short
+            if name is None:
+                raise GGUFFormatError(f"{gguf.path}: tensor 'rope_factors_{'long' if long_ctx else 'short'}.weight' "
+                                      f"is missing: expected it beside its LongRoPE counterpart")
+            factors = vector(name)
+        keys = [(args.rope_base_of(il), args.rope_scale_of(il)) for il in range(args.n_layer)]
+        self._rope_keys = sorted(set(keys))
+        self._rope_of_layer = [self._rope_keys.index(k) for k in keys]
+        for i, (base, scale) in enumerate(self._rope_keys):
+            self.register_buffer(f"_inv_freq{i}", rope_inv_freq(args.rope_dim, base, scale, factors), persistent=False)
+
+    @classmethod
+    def from_gguf(cls, gguf, weights_cache: str = "none", compute_dtype: torch.dtype = torch.float32,
+                  n_ctx: Optional[int] = None) -> "Transformer":
+        spec = arch_spec(gguf.architecture, gguf.path)
+        args = ModelArgs.from_gguf(gguf)
+        return cls(gguf, args, spec, resolve_layout(gguf, args, spec), weights_cache, compute_dtype, n_ctx)
+
+    def set_activation_dtype(self, dtype: torch.dtype) -> "Transformer":
+        """Run the residual stream, norms, RoPE and attention in `dtype`: float32 (the default), or float64 for
+        exactness checks (frozen linears then compute in float64 over the same dequantized values)."""
+        self.act_dtype = dtype
+        for blk in self.blocks:
+            blk.act_dtype = dtype
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.weight = m.weight.to(dtype)
+        return self
+
+    # --- forward ---------------------------------------------------------------------------------------------
+    def forward(self, tokens: Tensor, positions: Optional[Tensor] = None, mask: Optional[Tensor] = None,
+                cache: Optional[KVCache] = None) -> Tensor:
+        """Hidden states after the final norm, fp32 `[B, T, n_embd]`, for token ids `[B, T]`.
+
+        `positions` `[B, T]` default to 0.. T-1 (after the cache's tokens). `mask` `[B, T, S]` (S = keys: cached
+        plus new) restricts attention further (padding, packed documents); causality by position and sliding
+        windows always apply.
+        """
+        b, t = tokens.shape
+        plain = mask is None and cache is None and positions is None  # causal by index: SDPA builds the mask
+        if positions is None:
+            start = cache.length if cache is not None else 0
+            positions = torch.arange(start, start + t, device=tokens.device).expand(b, t)
+        k_pos = cache.extend(positions) if cache is not None else positions
+        masks = {w: None if plain and not w else attention_mask(positions, k_pos, w, mask)
+                 for w in {blk.window for blk in self.blocks}}
+        ropes = [rope_cos_sin(positions, getattr(self, f"_inv_freq{i}"), self.args.rope_attn_factor, self.act_dtype)
+                 for i in range(len(self._rope_keys))]
+        x = self.embed(tokens).to(self.act_dtype)
+        for blk in self.blocks:
+            rope, m = ropes[self._rope_of_layer[blk.layer]], masks[blk.window]
+            if self.checkpoint_blocks and torch.is_grad_enabled() and cache is None:
+                x = checkpoint(blk, x, rope, m, use_reentrant=False)
+            else:
+                x = blk(x, rope, m, cache)
+        return self.norm(x)
+
+    def project(self, hidden: Tensor) -> Tensor:
+        """Logits (fp32) of hidden states: the output projection, then the final soft cap if the model has one."""
+        logits = self.output(hidden).to(self.act_dtype)
+        cap = self.args.final_logit_softcap
+        return torch.tanh(logits / cap) * cap if cap > 0 else logits
+
+    def logits(self, token_ids) -> Tensor:
+        """`[T, vocab]` fp32 logits for a sequence of token ids (`[B, T, vocab]` for a `[B, T]` batch)."""
+        tokens = torch.as_tensor(token_ids, dtype=torch.long, device=self.embed.device)
+        batch = tokens.dim() == 2
+        out = self.project(self(tokens if batch else tokens.unsqueeze(0)))
+        return out if batch else out[0]
+
+    def loss(self, tokens: Tensor, targets: Tensor, positions: Optional[Tensor] = None, mask: Optional[Tensor] = None,
+             chunk: int = 1024, ignore_index: int = -100, reduction: str = "mean") -> Tensor:
+        """Cross-entropy of `targets` `[B, T]` (ignore_index: no loss), logits computed in chunks of positions."""
+        hidden = self(tokens, positions, mask)
+        return chunked_cross_entropy(hidden, targets, self.project, chunk=chunk, ignore_index=ignore_index,
+                                     reduction=reduction)
+
+    # --- structure -------------------------------------------------------------------------------------------
+    def targets(self, names: Sequence[str] = TARGETS) -> Iterator[TargetRef]:
+        """Every (block, logical target) with its current module and physical tensor rows."""
+        for blk, bl in zip(self.blocks, self.layout.blocks):
+            for name in names:
+                slot = bl.targets[name]
+                yield TargetRef(blk.layer, name, blk.linears[name], slot.tensor, slot.rows)
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        return KVCache(self.args, batch, max_len, device=self.embed.device)
+
+    @property
+    def tokenizer(self):
+        """The GGUF's tokenizer, loaded on first use."""
+        if getattr(self, "_tokenizer", None) is None:
+            from juno_py.tokenizer import Tokenizer
+
+            self._tokenizer = Tokenizer.from_gguf(self.gguf)
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, value) -> None:
+        self._tokenizer = value

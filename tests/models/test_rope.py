@@ -1,0 +1,52 @@
+"""RoPE variants transformers' GGUF loader drops: Phi-3's partial rotary and LongRoPE factors, checked against
+transformers' own Phi-3 built from the same weights in memory (its modeling code implements both); and the
+two rotary styles against each other through llama's Q/K row permutation."""
+
+import pytest
+import torch
+
+from juno_py.gguf import GGMLType, GGUFFile
+from juno_py.models import Transformer
+from juno_py.models.model import apply_rope, rope_cos_sin, rope_inv_freq
+from tests.fixtures.tiny_models import hf_tiny_model, llama_permute, sample_ids
+
+# head_dim 16, half of it rotated; LongRoPE: short factors up to 64 positions, long ones beyond
+LONGROPE = dict(max_position_embeddings=256, original_max_position_embeddings=64,
+                rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                     original_max_position_embeddings=64, short_factor=[1.0, 1.3, 2.0, 3.5],
+                                     long_factor=[2.0, 5.0, 9.0, 17.0]))
+
+
+def _hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("n_tokens,n_ctx", [(14, None), (70, 256)], ids=["short-factors", "long-factors"])
+def test_phi3_partial_rotary_and_longrope_match_transformers_modeling(tiny_gguf, n_tokens, n_ctx):
+    path = tiny_gguf("phi3", GGMLType.F32, config=LONGROPE)
+    model = Transformer.from_gguf(GGUFFile(path), n_ctx=n_ctx)
+    assert model.args.rope_dim == 8 and model.args.n_ctx_orig == 64 and model.args.rope_attn_factor > 1
+    hf = hf_tiny_model("phi3", config=LONGROPE)  # the same weights (F32 file)
+    ids = sample_ids(n_tokens, seed=20)
+    with torch.no_grad():
+        got = model.logits(ids)
+    want = _hf_logits(hf, ids)
+    assert (got - want).abs().max().item() <= 1e-3
+    # and the factors matter: the other choice gives other logits
+    other = Transformer.from_gguf(GGUFFile(path), n_ctx=256 if n_ctx is None else 64)
+    with torch.no_grad():
+        assert (other.logits(ids) - want).abs().max().item() > 1e-2
+
+
+def test_adjacent_pairs_on_permuted_rows_equal_halves_on_hf_rows():
+    """llama.cpp's NORM rotary on the converter's permuted Q rows is Hugging Face's NEOX rotary, reordered."""
+    g = torch.Generator().manual_seed(0)
+    n_head, head_dim, n_in = 3, 8, 5
+    w = torch.randn(n_head * head_dim, n_in, generator=g)
+    x = torch.randn(1, 6, n_in, generator=g)
+    cos, sin = rope_cos_sin(torch.arange(6).unsqueeze(0), rope_inv_freq(head_dim, 10000.0))
+    neox = apply_rope((x @ w.t()).view(1, 6, n_head, head_dim), cos, sin, "neox")
+    norm = apply_rope((x @ llama_permute(w, n_head).t()).view(1, 6, n_head, head_dim), cos, sin, "norm")
+    perm = llama_permute(torch.arange(head_dim).float().unsqueeze(1), 1).long().squeeze(1)
+    assert torch.allclose(norm, neox[..., perm], atol=1e-6)
