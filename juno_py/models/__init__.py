@@ -19,20 +19,24 @@ def load_model(path_or_store_name=None, device: Union[str, torch.device] = "cpu"
                weights_cache: str = "none", compute_dtype: Union[str, torch.dtype] = torch.float32,
                n_ctx: Optional[int] = None) -> Transformer:
     """A GGUF model (file path or model-store name; None: the default model) ready for `.logits(ids)` and
-    `.tokenizer`. `weights_cache`: keep dequantized weights ("bf16", "fp32") or stream them ("none").
+    `.tokenizer`; `adapters`: adapter.bin paths to play, each optionally `path:scale`.
+    `weights_cache`: keep dequantized weights ("bf16", "fp32") or stream them ("none").
     `n_ctx`: the context length you intend to use (picks LongRoPE's long or short factors, as llama.cpp does)."""
     from juno_py.gguf import GGUFFile
     from juno_py.store import resolve_model
 
-    if adapters:
-        raise NotImplementedError("adapters arrive with issue 5")
     if isinstance(compute_dtype, str):
         if compute_dtype.lower() not in _DTYPES:
             raise ValueError(f"compute_dtype is {compute_dtype!r}: expected fp32 or bf16")
         compute_dtype = _DTYPES[compute_dtype.lower()]
     gguf = GGUFFile(resolve_model(path_or_store_name))
     model = Transformer.from_gguf(gguf, weights_cache=weights_cache, compute_dtype=compute_dtype, n_ctx=n_ctx)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if adapters:
+        from juno_py.lora import load_adapters
+
+        load_adapters(model, [adapters] if isinstance(adapters, str) else list(adapters))
+    return model
 
 
 __all__ = ["ARCHITECTURES", "ArchSpec", "ModelArgs", "TARGETS", "Layout", "TargetSlot", "resolve_layout",

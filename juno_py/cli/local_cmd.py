@@ -1,0 +1,77 @@
+"""`juno-py local`: chat with a model (and adapters) in the terminal, or answer one prompt."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import click
+
+from juno_py.cli.main import cli, one_line_errors
+from juno_py.cli.options import model_options, open_model
+
+
+def _reply(model, messages, max_tokens, temperature, top_k, top_p, seed, stream_out) -> tuple[str, int, float]:
+    from juno_py.models.generate import generate
+
+    tok = model.tokenizer
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+    decoder = tok.stream()
+    t0 = time.perf_counter()
+
+    def on_token(token: int) -> None:
+        text = decoder.push(token)
+        if text:
+            stream_out.write(text)
+            stream_out.flush()
+
+    out = generate(model, ids, max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                   stop_ids=tok.eog_ids, on_token=on_token)
+    tail = decoder.flush()
+    if tail:
+        stream_out.write(tail)
+    stream_out.write("\n")
+    stream_out.flush()
+    return tok.decode(out), len(out), time.perf_counter() - t0
+
+
+@cli.command()
+@model_options
+@click.option("--prompt", help="Answer this one prompt (only the reply goes to stdout) instead of chatting.")
+@click.option("--system", help="A system message placed before the conversation.")
+@click.option("--max-tokens", default=256, show_default=True, help="Most tokens generated per reply.")
+@click.option("--temperature", default=0.7, show_default=True, help="Sampling temperature; 0 is greedy.")
+@click.option("--top-k", default=40, show_default=True, help="Sample among the k most likely tokens (0: all).")
+@click.option("--top-p", default=0.95, show_default=True, help="Nucleus sampling mass (1: off).")
+@click.option("--seed", default=None, type=int, help="Seed for sampling (default: random).")
+@one_line_errors
+def local(prompt, system, max_tokens, temperature, top_k, top_p, seed, **model_kw) -> None:
+    """Chat with a model; /reset clears the history, /exit (or Ctrl-D) leaves."""
+    model = open_model(**model_kw)
+    base = [{"role": "system", "content": system}] if system else []
+    if prompt is not None:
+        _, n, dt = _reply(model, base + [{"role": "user", "content": prompt}], max_tokens, temperature, top_k or None,
+                          top_p, seed, sys.stdout)
+        click.echo(f"[{n} tokens, {n / max(dt, 1e-9):.1f} tokens/s]", err=True)
+        return
+    history = list(base)
+    click.echo("juno-py local: /reset clears the conversation, /exit leaves.", err=True)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            click.echo("", err=True)
+            return
+        cmd = line.strip()
+        if cmd in ("/exit", "/quit"):
+            return
+        if cmd == "/reset":
+            history = list(base)
+            click.echo("(conversation cleared)", err=True)
+            continue
+        if not cmd:
+            continue
+        history.append({"role": "user", "content": line})
+        text, n, dt = _reply(model, history, max_tokens, temperature, top_k or None, top_p, seed, sys.stdout)
+        history.append({"role": "assistant", "content": text})
+        click.echo(f"[{n} tokens, {n / max(dt, 1e-9):.1f} tokens/s]", err=True)

@@ -1,0 +1,57 @@
+"""Options shared by the commands that open a model: where it is, how its weights are kept, its adapters."""
+
+from __future__ import annotations
+
+import functools
+
+import click
+
+from juno_py.store import DEFAULT_MODEL
+
+
+def model_options(fn):
+    @click.option("--model-path", default=DEFAULT_MODEL, show_default=True,
+                  help="A .gguf file or a model-store name (pulled on first use).")
+    @click.option("--lora-play", "lora_play", default=None,
+                  help="Adapters to play: A[:scale][,B[:scale]] (LoRAs add up; a DoRA adapter plays alone at 1).")
+    @click.option("--force", is_flag=True, help="Load a DoRA adapter whose base fingerprint differs.")
+    @click.option("--weights-cache", type=click.Choice(["auto", "none", "bf16", "fp32"]), default="auto",
+                  show_default=True,
+                  help="Keep a dequantized copy of the weights (faster, more memory) or stream them from the "
+                       "quantized file; auto keeps an fp32 copy when it takes under a quarter of free memory.")
+    @click.option("--compute-dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+                  help="Matmul precision of the frozen weights.")
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def auto_weights_cache(model_path) -> str:
+    """'fp32' when a dequantized fp32 copy of the model takes under a quarter of the available memory, else
+    'none' (stream from the quantized bytes): decoding one token at a time is bound by dequantization."""
+    import os
+
+    from juno_py.gguf import GGUFFile
+    from juno_py.store import resolve_model
+
+    with GGUFFile(resolve_model(model_path)) as f:
+        fp32_bytes = 4 * sum(t.n_elements for t in f.tensors.values())
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return "none"
+    return "fp32" if fp32_bytes < available // 4 else "none"
+
+
+def open_model(model_path, lora_play=None, force=False, weights_cache="auto", compute_dtype="fp32"):
+    from juno_py.lora import load_adapters
+    from juno_py.models import load_model
+
+    if weights_cache == "auto":
+        weights_cache = auto_weights_cache(model_path)
+    model = load_model(model_path, weights_cache=weights_cache, compute_dtype=compute_dtype)
+    if lora_play:
+        load_adapters(model, [s for s in lora_play.split(",") if s.strip()], force=force)
+    return model
