@@ -32,7 +32,7 @@ def cli() -> None:
 
 def _register() -> None:
     # each module adds its command(s) to `cli`
-    from juno_py.cli import inspect_cmd, models_cmd  # noqa: F401
+    from juno_py.cli import eval_cmd, export_cmd, inspect_cmd, local_cmd, lora_cmd, merge_cmd, models_cmd  # noqa: F401
 
 
 def main() -> None:

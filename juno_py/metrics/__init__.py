@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import resource
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,3 +100,27 @@ class MetricsRecorder:
         if self._events_file is not None:
             self._events_file.close()
             self._events_file = None
+
+
+# ------------------------------------------------------------------------------------------------ memory
+def rss_bytes() -> int:
+    """Resident set size of this process now (Linux /proc; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"

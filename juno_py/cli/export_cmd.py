@@ -1,0 +1,58 @@
+"""`juno-py export` (adapter.bin → PEFT folder or llama.cpp GGUF-LoRA) and `juno-py import` (either → adapter.bin).
+stdout: the written path only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from juno_py.cli.main import cli, one_line_errors
+from juno_py.cli.merge_cmd import warnings_to_stderr
+from juno_py.store import DEFAULT_MODEL
+
+FORMATS = ("peft", "gguf-lora")
+
+
+@cli.command("export")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), required=True,
+              help="peft: adapter_config.json + adapter_model.safetensors for transformers; gguf-lora: llama.cpp's "
+                   "--lora file (LoRA only).")
+@click.option("--model-path", default=DEFAULT_MODEL, show_default=True,
+              help="The base the adapter was trained on: a .gguf file or a model-store name.")
+@click.option("--lora-path", required=True, help="adapter.bin to export.")
+@click.option("--output", default=None,
+              help="Folder (peft) or .gguf file (gguf-lora); default: <adapter name>-peft or <adapter name>.lora.gguf.")
+@click.option("--dtype", type=click.Choice(["f32", "f16", "bf16"]), default="f32", show_default=True,
+              help="Tensor type of a GGUF-LoRA export.")
+@one_line_errors
+def export(fmt, model_path, lora_path, output, dtype) -> None:
+    """Export an adapter for PEFT or llama.cpp. Prints the output path."""
+    from juno_py.merge import export_gguf_lora, export_peft
+
+    stem = Path(lora_path).stem
+    with warnings_to_stderr():
+        if fmt == "peft":
+            out = export_peft(model_path, lora_path, Path(output or f"{stem}-peft"))
+        else:
+            out = export_gguf_lora(model_path, lora_path, Path(output or f"{stem}.lora.gguf"), dtype=dtype)
+    click.echo(str(out))
+
+
+@cli.command("import")
+@click.argument("source")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
+              help="Format of SOURCE (default: a folder is peft, a file gguf-lora).")
+@click.option("--model-path", default=DEFAULT_MODEL, show_default=True,
+              help="The base model the adapter belongs to (fingerprints, layout, Q/K row order).")
+@click.option("--lora-path", required=True, help="adapter.bin to write.")
+@one_line_errors
+def import_(source, fmt, model_path, lora_path) -> None:
+    """Import a PEFT folder or a llama.cpp GGUF-LoRA file as adapter.bin. Prints its path."""
+    from juno_py.merge import import_gguf_lora, import_peft
+
+    fmt = fmt or ("peft" if Path(source).is_dir() else "gguf-lora")
+    fn = import_peft if fmt == "peft" else import_gguf_lora
+    with warnings_to_stderr():
+        out = fn(model_path, source, lora_path)
+    click.echo(str(out))

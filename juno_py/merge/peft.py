@@ -1,0 +1,264 @@
+"""PEFT export and import: `adapter_config.json` + `adapter_model.safetensors` for transformers' model of the
+same architecture.
+
+Module names come from a table per architecture. Phi-3's attention and MLP are fused in Hugging Face
+(`qkv_proj`, `gate_up_proj`): targets adapted there become one module adapter with A stacked and B
+block-diagonal; each module's scale is expressed exactly through `alpha_pattern` (or, when its parts' scales
+differ, baked into B under a module scale of 1). The `llama` architecture stores Q and K rows permuted relative
+to Hugging Face (llama.cpp's converter): B's rows and the DoRA magnitude are un-permuted, by head count for wq
+and by KV-head count for wk; A never changes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from juno_py.atomic import atomic_output
+from juno_py.gguf import GGUFFile
+from juno_py.lora.format import TARGETS, AdapterEntry, Init, Mode, Scaling, read_adapter
+from juno_py.merge.interop import (Part, dump_record, finish_import, load_record, part_records, split_by_record,
+                                   stack_parts)
+from juno_py.merge.targets import MergeError, ModelTargets
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+RECORD_KEY = "juno_py"
+PREFIX = "base_model.model."
+LAYER_MODULE = "model.layers.{layer}.{module}"
+
+_SPLIT = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",
+          "wgate": "mlp.gate_proj", "wup": "mlp.up_proj", "wdown": "mlp.down_proj"}
+_PHI3 = {"wq": "self_attn.qkv_proj", "wk": "self_attn.qkv_proj", "wv": "self_attn.qkv_proj",
+         "wo": "self_attn.o_proj", "wgate": "mlp.gate_up_proj", "wup": "mlp.gate_up_proj", "wdown": "mlp.down_proj"}
+# architecture -> logical target -> Hugging Face module inside a decoder layer
+HF_MODULES = {"llama": _SPLIT, "qwen2": _SPLIT, "qwen3": _SPLIT, "gemma3": _SPLIT, "phi3": _PHI3}
+# architectures whose GGUF stores Q and K rows permuted: target -> ModelArgs field with the head count
+PERMUTED = {"llama": {"wq": "n_head", "wk": "n_head_kv"}}
+
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<kind>lora_A\.weight|lora_B\.weight|"
+                  r"lora_magnitude_vector(?:\.weight)?)$")
+_LAYER = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.(?P<module>[^.]+\.[^.]+)$")
+
+
+# ----------------------------------------------------------------------------------------------- layout
+def _modules(arch: str) -> dict[str, str]:
+    try:
+        return HF_MODULES[arch]
+    except KeyError:
+        raise MergeError(f"architecture {arch!r} has no PEFT module table: expected one of "
+                         f"{', '.join(HF_MODULES)}") from None
+
+
+def module_rows(targets: ModelTargets, target: str) -> tuple[int, int, int]:
+    """(lo, hi, rows of the module) of a logical target inside its Hugging Face module."""
+    a = targets.args
+    sizes = {"wq": a.q_dim, "wk": a.kv_dim, "wv": a.v_dim, "wo": a.n_embd, "wgate": a.n_ff, "wup": a.n_ff,
+             "wdown": a.n_embd}
+    table = _modules(a.architecture)
+    members = [t for t in TARGETS if table[t] == table[target]]
+    lo = sum(sizes[t] for t in members[:members.index(target)])
+    return lo, lo + sizes[target], sum(sizes[t] for t in members)
+
+
+def hf_rows(x: np.ndarray, n_head: int) -> np.ndarray:
+    """GGUF's llama Q/K row order → Hugging Face's (inverse of the converter's permutation), per head."""
+    return x.reshape(n_head, x.shape[0] // n_head // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+
+def gguf_rows(x: np.ndarray, n_head: int) -> np.ndarray:
+    """Hugging Face's Q/K row order → GGUF's llama order (llama.cpp's converter permutation)."""
+    return x.reshape(n_head, 2, x.shape[0] // n_head // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+
+def _reorder(targets: ModelTargets, target: str, x: Optional[np.ndarray], to_hf: bool) -> Optional[np.ndarray]:
+    heads = PERMUTED.get(targets.args.architecture, {}).get(target)
+    if x is None or heads is None:
+        return x
+    n = getattr(targets.args, heads)
+    return np.ascontiguousarray((hf_rows if to_hf else gguf_rows)(np.asarray(x), n))
+
+
+# ----------------------------------------------------------------------------------------------- export
+def _module_scale(parts: list[Part], rank: int, rslora: bool) -> tuple[float, list[Optional[float]]]:
+    """(PEFT alpha of the module, factor baked into each part's B or None): PEFT's scale alpha/r (alpha/sqrt(r)
+    with rsLoRA) must equal every part's own scale."""
+    e0 = parts[0].entry
+    if len(parts) == 1 and rank == e0.rank and (e0.scaling == Scaling.RSLORA) == rslora:
+        return e0.alpha, [None]
+    if len({p.entry.scale for p in parts}) == 1:
+        return e0.scale * (math.sqrt(rank) if rslora else rank), [None] * len(parts)
+    return (math.sqrt(rank) if rslora else float(rank)), [p.entry.scale for p in parts]
+
+
+def _base_row_norms(gguf, targets: ModelTargets, layer: int, target: str) -> np.ndarray:
+    import torch
+
+    slot = targets.layout.blocks[layer].targets[target]
+    w = gguf.dequantize(slot.tensor, rows=slice(*slot.rows))
+    return torch.linalg.vector_norm(w, dim=1).numpy()
+
+
+def export_peft(base, adapter, output) -> Path:
+    """Write `output/adapter_config.json` and `output/adapter_model.safetensors`; returns the folder."""
+    from safetensors.numpy import save
+
+    from juno_py.store import resolve_model
+
+    base_path = Path(resolve_model(base))
+    _, entries = read_adapter(adapter)
+    output = Path(output)
+    if output.exists() and not output.is_dir():
+        raise MergeError(f"output {output}: exists and is not a folder (a PEFT adapter is a folder)")
+    modes = {e.mode for e in entries}
+    if len(modes) > 1:
+        raise MergeError(f"{adapter}: mixes LoRA and DoRA entries; PEFT's use_dora is one flag per adapter")
+    dora = Mode.DORA in modes
+    rslora = bool(entries) and all(e.scaling == Scaling.RSLORA for e in entries)
+    with GGUFFile(base_path) as gguf:
+        targets = ModelTargets(gguf)
+        table = _modules(targets.args.architecture)
+        groups: dict[str, list[Part]] = {}
+        for e in entries:
+            targets.check_entry(e, adapter, force=True)  # a differing fingerprint warns (below); PEFT decides
+            lo, hi, _ = module_rows(targets, e.target)
+            name = LAYER_MODULE.format(layer=e.layer, module=table[e.target])
+            groups.setdefault(name, []).append(Part(e, (lo, hi), _reorder(targets, e.target, e.B, True),
+                                                    _reorder(targets, e.target, e.magnitude, True)))
+        targets.warn_mismatches()
+        tensors, ranks, alphas, records = {}, {}, {}, {}
+        for name, parts in groups.items():
+            parts.sort(key=lambda p: p.rows)
+            layer = parts[0].entry.layer
+            n_rows = module_rows(targets, parts[0].entry.target)[2]
+            rank = sum(p.entry.rank for p in parts)
+            alpha, factors = _module_scale(parts, rank, rslora)
+            A, B, cols = stack_parts(parts, n_rows, factors)
+            tensors[f"{PREFIX}{name}.lora_A.weight"] = A
+            tensors[f"{PREFIX}{name}.lora_B.weight"] = B
+            if dora:
+                mag = np.empty(n_rows, dtype=np.float32)
+                covered = np.zeros(n_rows, dtype=bool)
+                for p in parts:
+                    mag[p.rows[0]:p.rows[1]] = p.magnitude
+                    covered[p.rows[0]:p.rows[1]] = True
+                # rows of the module no entry adapts: m = ‖W‖_row makes PEFT's g = 1 there
+                for t in TARGETS:
+                    if table[t] == table[parts[0].entry.target]:
+                        lo, hi, _ = module_rows(targets, t)
+                        if not covered[lo:hi].any():
+                            mag[lo:hi] = _reorder(targets, t, _base_row_norms(gguf, targets, layer, t), True)
+                tensors[f"{PREFIX}{name}.lora_magnitude_vector"] = mag
+            ranks[name], alphas[name] = rank, alpha
+            records[name] = part_records(parts, cols, factors)
+    r = Counter(ranks.values()).most_common(1)[0][0] if ranks else 8
+    alpha = Counter(alphas.values()).most_common(1)[0][0] if alphas else 8.0
+    short = {name.split(".", 3)[3] for name in groups}
+    layers_of = {s: {int(n.split(".")[2]) for n in groups if n.endswith(s)} for s in short}
+    every_layer = all(layers_of[s] == set(range(targets.n_layer)) for s in short)
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path.name,
+        "r": r, "lora_alpha": alpha, "use_rslora": rslora, "use_dora": dora,
+        "target_modules": sorted(m.rsplit(".", 1)[1] for m in short) if every_layer else sorted(groups),
+        "rank_pattern": {n: v for n, v in sorted(ranks.items()) if v != r},
+        "alpha_pattern": {n: v for n, v in sorted(alphas.items()) if v != alpha},
+        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+        "init_lora_weights": True, "modules_to_save": None,
+    }
+    output.mkdir(parents=True, exist_ok=True)
+    blob = save({k: np.ascontiguousarray(v) for k, v in tensors.items()},
+                metadata={"format": "pt", RECORD_KEY: dump_record(records)})
+    with atomic_output(output / WEIGHTS_FILE) as f:
+        f.write(blob)
+    with atomic_output(output / CONFIG_FILE, "w") as f:
+        json.dump(config, f, indent=2)
+    return output
+
+
+# ----------------------------------------------------------------------------------------------- import
+def _pattern_value(patterns: dict, name: str, default):
+    """PEFT's rank_pattern / alpha_pattern lookup (peft.utils.other.get_pattern_key)."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", name):
+            return value
+    return default
+
+
+def import_peft(base, folder, output) -> Path:
+    """Read a PEFT LoRA/DoRA folder (ours or another tool's) into adapter.bin for `base`."""
+    from safetensors import safe_open
+
+    from juno_py.store import resolve_model
+
+    folder = Path(folder)
+    cfg_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
+    for p in (cfg_path, weights_path):
+        if not p.is_file():
+            raise MergeError(f"{folder}: {p.name} is missing (a PEFT adapter folder holds {CONFIG_FILE} and "
+                             f"{WEIGHTS_FILE})")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except ValueError as e:
+        raise MergeError(f"{cfg_path}: not valid JSON ({e})") from None
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise MergeError(f"{cfg_path}: peft_type {cfg.get('peft_type')!r}, expected LORA")
+    if cfg.get("fan_in_fan_out") or cfg.get("lora_bias") or cfg.get("bias", "none") != "none":
+        raise MergeError(f"{cfg_path}: fan_in_fan_out, lora_bias and trained biases are not supported")
+    rslora = bool(cfg.get("use_rslora"))
+    with safe_open(str(weights_path), "np") as f:
+        record_text = (f.metadata() or {}).get(RECORD_KEY)
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    modules: dict[str, dict[str, np.ndarray]] = {}
+    for key, value in tensors.items():
+        m = _KEY.match(key)
+        if not m:
+            raise MergeError(f"{weights_path}: tensor {key!r} is not a LoRA A, B or DoRA magnitude")
+        modules.setdefault(m.group("module"), {})[m.group("kind").split(".")[0]] = value.astype(np.float32)
+    records = load_record(record_text, str(weights_path))
+    base_path = Path(resolve_model(base))
+    entries: list[AdapterEntry] = []
+    with GGUFFile(base_path) as gguf:
+        targets = ModelTargets(gguf)
+        table = _modules(targets.args.architecture)
+        for module, parts in sorted(modules.items()):
+            where = f"{weights_path}: module {module!r}"
+            m = _LAYER.search(module)
+            members = [t for t in TARGETS if m and table[t] == m.group("module")]
+            if not members:
+                raise MergeError(f"{where}: not a module juno-py adapts in {targets.args.architecture} "
+                                 f"({', '.join(sorted(set(table.values())))} of model.layers.N)")
+            if "lora_A" not in parts or "lora_B" not in parts:
+                raise MergeError(f"{where}: lora_A or lora_B is missing")
+            layer = int(m.group("layer"))
+            A, B, mag = parts["lora_A"], parts["lora_B"], parts.get("lora_magnitude_vector")
+            n_rows = module_rows(targets, members[0])[2]
+            if A.ndim != 2 or B.ndim != 2 or B.shape != (n_rows, A.shape[0]):
+                raise MergeError(f"{where}: A {A.shape} and B {B.shape} do not fit the module's {n_rows} rows "
+                                 f"(an adapter for another model?)")
+            name = LAYER_MODULE.format(layer=layer, module=m.group("module"))
+            if name in records:
+                split = split_by_record(records[name], A, B, mag, where)
+            else:
+                # the rank is A's; PEFT's rank_pattern only decides the shapes it creates
+                alpha = float(_pattern_value(cfg.get("alpha_pattern"), name, cfg.get("lora_alpha", 8)))
+                split = []
+                for t in members:
+                    lo, hi, _ = module_rows(targets, t)
+                    if mag is None and len(members) > 1 and not B[lo:hi].any():
+                        continue  # a fused module's target this adapter leaves alone
+                    split.append((f"{layer}:{t}", A, B[lo:hi], None if mag is None else mag[lo:hi], alpha,
+                                  Scaling.RSLORA if rslora else Scaling.STANDARD, Init.KAIMING_UNIFORM,
+                                  Mode.DORA if mag is not None else Mode.LORA))
+            for key, a, b, mg, alpha, scaling, init, mode in split:
+                target = key.split(":", 1)[1]
+                entries.append(AdapterEntry(key, np.ascontiguousarray(a, np.float32),
+                                            _reorder(targets, target, np.ascontiguousarray(b, np.float32), False),
+                                            alpha, scaling, init, mode,
+                                            _reorder(targets, target, mg, False)))
+        return finish_import(targets, entries, folder, output)

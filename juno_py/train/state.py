@@ -1,0 +1,91 @@
+"""Resume state beside an adapter: `adapter.bin.state`, one safetensors file.
+
+Tensors (adapter weights, Adam moments, best weights, the torch RNG state) are safetensors tensors; everything
+else (step, epoch, data position, schedule, stop-rule counters, the run's settings) is one JSON document in the
+safetensors header's metadata. No pickle anywhere. The file is written atomically, and it carries the adapter
+weights itself, so a kill between writing adapter.bin and its state never pairs a state with other weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from juno_py.atomic import atomic_write_bytes
+from juno_py.errors import JunoError
+
+FORMAT = "juno-py train state"
+VERSION = 1
+_META_KEY = "juno_py.state"
+
+
+class StateError(JunoError, ValueError):
+    """A resume state that is missing, unreadable or belongs to another run."""
+
+
+def state_path(adapter_path) -> Path:
+    return Path(str(adapter_path) + ".state")
+
+
+def save_state(path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
+    doc = {"format": FORMAT, "version": VERSION, **meta}
+    data = st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+                   metadata={_META_KEY: json.dumps(doc, sort_keys=True)})
+    return atomic_write_bytes(path, data)
+
+
+def load_state(path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise StateError(f"{path}: no resume state (train once with this --lora-path, or drop --resume)") from None
+    try:
+        tensors = st_load(data)
+        header_len = int.from_bytes(data[:8], "little")
+        meta = json.loads(json.loads(data[8:8 + header_len])["__metadata__"][_META_KEY])
+    except (SafetensorError, KeyError, ValueError, TypeError) as e:
+        raise StateError(f"{path}: not a juno-py resume state ({type(e).__name__}: {e})") from None
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise StateError(f"{path}: format {meta.get('format')!r} version {meta.get('version')!r}, expected "
+                         f"{FORMAT!r} version {VERSION}")
+    return tensors, meta
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> tuple[dict, dict]:
+    """Adam moments keyed by parameter name, and the step count of each parameter (JSON)."""
+    tensors, steps = {}, {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state.get(p)
+            if not st:
+                continue
+            name = names[id(p)]
+            tensors[f"adam/{name}/exp_avg"] = st["exp_avg"]
+            tensors[f"adam/{name}/exp_avg_sq"] = st["exp_avg_sq"]
+            steps[name] = float(st["step"])
+    return tensors, steps
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], tensors: dict, steps: dict,
+                      where: str) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = names[id(p)]
+            if name not in steps:
+                continue
+            try:
+                m, v = tensors[f"adam/{name}/exp_avg"], tensors[f"adam/{name}/exp_avg_sq"]
+            except KeyError:
+                raise StateError(f"{where}: Adam moments of {name!r} are missing") from None
+            if m.shape != p.shape or v.shape != p.shape:
+                raise StateError(f"{where}: Adam moments of {name!r} have shape {tuple(m.shape)}, the parameter "
+                                 f"{tuple(p.shape)}")
+            optimizer.state[p] = {"step": torch.tensor(steps[name], dtype=torch.float32),
+                                  "exp_avg": m.clone().to(p.device), "exp_avg_sq": v.clone().to(p.device)}
