@@ -122,8 +122,22 @@ def test_load_model_gives_tokenizer_and_logits(tiny_gguf):
     assert model.tokenizer.decode(ids) == "the weather"
     logits = model.logits(ids)
     assert logits.shape == (len(ids), model.layout.n_vocab) and logits.dtype == torch.float32
-    with pytest.raises(NotImplementedError, match="issue 5"):
-        juno_py.load_model(str(path), adapters=["a.bin"])
+
+
+def test_load_model_plays_adapters(tiny_gguf, tmp_path):
+    from juno_py.lora import attach
+
+    path = tiny_gguf("llama")
+    model = juno_py.load_model(str(path))
+    aset = attach(model, "qv", rank=2, seed=1)
+    with torch.no_grad():
+        for ad in aset.adapters.values():
+            ad.lora_B.normal_(0, 0.1)
+        expect = model.logits([5, 6, 7])
+    aset.save(tmp_path / "a.bin")
+    played = juno_py.load_model(str(path), adapters=[f"{tmp_path / 'a.bin'}:1.0"])
+    with torch.no_grad():
+        assert torch.equal(played.logits([5, 6, 7]), expect)
 
 
 def test_bf16_compute_stays_close_to_fp32(tiny_gguf):
