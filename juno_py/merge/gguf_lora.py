@@ -109,7 +109,8 @@ def _pairs(f: GGUFFile) -> dict[str, dict[str, str]]:
             raise MergeError(f"{f.path}: tensor {name!r} has an unexpected suffix, expected .lora_a or .lora_b")
     for base, ab in out.items():
         if len(ab) != 2:
-            raise MergeError(f"{f.path}: the LoRA pair of {base!r} is missing its {'lora_b' if 'lora_a' in ab else 'lora_a'}")
+            missing = "lora_b" if "lora_a" in ab else "lora_a"
+            raise MergeError(f"{f.path}: the LoRA pair of {base!r} is missing its {missing}")
     return out
 
 

@@ -105,9 +105,9 @@ class MergeReport:
         lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                  for r in [head] + rows]
         s = self.summary()
+        below = f" ({s['tensors_below_target']} below {self.min_retention})" if s["tensors_below_target"] else ""
         lines.append(f"{s['tensors_patched']} tensors patched, {s['tensors_copied']} copied; retention mean "
-                     f"{s['retention_mean']:.4f}, min {s['retention_min']:.4f}"
-                     + (f" ({s['tensors_below_target']} below {self.min_retention})" if s["tensors_below_target"] else ""))
+                     f"{s['retention_mean']:.4f}, min {s['retention_min']:.4f}{below}")
         cost = s["size_cost_vs_source_bytes"]
         lines.append(f"size {format_bytes(s['file_bytes_output'])} vs base {format_bytes(s['file_bytes_base'])} "
                      f"({100 * (s['size_ratio'] - 1):+.2f}%); patched tensors {format_bytes(s['patched_bytes_output'])}"

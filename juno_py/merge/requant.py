@@ -171,22 +171,41 @@ def _target_chunk(w0: torch.Tensor, lo: int, hi: int, patches: Sequence[RowPatch
     return out
 
 
-def encode(info, patches: Sequence[RowPatch], out_type: int) -> Encoding:
+class TensorValues:
+    """Per chunk of rows of one tensor: (lo, hi, base values W0 float32, target W* float64 or None where no patch
+    touches the rows). A tensor of one chunk keeps them, so that `auto`'s candidates share one computation."""
+
+    def __init__(self, info, patches: Sequence[RowPatch]):
+        self.info, self.patches = info, patches
+        self.chunks = _row_chunks(info.n_rows, info.n_cols)
+        self._kept: Optional[list] = None
+
+    def __iter__(self):
+        if self._kept is not None:
+            yield from self._kept
+            return
+        raw = self.info.raw.reshape(self.info.n_rows, -1)
+        for lo, hi in self.chunks:
+            w0 = quants.dequantize(self.info.ggml_type, raw[lo:hi], self.info.n_cols, what=self.info.name)
+            item = (lo, hi, w0, _target_chunk(w0, lo, hi, self.patches))
+            if len(self.chunks) == 1:
+                self._kept = [item]
+            yield item
+
+
+def encode(info, patches: Sequence[RowPatch], out_type: int, values: Optional[TensorValues] = None) -> Encoding:
     """Encode W* of one tensor (`info`: a `TensorInfo`) as `out_type`, chunk by chunk of rows.
 
     With the source's own type, only blocks whose float32 values changed go through the encoder; every other
     block keeps its bytes. Otherwise every block is encoded."""
-    src_type = info.ggml_type
     n_rows, n_cols = info.n_rows, info.n_cols
-    keep = int(out_type) == int(src_type)
+    keep = int(out_type) == int(info.ggml_type)
     codec = quants.get_codec(out_type, info.name, action="encode")
     src_raw = info.raw.reshape(n_rows, -1)
     enc = Encoding(GGMLType(out_type), np.empty((n_rows, codec.row_bytes(n_cols)), dtype=np.uint8))
     enc.n_values = n_rows * n_cols
     enc.blocks_total = enc.n_values // codec.block_size
-    for lo, hi in _row_chunks(n_rows, n_cols):
-        w0 = quants.dequantize(src_type, src_raw[lo:hi], n_cols, what=info.name)
-        target = _target_chunk(w0, lo, hi, patches)
+    for lo, hi, w0, target in (values or TensorValues(info, patches)):
         out = enc.raw[lo:hi]
         if keep:
             out[...] = src_raw[lo:hi]
@@ -217,7 +236,6 @@ def encode(info, patches: Sequence[RowPatch], out_type: int) -> Encoding:
         enc.max_abs_error = max(enc.max_abs_error, float(err.abs().max()) if err.numel() else 0.0)
     if not keep:
         enc.blocks_rewritten = enc.blocks_total
-    enc.extreme = extreme_code_count(out_type, enc.raw)
     return enc
 
 
@@ -237,9 +255,10 @@ def choose_encoding(info, patches: Sequence[RowPatch], policy: Policy, min_reten
     if not candidates:
         raise MergeError(f"tensor {info.name!r}: no encodable type fits its rows of {info.n_cols} values")
     source_first = candidate_types("source", info.ggml_type, info.n_cols)[0]
+    values = TensorValues(info, patches)
     choice = None
     for t in candidates:
-        enc = encode(info, patches, t)
+        enc = encode(info, patches, t, values)
         if choice is None:
             choice = Choice(enc)
         choice.encoding = enc
@@ -250,4 +269,5 @@ def choose_encoding(info, patches: Sequence[RowPatch], policy: Policy, min_reten
             break
     codec = quants.get_codec(source_first)
     choice.source_nbytes = info.n_rows * codec.row_bytes(info.n_cols)
+    choice.encoding.extreme = extreme_code_count(choice.encoding.ggml_type, choice.encoding.raw)
     return choice

@@ -125,7 +125,8 @@ class ModelTargets:
 
     def slots_of_tensor(self, tensor: str) -> list[tuple[int, str, TargetSlot]]:
         """Every (layer, target, slot) living in a physical tensor, in row order."""
-        out = [(il, t, s) for il, bl in enumerate(self.layout.blocks) for t, s in bl.targets.items() if s.tensor == tensor]
+        out = [(il, t, s) for il, bl in enumerate(self.layout.blocks) for t, s in bl.targets.items()
+               if s.tensor == tensor]
         return sorted(out, key=lambda x: x[2].rows)
 
 

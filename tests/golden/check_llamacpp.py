@@ -74,8 +74,6 @@ def _gap(a: np.ndarray, b: np.ndarray) -> dict:
 
 def compare_real(name, adapter, folder) -> dict:
     """A real model: llama.cpp vs juno-py on the base, on the merged file (source types) and on base + GGUF-LoRA."""
-    import torch
-
     from juno_py.lora import Mode, read_adapter
     from juno_py.merge import export_gguf_lora, merge_model
     from juno_py.models import load_model
@@ -100,7 +98,6 @@ def compare_real(name, adapter, folder) -> dict:
     if not any(e.mode == Mode.DORA for e in read_adapter(adapter)[1]):
         lora = export_gguf_lora(base, adapter, folder / "a.lora.gguf")
         out["lora"] = _gap(ours_play, llama_cpp_logits(base, ids, lora))
-    del torch
     return out
 
 
