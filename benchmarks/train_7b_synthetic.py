@@ -133,6 +133,7 @@ def main() -> None:
         path = write_synthetic_llama(folder / "synthetic-7b-q4_k.gguf", SHAPE_7B)
         print(f"wrote {path} ({path.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t0:.0f} s",
               file=sys.stderr)
+    size_gib = path.stat().st_size / 2**30
     try:
         compute = resolve_compute_dtype(args.compute_dtype)
         model = load_model(path, compute_dtype=compute)
@@ -164,7 +165,7 @@ def main() -> None:
                      f"{v['optimizer_ms']:.0f} |")
     lines += ["", f"Peak RSS {peak:.2f} GiB (ru_maxrss, memory-mapped GGUF pages included; target < 12 GiB). "
                   f"Synthetic Llama-7B shape (32 layers, 4096 hidden, 11008 MLP, vocab 32000), Q4_K (Q6_K output), "
-                  f"{path.stat().st_size / 2**30 if path.exists() else 3.9:.1f} GiB file; LoRA r=8 on q,v; "
+                  f"{size_gib:.1f} GiB file; LoRA r=8 on q,v; "
                   f"{args.batch} x {args.seq} tokens per step; activation checkpointing; compute "
                   f"{str(compute).removeprefix('torch.')}; {torch.get_num_threads()} torch threads, "
                   f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average "

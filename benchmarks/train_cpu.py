@@ -31,10 +31,12 @@ import time
 import tempfile
 from pathlib import Path
 
-# (implementation, mode, compute dtype, weights cache)
-CONFIGS = [("peft", "lora", "fp32", "-"), ("peft", "dora", "fp32", "-"),
-           ("juno", "lora", "fp32", "none"), ("juno", "lora", "fp32", "fp32"), ("juno", "lora", "bf16", "bf16"),
-           ("juno", "dora", "fp32", "none"), ("juno", "dora", "bf16", "bf16")]
+# (implementation, mode, compute dtype, weights cache, activation checkpointing)
+CONFIGS = [("peft", "lora", "fp32", "-", False), ("peft", "dora", "fp32", "-", False),
+           ("juno", "lora", "fp32", "none", False), ("juno", "lora", "fp32", "fp32", False),
+           ("juno", "lora", "bf16", "bf16", False), ("juno", "dora", "fp32", "none", False),
+           ("juno", "dora", "bf16", "bf16", False),
+           ("juno", "lora", "fp32", "none", True), ("juno", "lora", "bf16", "bf16", True)]
 MODEL = "smollm2-135m"
 
 
@@ -66,7 +68,7 @@ def juno_steps(args) -> list[float]:
     n_steps = args.warmup + args.steps
     examples = [Example(row.tolist(), [True] * args.seq) for row in ids] * n_steps  # one batch per step
     cfg = TrainConfig(lr=1e-4, batch_size=args.batch, max_steps=n_steps, epochs=None, schedule="constant",
-                      max_seq_len=args.seq, seed=0)
+                      max_seq_len=args.seq, seed=0, grad_checkpoint=args.ckpt)
     rec = MetricsRecorder()
     t0 = time.time()
     train(model, adapters, examples, cfg, recorder=rec, progress=False, log=lambda s: None)
@@ -105,7 +107,7 @@ def worker(args) -> dict:
         torch.set_num_threads(args.threads)
     times = (juno_steps if args.impl == "juno" else peft_steps)(args)
     step = statistics.median(times)
-    return dict(impl=args.impl, mode=args.mode, dtype=args.dtype, cache=args.cache, step_s=step,
+    return dict(impl=args.impl, mode=args.mode, dtype=args.dtype, cache=args.cache, ckpt=args.ckpt, step_s=step,
                 tok_s=args.batch * args.seq / step, peak_rss_gib=_peak_rss_gib(), threads=torch.get_num_threads(),
                 load_avg=os.getloadavg()[0])
 
@@ -113,20 +115,21 @@ def worker(args) -> dict:
 def run_all(args) -> list[dict]:
     best: dict[tuple, dict] = {}
     for _ in range(args.rounds):
-        for impl, mode, dtype, cache in CONFIGS:
-            if args.only and f"{impl}-{mode}-{dtype}-{cache}" not in args.only:
+        for impl, mode, dtype, cache, ckpt in CONFIGS:
+            name = f"{impl}-{mode}-{dtype}-{cache}" + ("-ckpt" if ckpt else "")
+            if args.only and name not in args.only:
                 continue
             cmd = [sys.executable, __file__, "--worker", "--model-file", str(args.model_file), "--impl", impl,
                    "--mode", mode, "--dtype", dtype, "--cache", cache, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-                   "--warmup", str(args.warmup), "--threads", str(args.threads)]
+                   "--warmup", str(args.warmup), "--threads", str(args.threads)] + (["--ckpt"] if ckpt else [])
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise SystemExit(f"{impl} {mode} {dtype} failed:\n{proc.stderr[-3000:]}")
             row = json.loads(proc.stdout.strip().splitlines()[-1])
-            print(f"{impl:5s} {mode:4s} {dtype:4s} cache={cache:4s} {row['step_s']:.3f} s/step "
+            print(f"{name:28s} {row['step_s']:.3f} s/step "
                   f"{row['tok_s']:7.1f} tok/s  peak RSS {row['peak_rss_gib']:.2f} GiB  load {row['load_avg']:.1f}",
                   file=sys.stderr)
-            key = (impl, mode, dtype, cache)
+            key = name
             if key not in best or row["step_s"] < best[key]["step_s"]:
                 best[key] = dict(row, peak_rss_gib=max(row["peak_rss_gib"], best.get(key, row)["peak_rss_gib"]))
     return list(best.values())
@@ -143,6 +146,8 @@ def table(rows: list[dict], args) -> str:
         else:
             name = "juno-py"
             weights = {"none": "streamed from Q4_1/Q8_0 bytes", "bf16": "cached bf16", "fp32": "cached fp32"}[r["cache"]]
+            if r["ckpt"]:
+                weights += ", --grad-checkpoint"
             vs_t = f"{r['tok_s'] / p['tok_s']:.2f}x" if p else "-"
             vs_m = f"{r['peak_rss_gib'] / p['peak_rss_gib']:.2f}x" if p else "-"
         lines.append(f"| {name} | {r['mode']} | {r['dtype']} | {weights} | {r['step_s']:.3f} | {r['tok_s']:.1f} | "
@@ -175,7 +180,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=1, help="runs of every configuration (the best is kept)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default)")
-    ap.add_argument("--only", nargs="*", help="configurations to run, e.g. juno-lora-bf16-bf16 peft-lora-fp32--")
+    ap.add_argument("--only", nargs="*", help="configurations to run, e.g. peft-lora-fp32-- juno-lora-bf16-bf16-ckpt")
     ap.add_argument("--synthetic", action="store_true", help="random blocks in SmolLM2's shapes (no model store)")
     ap.add_argument("--append", type=Path, help="append the results to this markdown file")
     ap.add_argument("--model-file", help=argparse.SUPPRESS)
@@ -184,6 +189,7 @@ def main() -> None:
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     ap.add_argument("--dtype", help=argparse.SUPPRESS)
     ap.add_argument("--cache", default="none", help=argparse.SUPPRESS)
+    ap.add_argument("--ckpt", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(args)))

@@ -31,7 +31,9 @@ def facts_adapter(tmp_path_factory, smollm2_path):
 
 
 def heldout():
-    return [json.loads(line) for line in BUILTIN_FACTS_HELDOUT.read_text().splitlines() if line.strip()]
+    from juno_py.train.recall import read_keyword_records
+
+    return read_keyword_records(BUILTIN_FACTS_HELDOUT)
 
 
 def test_builtin_heldout_questions_are_never_training_variants():
@@ -65,17 +67,10 @@ def test_facts_training_lowers_heldout_loss(facts_adapter, smollm2_path):
 def test_facts_playback_answers_heldout_rewordings(facts_adapter, smollm2_path):
     from juno_py.lora import load_adapters
     from juno_py.models import load_model
-    from juno_py.models.generate import generate
+    from juno_py.train.recall import answer_recall
 
     model = load_model(smollm2_path)
     load_adapters(model, [str(facts_adapter[0])])
-    tok = model.tokenizer
-    right, lines = 0, []
-    for h in heldout():
-        ids = tok.apply_chat_template([{"role": "user", "content": h["Q"]}], add_generation_prompt=True)
-        answer = tok.decode(generate(model, ids, 32, temperature=0.0, stop_ids=tok.eog_ids))
-        ok = h["keyword"].lower() in answer.lower()
-        right += ok
-        lines.append(f"{'ok  ' if ok else 'MISS'} {h['Q']} -> {answer.strip()}")
+    right, lines = answer_recall(model, heldout())
     print("\n" + "\n".join(lines) + f"\n{right}/10 held-out rewordings answered")
     assert right >= 8
