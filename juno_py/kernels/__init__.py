@@ -1,19 +1,38 @@
 """DoRA composition kernels and the dispatch that picks fused or eager.
 
-`dora_compose(base, lora, g, s)` computes `g·(base + s·lora)`. On CPU, without Triton, or when forced with
-`JUNO_PY_KERNELS=eager`, it runs the eager torch reference; the fused Triton paths arrive with the GPU issue
-behind this same call.
+`dora_compose(base, lora, g, s)` computes `g·(base + s·lora)` on one of three paths (DESIGN.md §3):
+the fused training kernels (`DoraComposeFn`: forward writes y and inner, one-pass backward) when a gradient
+is wanted on CUDA and the problem is at least `FUSED_TRAIN_MIN_ELEMENTS`; the fused inference kernel when no
+gradient is wanted on CUDA; the eager torch reference on CPU, without Triton, below the crossover, or for
+dtypes the kernels do not take (fp64 exactness checks, fp16). `JUNO_PY_KERNELS=fused|eager|auto` forces a
+path; fused on CPU tensors needs `TRITON_INTERPRET=1` (Triton runs CPU tensors only in its interpreter).
+Triton is optional: it is imported only when a fused path runs. `docs/kernels.md` has the measurements.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+from typing import Optional
 
 import torch
 
 from juno_py.kernels.reference import compose_eager, norm_assemble_eager
 
 _MODES = ("auto", "eager", "fused")
+
+# Elements of base ([tokens, d_out]) from which the fused training kernels beat eager torch on the H200 (fwd+bwd,
+# wall time per call): below it both are launch-bound and Triton's launches cost more than torch's; see
+# docs/kernels.md for the sweep.
+FUSED_TRAIN_MIN_ELEMENTS = 1 << 24
+
+EAGER, FUSED_INFERENCE, FUSED_TRAINING = "eager", "fused-inference", "fused-training"
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class KernelUnavailable(RuntimeError):
+    """JUNO_PY_KERNELS=fused was asked for where the fused kernels cannot run."""
 
 
 def kernel_mode() -> str:
@@ -23,12 +42,86 @@ def kernel_mode() -> str:
     return mode
 
 
+_triton_module = None
+_triton_error: Optional[str] = None
+
+
+def triton_kernels():
+    """The `dora_triton` module, or None when triton cannot be imported (the reason is in `_triton_error`)."""
+    global _triton_module, _triton_error
+    if _triton_module is None and _triton_error is None:
+        try:
+            _triton_module = importlib.import_module("juno_py.kernels.dora_triton")
+        except ImportError as e:  # not installed (macOS, a CPU-only install) or broken
+            _triton_error = f"{type(e).__name__}: {e}"
+    return _triton_module
+
+
+def _fusable(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor) -> bool:
+    """Whether the kernels take these tensors at all: fp32/bf16 base and lora of one shape, g one value per column."""
+    return (base.dtype in _FUSED_DTYPES and lora.dtype in _FUSED_DTYPES and g.dtype in _FUSED_DTYPES
+            and base.shape == lora.shape and base.dim() >= 1 and g.numel() == base.shape[-1]
+            and base.device == lora.device == g.device)
+
+
+def _wants_grad(*ts: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
+def _fused_kernels(device: torch.device, mode: str):
+    """Kernel module if a fused path may run on `device` in `mode`; else None (auto) or KernelUnavailable (fused)."""
+    if mode == "fused":
+        if triton_kernels() is None:
+            raise KernelUnavailable(f"JUNO_PY_KERNELS=fused: triton cannot be imported ({_triton_error}); install "
+                                    f"it (pip install triton, Linux) or use JUNO_PY_KERNELS=auto")
+        if device.type == "cpu" and not triton_kernels().INTERPRETED:
+            raise KernelUnavailable("JUNO_PY_KERNELS=fused on CPU tensors: Triton runs them only in its interpreter; "
+                                    "set TRITON_INTERPRET=1 before juno_py's kernels load, or use JUNO_PY_KERNELS=auto")
+        return triton_kernels()
+    return triton_kernels() if device.type == "cuda" else None
+
+
+def compose_path(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor) -> str:
+    """Which path `dora_compose` takes for these tensors now: EAGER, FUSED_INFERENCE or FUSED_TRAINING.
+
+    Raises KernelUnavailable when JUNO_PY_KERNELS=fused cannot be honoured (no triton; CPU tensors without
+    TRITON_INTERPRET=1)."""
+    mode = kernel_mode()
+    if mode == "eager" or not _fusable(base, lora, g) or _fused_kernels(base.device, mode) is None:
+        return EAGER
+    if not _wants_grad(base, lora, g):
+        return FUSED_INFERENCE
+    if mode == "auto" and base.numel() < FUSED_TRAIN_MIN_ELEMENTS:
+        return EAGER
+    return FUSED_TRAINING
+
+
 def dora_compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: float) -> torch.Tensor:
-    """Autograd-aware `g·(base + s·lora)`, g broadcast over the last dimension, arithmetic in fp32."""
-    if kernel_mode() == "fused":
-        raise NotImplementedError("JUNO_PY_KERNELS=fused: the fused Triton DoRA kernels are not built yet "
-                                  "(they arrive with the GPU path); use auto or eager")
-    return compose_eager(base, lora, g, s)
+    """Autograd-aware `g·(base + s·lora)`, g broadcast over the last dimension, arithmetic in fp32.
+
+    The result has base's dtype (fp32 stays fp32; on the eager path fp64 inputs give fp64)."""
+    path = compose_path(base, lora, g)
+    if path == EAGER:
+        return compose_eager(base, lora, g, s)
+    kernels = triton_kernels()
+    g32 = g.reshape(-1).to(torch.float32)
+    if path == FUSED_TRAINING:
+        return kernels.DoraComposeFn.apply(base, lora, g32, float(s))
+    N = base.shape[-1]
+    y, _ = kernels.compose_forward(base.reshape(-1, N), lora.reshape(-1, N), g32, float(s))
+    return y.reshape(base.shape)
 
 
-__all__ = ["dora_compose", "compose_eager", "norm_assemble_eager", "kernel_mode"]
+def norm_assemble(base_sq: torch.Tensor, cross: torch.Tensor, ba_sq: torch.Tensor, s: float) -> torch.Tensor:
+    """‖W + sBA‖_row = sqrt(max(base_sq + 2s·cross + s²·ba_sq, 0)): the fused kernel on CUDA (fp32 or bf16 inputs,
+    result fp32), else the eager reference (which keeps fp64 for fp64 inputs). Same JUNO_PY_KERNELS rules."""
+    mode = kernel_mode()
+    narrow = all(t.dtype in _FUSED_DTYPES for t in (base_sq, cross, ba_sq))
+    kernels = _fused_kernels(base_sq.device, mode) if mode != "eager" and narrow else None
+    if kernels is None:
+        return norm_assemble_eager(base_sq, cross, ba_sq, s)
+    return kernels.norm_assemble(base_sq, cross, ba_sq, s)
+
+
+__all__ = ["dora_compose", "norm_assemble", "compose_path", "compose_eager", "norm_assemble_eager", "kernel_mode",
+           "KernelUnavailable", "FUSED_TRAIN_MIN_ELEMENTS", "EAGER", "FUSED_INFERENCE", "FUSED_TRAINING"]

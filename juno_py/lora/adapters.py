@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from juno_py.kernels import dora_compose, norm_assemble_eager
+from juno_py.kernels import dora_compose, norm_assemble
 from juno_py.lora.format import AdapterEntry, Fingerprint, Init, Mode, Scaling
 
 DORA_EPS = 1e-6
@@ -54,7 +54,7 @@ def factored_row_norm(base_sq: torch.Tensor, U: torch.Tensor, A: torch.Tensor, B
     G = A @ A.T
     cross = (B * U).sum(dim=1)
     ba_sq = ((B @ G) * B).sum(dim=1)
-    return norm_assemble_eager(base_sq.to(dtype), cross, ba_sq, s)
+    return norm_assemble(base_sq.to(dtype), cross, ba_sq, s)  # fused kernel on CUDA, eager reference elsewhere
 
 
 class LoraAdapter(nn.Module):
@@ -88,8 +88,9 @@ class LoraAdapter(nn.Module):
         return self.config.mode == Mode.DORA
 
     def delta_input(self, x: torch.Tensor) -> torch.Tensor:
-        """B·A·drop(x) (unscaled), in fp32 (float64 when x is: exactness checks)."""
-        dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+        """B·A·drop(x) (unscaled), in fp32 (float64 when x is: exactness checks; bf16 when x is: the GPU's bf16
+        activations: the fp32 A and B are cast per call, as under torch autocast)."""
+        dt = x.dtype if x.dtype in (torch.float64, torch.bfloat16) else torch.float32
         x = x.to(dt)
         if self.training and self.config.dropout > 0:
             x = F.dropout(x, self.config.dropout, training=True)
@@ -97,8 +98,8 @@ class LoraAdapter(nn.Module):
 
     def to_entry(self, key: str, fingerprint: Optional[Fingerprint] = None) -> AdapterEntry:
         c = self.config
-        mag = self.magnitude.detach().numpy().copy() if self.magnitude is not None else None
-        return AdapterEntry(key, self.lora_A.detach().numpy().copy(), self.lora_B.detach().numpy().copy(),
+        mag = self.magnitude.detach().cpu().numpy().copy() if self.magnitude is not None else None
+        return AdapterEntry(key, self.lora_A.detach().cpu().numpy().copy(), self.lora_B.detach().cpu().numpy().copy(),
                             float(c.alpha), c.scaling, c.init, c.mode, mag, fingerprint)
 
     @classmethod
@@ -148,7 +149,9 @@ class AdaptedLinear(nn.Module):
         ad = self.dora
         with torch.no_grad():
             A = ad.lora_A.detach()
-            U = self.base.matmul(A.to(dtype)).T
+            # fp32 products over the exact W (a bf16 W or A would cost the norm about 3e-5 relative)
+            matmul = getattr(self.base, "matmul_exact", self.base.matmul)
+            U = matmul(A.to(dtype)).T
             return factored_row_norm(self.base_row_norms_sq(dtype), U, A, ad.lora_B.detach(), ad.scale, dtype)
 
     def dora_scale(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

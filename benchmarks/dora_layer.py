@@ -1,0 +1,539 @@
+"""One DoRA layer on the GPU: juno-py against PEFT (plain LoRA, DoRA with bf16 adapters, DoRA with its default
+fp32 adapters), plus the composition kernel's bandwidth against a copy and the factored norm's memory and error.
+
+    python benchmarks/dora_layer.py                  # the H200 tables of docs/benchmarks.md (## DoRA layer (H200))
+    python benchmarks/dora_layer.py --crossover      # eager vs fused composition by size (docs/kernels.md)
+    python benchmarks/dora_layer.py --tiles          # tile configurations of the kernels, by bandwidth
+    python benchmarks/dora_layer.py --quick          # tiny shapes on the CPU: a smoke test of this script
+
+Every layer sees the same bf16 x, W, A, B and m: W ~ N(0, 0.02²), A kaiming-uniform, B ≠ 0 (‖sBA‖ ≈ 0.3‖W‖ per
+row), m = ‖W + sBA‖_row·(1 + 1.5e-3·N(0, 1)) so g ≈ 1 with a spread of about 1.5e-3, s = alpha/r with alpha = r.
+juno-py computes base = x·Wᵀ (dense bf16 W, or the quantized frozen linear), lora = (x·Aᵀ)·Bᵀ in bf16 from fp32
+adapters, then the fused composition; at inference g is cached (frozen adapter). Training steps recompute the
+norm every call for both (after an optimizer step it would be stale). PEFT's layer is called directly (no
+PeftModel wrapper), in train() for training and eval() for inference, lora_dropout 0. Timings: CUDA events around
+each call, started on an idle GPU (so a call's time is its GPU time or, where launching is slower than the GPU,
+its launch time), implementations interleaved call by call, median of --reps calls after warm-up; TF32 off. Memory:
+peak allocated during one call above what was allocated before it (weights, adapters, x), and resident bytes.
+Quantized W are random valid blocks (timing does not depend on the values); PEFT always gets the dense W.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from juno_py import kernels  # noqa: E402
+from juno_py.kernels.reference import compose_eager  # noqa: E402
+from juno_py.lora.adapters import AdaptedLinear, AdapterConfig, LoraAdapter  # noqa: E402
+from juno_py.lora.format import Mode  # noqa: E402
+
+# (tokens, d_in, d_out, rank): DESIGN.md §6 and issue 8
+SHAPES = [(4096, 8192, 8192, 384), (4096, 28672, 8192, 384), (8192, 4096, 4096, 16), (8192, 4096, 4096, 64),
+          (8192, 4096, 4096, 384), (4096, 8192, 8192, 768)]
+QUICK_SHAPES = [(64, 256, 128, 8), (33, 512, 256, 16)]
+QUANT_TYPES = ("Q4_K", "Q6_K", "Q8_0")
+G_SPREAD = 1.5e-3
+
+
+class DenseBase(nn.Module):
+    """A frozen dense bf16 W with the frozen-linear interface AdaptedLinear uses (matmul, row_norms_sq)."""
+
+    def __init__(self, W: torch.Tensor):
+        super().__init__()
+        self.register_buffer("W", W, persistent=False)
+        self.bias = None
+        self._row_norms_sq = W.double().square().sum(1)  # frozen: once, at load
+
+    in_features = property(lambda self: self.W.shape[1])
+    out_features = property(lambda self: self.W.shape[0])
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16:
+            return F.linear(x, self.W)
+        # fp32 rows (DoRA's U = W·Aᵀ): bf16 operands, fp32 accumulation and result
+        xb = x.to(torch.bfloat16)
+        if xb.is_cuda:
+            return torch.mm(xb, self.W.t(), out_dtype=torch.float32)
+        return xb.float() @ self.W.float().t()
+
+    def row_norms_sq(self, dtype=torch.float32):
+        return self._row_norms_sq.to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------- data
+def layer_data(T, d_in, d_out, r, device, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    W = (torch.randn(d_out, d_in, generator=gen, device=device) * 0.02).to(torch.bfloat16)
+    x = torch.randn(T, d_in, generator=gen, device=device).to(torch.bfloat16)
+    dy = (torch.randn(T, d_out, generator=gen, device=device) * 0.01).to(torch.bfloat16)
+    bound = 1 / math.sqrt(d_in)
+    A = torch.rand(r, d_in, generator=gen, device=device) * (2 * bound) - bound
+    s = 1.0  # alpha = r
+    # ‖(BA)_row‖² ≈ r·σ_B²·d_in·σ_A² = r·σ_B²/3; aim at 0.3·‖W_row‖ = 0.3·0.02·√d_in
+    sigma_b = 0.3 * 0.02 * math.sqrt(d_in) * math.sqrt(3 / r)
+    B = torch.randn(d_out, r, generator=gen, device=device) * sigma_b
+    norm = row_norm_fp64(W, A, B, s)
+    m = (norm * (1 + G_SPREAD * torch.randn(d_out, generator=gen, device=device, dtype=torch.float64))).float()
+    return dict(W=W, x=x, dy=dy, A=A, B=B, m=m, s=s, r=r, alpha=float(r))
+
+
+def row_norm_fp64(W, A, B, s, chunk=2048):
+    out = torch.empty(W.shape[0], dtype=torch.float64, device=W.device)
+    A64 = A.double()
+    for a in range(0, W.shape[0], chunk):
+        out[a:a + chunk] = (W[a:a + chunk].double() + s * B[a:a + chunk].double() @ A64).norm(dim=1)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- layers
+def juno_layer(base, d):
+    cfg = AdapterConfig(rank=d["r"], alpha=d["alpha"], mode=Mode.DORA)
+    ad = LoraAdapter(base.in_features, base.out_features, cfg, magnitude=d["m"].cpu())
+    with torch.no_grad():
+        ad.lora_A.copy_(d["A"].cpu())
+        ad.lora_B.copy_(d["B"].cpu())
+    return AdaptedLinear(base, [ad]).to(d["W"].device)
+
+
+class _One(nn.Module):
+    def __init__(self, lin):
+        super().__init__()
+        self.proj = lin
+
+
+def peft_layer(d, dora: bool, adapter_dtype: torch.dtype):
+    """PEFT's LoRA/DoRA Linear around an nn.Linear holding the shared W (returned: the adapted layer itself)."""
+    from peft import LoraConfig, get_peft_model
+
+    W = d["W"]
+    lin = nn.Linear(W.shape[1], W.shape[0], bias=False, device="meta")
+    lin.weight = nn.Parameter(W, requires_grad=False)
+    cfg = LoraConfig(r=d["r"], lora_alpha=d["alpha"], target_modules=["proj"], lora_dropout=0.0, use_dora=dora)
+    model = get_peft_model(_One(lin), cfg, autocast_adapter_dtype=adapter_dtype == torch.float32)
+    layer = model.base_model.model.proj
+    with torch.no_grad():
+        layer.lora_A["default"].weight.copy_(d["A"])
+        layer.lora_B["default"].weight.copy_(d["B"])
+        if dora:
+            layer.lora_magnitude_vector["default"].weight.copy_(d["m"])
+    got = layer.lora_A["default"].weight.dtype
+    if got != adapter_dtype:
+        raise RuntimeError(f"PEFT built {got} adapters, expected {adapter_dtype}")
+    return layer
+
+
+def quant_layer(type_name, d_in, d_out, device):
+    """juno-py's frozen quantized linear on the device (random valid blocks), or the reason it cannot run."""
+    from juno_py.gguf import GGMLType
+    from juno_py.weights import FrozenQuantLinear
+    from tests.weights.random_blocks import random_rows
+
+    ggml_type = GGMLType[type_name]
+    raw = torch.from_numpy(random_rows(ggml_type, d_out, d_in, seed=7)).to(device)
+    layer = FrozenQuantLinear(raw, ggml_type, d_in, compute_dtype=torch.bfloat16)
+    if not hasattr(layer, "_on_device_path"):
+        raise RuntimeError("FrozenQuantLinear has no GPU path in this tree")
+    layer.row_norms_sq()  # frozen: once, at load
+    return layer
+
+
+# ---------------------------------------------------------------------------------------------------- timing
+class Clock:
+    """CUDA events on a GPU (GPU time between the call's start and end), perf_counter on the CPU."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def start(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def stop(self, start):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return (start, e)
+        return time.perf_counter() - start
+
+    def ms(self, mark):
+        if self.cuda:
+            return mark[0].elapsed_time(mark[1])
+        return mark * 1e3
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def interleaved(calls: dict, reps: int, warmup: int, device) -> dict:
+    """Median ms per call of each callable, called in turn (rotating the order) `reps` times after warm-up."""
+    clock = Clock(device)
+    names = list(calls)
+    for _ in range(warmup):
+        for n in names:
+            calls[n]()
+    clock.sync()
+    marks = {n: [] for n in names}
+    for i in range(reps):
+        for n in names[i % len(names):] + names[:i % len(names)]:
+            clock.sync()  # each call starts on an idle GPU: no queued work of another implementation hides its CPU time
+            t0 = clock.start()
+            calls[n]()
+            marks[n].append(clock.stop(t0))
+    clock.sync()
+    return {n: statistics.median(clock.ms(m) for m in marks[n]) for n in names}
+
+
+def peak_mib(fn, device) -> float:
+    """Peak bytes allocated during `fn()` above what was allocated before it, in MiB (GPU only)."""
+    if device.type != "cuda":
+        return float("nan")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2 ** 20
+
+
+def train_call(layer, x, dy, params, fresh_norm=None):
+    def step():
+        if fresh_norm is not None:
+            fresh_norm()
+        x.grad = None
+        for p in params:
+            p.grad = None
+        layer(x).backward(dy)
+    return step
+
+
+def infer_call(layer, x):
+    def step():
+        with torch.no_grad():
+            layer(x)
+    return step
+
+
+# ---------------------------------------------------------------------------------------------------- layer table
+def bench_shape(T, d_in, d_out, r, device, reps, warmup, with_quant):
+    d = layer_data(T, d_in, d_out, r, device)
+    x = d["x"].clone().requires_grad_(True)
+    layers, resident, notes = {}, {}, {}
+
+    def build(name, make):
+        before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+        try:
+            layer = make()
+            on_gpu = device.type == "cuda"
+            resident[name] = (torch.cuda.memory_allocated() - before) / 2 ** 20 if on_gpu else float("nan")
+            params = [p for p in layer.parameters() if p.requires_grad]
+            train_call(layer, x, d["dy"], params)()  # does it run at all?
+            infer_call(layer, d["x"])()
+            x.grad = None
+            for p in params:
+                p.grad = None
+            layers[name] = layer
+        except Exception as e:  # a peer or a part that cannot run here: report it instead of a number
+            notes[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            resident.pop(name, None)
+
+    build("juno-py dense", lambda: juno_layer(DenseBase(d["W"]), d))
+    build("PEFT LoRA bf16", lambda: peft_layer(d, False, torch.bfloat16))
+    build("PEFT DoRA bf16", lambda: peft_layer(d, True, torch.bfloat16))
+    build("PEFT DoRA fp32", lambda: peft_layer(d, True, torch.float32))
+    if with_quant:
+        for t in QUANT_TYPES:
+            build(f"juno-py {t}", lambda t=t: juno_layer(quant_layer(t, d_in, d_out, device), d))
+
+    # the juno layer computes what PEFT's fp32-adapter DoRA computes (both round to bf16 at the end)
+    agree = {}
+    with torch.no_grad():
+        base_out = F.linear(d["x"], d["W"]).float()
+        if "juno-py dense" in layers and "PEFT DoRA fp32" in layers:
+            ref = layers["PEFT DoRA fp32"].eval()(d["x"]).float()
+            got = layers["juno-py dense"](d["x"]).float()
+            agree["juno-py dense vs PEFT DoRA fp32"] = ((got - ref).norm() / (ref - base_out).norm()).item()
+            layers["PEFT DoRA fp32"].train()
+
+    train, infer = {}, {}
+    for name, layer in layers.items():
+        params = [p for p in layer.parameters() if p.requires_grad]
+        fresh = (lambda lay=layer: setattr(lay, "_g_cache", None)) if isinstance(layer, AdaptedLinear) else None
+        train[name] = train_call(layer, x, d["dy"], params, fresh)
+        infer[name] = infer_call(layer, d["x"])
+    for layer in layers.values():
+        layer.train()
+    t_train = interleaved(train, reps, warmup, device)
+    mem_train = {n: peak_mib(f, device) for n, f in train.items()}
+    for layer in layers.values():
+        layer.eval()
+    for name, layer in layers.items():
+        if isinstance(layer, AdaptedLinear):
+            layer.dora_scale()  # frozen adapter: the norm is computed once and cached
+    t_infer = interleaved(infer, reps, warmup, device)
+    mem_infer = {n: peak_mib(f, device) for n, f in infer.items()}
+    rows = [dict(impl=n, train_ms=t_train[n], infer_ms=t_infer[n], train_peak_mib=mem_train[n],
+                 infer_peak_mib=mem_infer[n], resident_mib=resident[n]) for n in layers]
+    del layers, train, infer
+    return dict(T=T, d_in=d_in, d_out=d_out, r=r, rows=rows, notes=notes, agree=agree)
+
+
+def print_layer_table(res):
+    T, d_in, d_out, r = res["T"], res["d_in"], res["d_out"], res["r"]
+    by = {row["impl"]: row for row in res["rows"]}
+    print(f"\n### T={T}, {d_in}→{d_out}, r={r}\n")
+    print("| implementation | inference ms | fwd+bwd ms | peak MiB (fwd+bwd) | peak MiB (inference) | resident MiB |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for row in res["rows"]:
+        print(f"| {row['impl']} | {row['infer_ms']:.3f} | {row['train_ms']:.3f} | {row['train_peak_mib']:.0f} | "
+              f"{row['infer_peak_mib']:.0f} | {row['resident_mib']:.0f} |")
+    for name, why in res["notes"].items():
+        print(f"| {name} | not run: {why} | | | | |")
+    j = by.get("juno-py dense")
+    if j:
+        lines = []
+        for peer in ("PEFT DoRA bf16", "PEFT DoRA fp32", "PEFT LoRA bf16"):
+            if peer in by:
+                p = by[peer]
+                lines.append(f"{peer}: fwd+bwd {p['train_ms'] / j['train_ms']:.2f}×, inference "
+                             f"{p['infer_ms'] / j['infer_ms']:.2f}×, "
+                             f"peak fwd+bwd {p['train_peak_mib'] / j['train_peak_mib']:.2f}×")
+        print("\njuno-py dense speedup over " + "; ".join(lines))
+        if "PEFT LoRA bf16" in by:
+            lora_ms = by["PEFT LoRA bf16"]["infer_ms"]
+            print(f"juno-py dense inference / PEFT LoRA inference: {j['infer_ms'] / lora_ms:.3f}")
+        quant = [f"{t}: fwd+bwd {by[f'juno-py {t}']['train_ms'] / j['train_ms']:.2f}×, inference "
+                 f"{by[f'juno-py {t}']['infer_ms'] / j['infer_ms']:.2f}×" for t in QUANT_TYPES if f"juno-py {t}" in by]
+        if quant:
+            print("juno-py quantized time / juno-py dense: " + "; ".join(quant))
+    for k, v in res["agree"].items():
+        print(f"check: ‖{k}‖ / ‖adapter effect‖ = {v:.2e} (both outputs bf16)")
+
+
+# ---------------------------------------------------------------------------------------------------- kernels alone
+def bandwidth(n_elems, dtype, device, reps, warmup):
+    """GB/s of the composition kernels (inference; training forward; backward) and of a copy, interleaved."""
+    tk = kernels.triton_kernels()
+    N = 8192
+    M = n_elems // N
+    gen = torch.Generator(device=device).manual_seed(0)
+    base = torch.randn(M, N, generator=gen, device=device).to(dtype)
+    lora = torch.randn(M, N, generator=gen, device=device).to(dtype)
+    g = 1 + 1e-3 * torch.randn(N, generator=gen, device=device)
+    es = base.element_size()
+    calls = {
+        "copy (clone)": (lambda: base.clone(), 2),
+        "compose inference": (lambda: tk.compose_forward(base, lora, g, 0.5), 3),
+        "compose training forward (y, inner)": (lambda: tk.compose_forward(base, lora, g, 0.5, write_inner=True), 4),
+        "compose backward (d_base, d_lora, d_g)": (
+            lambda: tk.compose_backward(base, g, lora, 0.5, dtype, dtype), 4),  # dy = base, inner = lora
+    }
+    ms = interleaved({k: v[0] for k, v in calls.items()}, reps, warmup, device)
+    out = {k: dict(ms=ms[k], gbps=v[1] * M * N * es / ms[k] / 1e6) for k, v in calls.items()}
+    del base, lora
+    return out
+
+
+def print_bandwidth(bw, n, dtype):
+    copy = bw["copy (clone)"]["gbps"]
+    print(f"\n### Composition kernels, {n / 1e6:.0f} M elements, {str(dtype).removeprefix('torch.')}\n")
+    print("| kernel | arrays moved | ms | GB/s | of copy bandwidth |")
+    print("|---|---:|---:|---:|---:|")
+    arrays = {"copy (clone)": 2, "compose inference": 3, "compose training forward (y, inner)": 4,
+              "compose backward (d_base, d_lora, d_g)": 4}
+    for k, v in bw.items():
+        print(f"| {k} | {arrays[k]} | {v['ms']:.3f} | {v['gbps']:.0f} | {v['gbps'] / copy:.1%} |")
+
+
+def factored_norm(device, d_out=8192, d_in=8192, r=512):
+    """‖W + sBA‖_row: juno-py's factored norm (no d_out×d_in matrix) vs PEFT's (builds B·A and W + sBA):
+    transient memory and error against fp64."""
+    d = layer_data(16, d_in, d_out, r, device, seed=1)
+    layer = juno_layer(DenseBase(d["W"]), d)
+    ref = row_norm_fp64(d["W"], d["A"], d["B"], d["s"])
+    out = {}
+    got = {}
+    out["juno-py factored"] = peak_mib(lambda: got.__setitem__("juno", layer.weight_row_norm()), device)
+    peft = peft_layer(d, True, torch.float32)
+    dora = peft.lora_magnitude_vector["default"]
+    A, B = peft.lora_A["default"], peft.lora_B["default"]
+    scaling = peft.scaling["default"]
+
+    def peft_norm():  # what PEFT's DoRA forward runs for the norm, with bf16 activations
+        lora_weight = dora.get_lora_weight(lora_A=A, lora_B=B).to(torch.bfloat16)
+        weight = peft.get_base_layer().weight.to(torch.bfloat16)
+        got["peft"] = dora.get_weight_norm(weight=weight, lora_weight=lora_weight.detach(), scaling=scaling)
+
+    with torch.no_grad():
+        out["PEFT DoRA (fp32 adapters)"] = peak_mib(peft_norm, device)
+    err = {k: ((v.double() - ref).abs() / ref).max().item() for k, v in got.items()}
+    return dict(mem=out, err=err, shape=(d_out, d_in, r))
+
+
+def print_norm(res):
+    d_out, d_in, r = res["shape"]
+    j, p = res["mem"]["juno-py factored"], res["mem"]["PEFT DoRA (fp32 adapters)"]
+    print(f"\n### DoRA row norm ‖W + sBA‖, {d_out}×{d_in}, r={r}\n")
+    print("| implementation | transient MiB | max relative error vs fp64 |")
+    print("|---|---:|---:|")
+    print(f"| juno-py factored | {j:.1f} | {res['err']['juno']:.2e} |")
+    print(f"| PEFT DoRA (fp32 adapters, bf16 activations) | {p:.1f} | {res['err']['peft']:.2e} |")
+    print(f"\nPEFT transient / juno-py transient: {p / j:.1f}×")
+
+
+# ---------------------------------------------------------------------------------------------------- crossover
+def crossover(device, dtypes=(torch.bfloat16, torch.float32), reps=7, batch=20):
+    """Eager vs fused composition by size (fwd+bwd with every gradient, and inference), wall time per call in a
+    loop of `batch` calls (the cost a training loop sees: launch overhead below, bandwidth above)."""
+    tk = kernels.triton_kernels()
+    rows = []
+    for dtype in dtypes:
+        for N in (576, 4096):
+            for M in (1, 4, 16, 64, 256, 1024, 4096, 16384):
+                gen = torch.Generator(device=device).manual_seed(0)
+                base = torch.randn(M, N, generator=gen, device=device).to(dtype).requires_grad_(True)
+                lora = torch.randn(M, N, generator=gen, device=device).to(dtype).requires_grad_(True)
+                g = (1 + 1e-3 * torch.randn(N, generator=gen, device=device)).requires_grad_(True)
+                dy = torch.randn(M, N, generator=gen, device=device).to(dtype)
+
+                def eager_train():
+                    base.grad = lora.grad = g.grad = None
+                    compose_eager(base, lora, g, 0.5).backward(dy)
+
+                def fused_train():
+                    base.grad = lora.grad = g.grad = None
+                    tk.DoraComposeFn.apply(base, lora, g, 0.5).backward(dy)
+
+                def eager_infer():
+                    with torch.no_grad():
+                        compose_eager(base, lora, g, 0.5)
+
+                def fused_infer():
+                    with torch.no_grad():
+                        tk.compose_forward(base.detach(), lora.detach(), g.detach(), 0.5)
+
+                fns = dict(eager_train=eager_train, fused_train=fused_train, eager_infer=eager_infer,
+                           fused_infer=fused_infer)
+                res = {k: [] for k in fns}
+                for f in fns.values():
+                    f()
+                torch.cuda.synchronize()
+                for _ in range(reps):
+                    for k, f in fns.items():
+                        t0 = time.perf_counter()
+                        for _ in range(batch):
+                            f()
+                        torch.cuda.synchronize()
+                        res[k].append((time.perf_counter() - t0) / batch * 1e6)
+                med = {k: statistics.median(v) for k, v in res.items()}
+                rows.append(dict(dtype=str(dtype).removeprefix("torch."), M=M, N=N, elements=M * N, **med))
+    return rows
+
+
+def print_crossover(rows):
+    print("\n### Composition: eager vs fused, µs per call (wall, loop of 20)\n")
+    print("| dtype | tokens × d_out | elements | eager fwd+bwd | fused fwd+bwd | eager inference | fused inference |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['dtype']} | {r['M']}×{r['N']} | {r['elements']} | {r['eager_train']:.1f} | "
+              f"{r['fused_train']:.1f} | {r['eager_infer']:.1f} | {r['fused_infer']:.1f} |")
+
+
+def tiles(device, reps, warmup):
+    """Bandwidth of a few tile configurations, forward and backward, bf16, 134 M elements."""
+    tk = kernels.triton_kernels()
+    N, M = 8192, (1 << 27) // 8192
+    gen = torch.Generator(device=device).manual_seed(0)
+    base = torch.randn(M, N, generator=gen, device=device).to(torch.bfloat16)
+    lora = torch.randn(M, N, generator=gen, device=device).to(torch.bfloat16)
+    g = 1 + 1e-3 * torch.randn(N, generator=gen, device=device)
+    configs = [tk.TileConfig(16, 256, 4), tk.TileConfig(32, 256, 8), tk.TileConfig(8, 512, 4),
+               tk.TileConfig(16, 512, 8), tk.TileConfig(32, 128, 4), tk.TileConfig(64, 256, 8),
+               tk.TileConfig(16, 256, 4, 2048), tk.TileConfig(16, 256, 4, 512), tk.TileConfig(32, 256, 8, 4096)]
+    calls = {"copy": lambda: base.clone()}
+    for c in configs:
+        calls[f"fwd {c}"] = (lambda c=c: tk.compose_forward(base, lora, g, 0.5, cfg=c))
+        calls[f"bwd {c}"] = (lambda c=c: tk.compose_backward(base, g, lora, 0.5, torch.bfloat16, torch.bfloat16, cfg=c))
+    ms = interleaved(calls, reps, warmup, device)
+    bytes_per = {"copy": 2, "fwd": 3, "bwd": 4}
+    print("\n### Tile configurations (bf16, 134 M elements)\n")
+    print("| kernel, config | ms | GB/s |")
+    print("|---|---:|---:|")
+    for k, v in ms.items():
+        print(f"| {k} | {v:.3f} | {bytes_per[k.split()[0]] * M * N * 2 / v / 1e6:.0f} |")
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny shapes on the CPU (smoke test of this script)")
+    ap.add_argument("--reps", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--crossover", action="store_true", help="only the eager/fused size sweep")
+    ap.add_argument("--tiles", action="store_true", help="only the tile-configuration sweep")
+    ap.add_argument("--no-quant", action="store_true", help="skip the quantized juno-py layers")
+    ap.add_argument("--no-norm", action="store_true", help="skip the factored-norm memory and error table")
+    ap.add_argument("--bandwidth-elements", type=int, nargs="*", default=[1 << 27, 1 << 28],
+                    help="sizes of the kernel bandwidth tables (none: skip them)")
+    ap.add_argument("--json", type=Path, help="also write every number here")
+    args = ap.parse_args()
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
+    if device.type == "cuda":
+        print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+              f"triton {__import__('triton').__version__}, peft {__import__('peft').__version__}")
+    else:
+        print(f"CPU ({platform.processor() or platform.machine()}), torch {torch.__version__}: smoke test, no GPU "
+              f"numbers (eager composition on the CPU)")
+    out = {}
+    if args.crossover:
+        out["crossover"] = crossover(device)
+        print_crossover(out["crossover"])
+    elif args.tiles:
+        tiles(device, args.reps, args.warmup)
+    else:
+        shapes = QUICK_SHAPES if args.quick else SHAPES
+        reps = min(args.reps, 5) if args.quick else args.reps
+        if device.type == "cuda":
+            out["bandwidth"] = {}
+            for n in args.bandwidth_elements:
+                for dtype in (torch.bfloat16, torch.float32):
+                    bw = bandwidth(n, dtype, device, args.reps, args.warmup)
+                    print_bandwidth(bw, n, dtype)
+                    out["bandwidth"][f"{n}-{dtype}"] = bw
+                    torch.cuda.empty_cache()
+        out["layers"] = []
+        for T, d_in, d_out, r in shapes:
+            res = bench_shape(T, d_in, d_out, r, device, reps, 1 if args.quick else args.warmup,
+                              with_quant=not args.no_quant and device.type == "cuda")
+            print_layer_table(res)
+            out["layers"].append(res)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if device.type == "cuda" and not args.no_norm:
+            out["norm"] = factored_norm(device)
+            print_norm(out["norm"])
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

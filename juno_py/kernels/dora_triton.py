@@ -1,0 +1,246 @@
+"""Fused Triton kernels for DoRA's composition `y = g·(base + s·lora)` and its norm assembly.
+
+Each kernel has an eager torch reference in `juno_py.kernels.reference` (`compose_eager`,
+`norm_assemble_eager`); `docs/kernels.md` states their numerics. g and all arithmetic are fp32; base, lora,
+y, inner and the input gradients may be bf16 or fp32. A bf16 result is rounded from fp32 with integer
+operations (round to nearest even), so Triton's interpreter, which truncates, writes the same bits as the GPU.
+
+This module imports triton: `juno_py.kernels` loads it only when a fused path runs (triton is optional, and
+`@triton.jit` reads TRITON_INTERPRET when the kernels are defined, i.e. when this module is imported).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch.autograd.function import once_differentiable
+
+# Decided by triton when the kernels below were defined: CPU tensors run only under the interpreter.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@triton.jit
+def _store(ptr, x, mask, TO_BF16: tl.constexpr):
+    """Store fp32 `x`; to bf16 (through an int16 view of the output) with integer round-to-nearest-even."""
+    if TO_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(x != x, 0x7FC0, rounded)  # a NaN stays a (quiet) NaN instead of carrying into Inf
+        tl.store(ptr, rounded.to(tl.int16), mask=mask)
+    else:
+        tl.store(ptr, x, mask=mask)
+
+
+@triton.jit
+def _compose_fwd_kernel(base_ptr, lora_ptr, g_ptr, y_ptr, inner_ptr, M, N, s,
+                        WRITE_INNER: tl.constexpr, Y_BF16: tl.constexpr, INNER_BF16: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: the tile of rows [pid_m·BLOCK_M, +BLOCK_M) and columns [pid_n·BLOCK_N, +BLOCK_N)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    g = tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask = (rows < M)[:, None] & col_ok[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    base = tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    lora = tl.load(lora_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    inner = base + s * lora
+    _store(y_ptr + offs, g[None, :] * inner, mask, Y_BF16)
+    if WRITE_INNER:
+        _store(inner_ptr + offs, inner, mask, INNER_BF16)
+
+
+@triton.jit
+def _compose_bwd_kernel(dy_ptr, g_ptr, inner_ptr, d_base_ptr, d_lora_ptr, partial_ptr, M, N, s,
+                        WRITE_D_BASE: tl.constexpr, WRITE_D_LORA: tl.constexpr, REDUCE_D_G: tl.constexpr,
+                        D_BASE_BF16: tl.constexpr, D_LORA_BF16: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr):
+    """d_base = g·dy, d_lora = g·s·dy over TILES row tiles of BLOCK_M rows, and this row group's partial
+    Σ inner·dy per column (stage one of d_g). TILES is a constexpr power of two: a compile-time loop bound
+    (Triton 3.6's interpreter cannot loop over a runtime one) with few variants whatever the token count."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    g = tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    row0 = tl.program_id(1) * (TILES * BLOCK_M)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for t in range(TILES):
+        rows = row0 + t * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (rows < M)[:, None] & col_ok[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        d_inner = g[None, :] * dy
+        if WRITE_D_BASE:
+            _store(d_base_ptr + offs, d_inner, mask, D_BASE_BF16)
+        if WRITE_D_LORA:
+            _store(d_lora_ptr + offs, d_inner * s, mask, D_LORA_BF16)
+        if REDUCE_D_G:
+            inner = tl.load(inner_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            acc += inner * dy
+    if REDUCE_D_G:
+        tl.store(partial_ptr + tl.program_id(1).to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=col_ok)
+
+
+@triton.jit
+def _norm_assemble_kernel(base_sq_ptr, cross_ptr, ba_sq_ptr, out_ptr, n, s, BLOCK: tl.constexpr):
+    """‖W + sBA‖_row = sqrt(max(‖W‖² + 2s·cross + s²·‖BA‖², 0)), fp32, correctly rounded square root."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    base_sq = tl.load(base_sq_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    cross = tl.load(cross_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    ba_sq = tl.load(ba_sq_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    total = base_sq + (2.0 * s) * cross + (s * s) * ba_sq
+    total = tl.where(total < 0.0, 0.0, total)  # rounding can push a zero row slightly negative; NaN passes through
+    tl.store(out_ptr + offs, tl.sqrt_rn(total), mask=ok)
+
+
+# ---- launch configuration --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile of one program step and warps per program; `groups_target` bounds the d_g partial buffer."""
+    block_m: int = 16
+    block_n: int = 256
+    num_warps: int = 4
+    groups_target: int = 1024  # aim for about this many programs in the backward (a few per SM on an H200)
+
+
+# measured on the H200 (benchmarks/dora_layer.py --tiles, bf16, 134 M elements): every forward tile tried reads
+# and writes at copy bandwidth; the backward, which loops over row tiles to keep d_g's partials few, does best
+# with narrow, tall tiles (3.8 TB/s against 3.2 TB/s for 16 x 256; the copy: 4.2 TB/s)
+FORWARD_CONFIG = TileConfig()
+BACKWARD_CONFIG = TileConfig(block_m=32, block_n=128, num_warps=4)
+NORM_BLOCK = 1024
+
+
+def _tile(cfg: TileConfig, M: int, N: int) -> tuple[int, int]:
+    # small problems get smaller tiles (fewer masked lanes; under the interpreter, less numpy work)
+    return min(cfg.block_m, triton.next_power_of_2(M)), min(cfg.block_n, triton.next_power_of_2(N))
+
+
+def _out_arg(t: torch.Tensor) -> torch.Tensor:
+    """What a kernel stores into: bf16 outputs through an int16 view (integer rounding), fp32 as they are."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def _check_2d(name: str, t: torch.Tensor) -> torch.Tensor:
+    if t.dim() != 2 or t.dtype not in FUSED_DTYPES:
+        raise ValueError(f"fused DoRA compose: {name} is {tuple(t.shape)} {t.dtype}, expected a 2-D float32 or "
+                         f"bfloat16 tensor")
+    return t.contiguous()
+
+
+def compose_forward(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: float, write_inner: bool = False,
+                    cfg: TileConfig = FORWARD_CONFIG) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """y = g·(base + s·lora) for base, lora `[M, N]` and g `[N]` fp32; also inner = base + s·lora if asked.
+
+    y has base's dtype; inner has the wider of base's and lora's dtypes (it feeds d_g's sum)."""
+    base, lora = _check_2d("base", base), _check_2d("lora", lora)
+    M, N = base.shape
+    if lora.shape != base.shape or g.shape != (N,) or g.dtype != torch.float32:
+        raise ValueError(f"fused DoRA compose: base {tuple(base.shape)}, lora {tuple(lora.shape)}, g "
+                         f"{tuple(g.shape)} {g.dtype}: expected equal shapes and float32 g of {N} values")
+    g = g.contiguous()
+    y = torch.empty_like(base)
+    inner = torch.empty_like(base, dtype=torch.promote_types(base.dtype, lora.dtype)) if write_inner else None
+    if M == 0 or N == 0:
+        return y, inner
+    bm, bn = _tile(cfg, M, N)
+    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm))
+    _compose_fwd_kernel[grid](base, lora, g, _out_arg(y), _out_arg(inner) if write_inner else y, M, N, float(s),
+                              WRITE_INNER=write_inner, Y_BF16=y.dtype == torch.bfloat16,
+                              INNER_BF16=write_inner and inner.dtype == torch.bfloat16,
+                              BLOCK_M=bm, BLOCK_N=bn, num_warps=cfg.num_warps)
+    return y, inner
+
+
+def compose_backward(dy: torch.Tensor, g: torch.Tensor, inner: torch.Tensor | None, s: float,
+                     base_dtype: torch.dtype | None, lora_dtype: torch.dtype | None,
+                     cfg: TileConfig = BACKWARD_CONFIG):
+    """(d_base, d_lora, d_g) of y = g·(base + s·lora) in one pass over dy (and inner, when d_g is wanted).
+
+    `base_dtype` / `lora_dtype` None: that gradient is not written. `inner` None: no d_g. d_g (fp32 `[N]`) is
+    reduced deterministically in two stages: each row group writes its column sums to a partial buffer
+    `[groups, N]`, then torch's sum over the buffer's first dimension adds the groups (a fixed-order reduction;
+    one torch op launches faster than a second Triton kernel). No atomics: the same inputs give the same bits."""
+    dy = _check_2d("dy", dy)
+    M, N = dy.shape
+    d_base = torch.empty(M, N, dtype=base_dtype, device=dy.device) if base_dtype is not None else None
+    d_lora = torch.empty(M, N, dtype=lora_dtype, device=dy.device) if lora_dtype is not None else None
+    if M == 0 or N == 0 or (d_base is None and d_lora is None and inner is None):
+        d_g = torch.zeros(N, dtype=torch.float32, device=dy.device) if inner is not None else None
+        return d_base, d_lora, d_g
+    if inner is not None:
+        inner = _check_2d("inner", inner)
+    bm, bn = _tile(cfg, M, N)
+    col_blocks = triton.cdiv(N, bn)
+    row_tiles = triton.cdiv(M, bm)
+    groups = max(1, min(row_tiles, triton.cdiv(cfg.groups_target, col_blocks)))
+    tiles = triton.next_power_of_2(triton.cdiv(row_tiles, groups))
+    groups = triton.cdiv(row_tiles, tiles)
+    partial = torch.empty(groups, N, dtype=torch.float32, device=dy.device) if inner is not None else None
+    placeholder = dy  # never touched: the constexpr flags switch its use off
+    _compose_bwd_kernel[(col_blocks, groups)](
+        dy, g.contiguous(), inner if inner is not None else placeholder,
+        _out_arg(d_base) if d_base is not None else placeholder,
+        _out_arg(d_lora) if d_lora is not None else placeholder,
+        partial if partial is not None else placeholder, M, N, float(s),
+        WRITE_D_BASE=d_base is not None, WRITE_D_LORA=d_lora is not None, REDUCE_D_G=partial is not None,
+        D_BASE_BF16=base_dtype == torch.bfloat16, D_LORA_BF16=lora_dtype == torch.bfloat16,
+        BLOCK_M=bm, BLOCK_N=bn, TILES=tiles, num_warps=cfg.num_warps)
+    d_g = partial.sum(dim=0) if partial is not None else None  # stage two
+    return d_base, d_lora, d_g
+
+
+def norm_assemble(base_sq: torch.Tensor, cross: torch.Tensor, ba_sq: torch.Tensor, s: float) -> torch.Tensor:
+    """‖W + sBA‖_row from its three factored parts (1-D, any float dtype read as fp32), fp32 `[n]`."""
+    n = base_sq.numel()
+    if cross.numel() != n or ba_sq.numel() != n:
+        raise ValueError(f"fused DoRA norm: base_sq has {n} rows, cross {cross.numel()}, ba_sq {ba_sq.numel()}: "
+                         f"expected equal lengths")
+    out = torch.empty(n, dtype=torch.float32, device=base_sq.device)
+    if n:
+        block = min(NORM_BLOCK, triton.next_power_of_2(n))
+        flat = [t.reshape(-1).contiguous() for t in (base_sq, cross, ba_sq)]
+        _norm_assemble_kernel[(triton.cdiv(n, block),)](*flat, out, n, float(s), BLOCK=block)
+    return out
+
+
+class DoraComposeFn(torch.autograd.Function):
+    """Training composition: the forward writes y (and inner when g needs a gradient), the backward is one pass.
+
+    Saved for backward: g `[N]` fp32 and, only when g requires grad, inner `[M, N]` in the wider of base's and
+    lora's dtypes. Neither base nor lora is kept.
+    """
+
+    @staticmethod
+    def forward(ctx, base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: float) -> torch.Tensor:
+        shape, N = base.shape, base.shape[-1]
+        want_d_g = ctx.needs_input_grad[2]
+        y, inner = compose_forward(base.reshape(-1, N), lora.reshape(-1, N), g, s, write_inner=want_d_g)
+        ctx.save_for_backward(g, inner)
+        ctx.s = s
+        ctx.shapes = (shape, lora.shape)
+        ctx.dtypes = (base.dtype, lora.dtype)
+        return y.reshape(shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy: torch.Tensor):
+        g, inner = ctx.saved_tensors
+        need_base, need_lora, need_g = ctx.needs_input_grad[:3]
+        base_shape, lora_shape = ctx.shapes
+        d_base, d_lora, d_g = compose_backward(dy.reshape(-1, base_shape[-1]), g, inner if need_g else None, ctx.s,
+                                               ctx.dtypes[0] if need_base else None,
+                                               ctx.dtypes[1] if need_lora else None)
+        return (d_base.reshape(base_shape) if d_base is not None else None,
+                d_lora.reshape(lora_shape) if d_lora is not None else None, d_g, None)
+
+
+__all__ = ["DoraComposeFn", "compose_forward", "compose_backward", "norm_assemble", "TileConfig", "INTERPRETED",
+           "FUSED_DTYPES"]
