@@ -18,9 +18,13 @@ def model_options(fn):
     @click.option("--weights-cache", type=click.Choice(["auto", "none", "bf16", "fp32"]), default="auto",
                   show_default=True,
                   help="Keep a dequantized copy of the weights (faster, more memory) or stream them from the "
-                       "quantized file; auto keeps an fp32 copy when it takes under a quarter of free memory.")
-    @click.option("--compute-dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
-                  help="Matmul precision of the frozen weights.")
+                       "quantized file; auto keeps an fp32 copy when it takes under a quarter of free memory (on a "
+                       "GPU: none, the bytes stay quantized there).")
+    @click.option("--compute-dtype", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", show_default=True,
+                  help="Matmul precision of the frozen weights (auto: fp32 on the CPU, bf16 on a GPU, where the "
+                       "activations then run in bf16 too).")
+    @click.option("--device", default="cpu", show_default=True,
+                  help="Torch device; on cuda the weights stay quantized on the GPU (Triton decodes them).")
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         return fn(*args, **kwargs)
@@ -45,13 +49,17 @@ def auto_weights_cache(model_path) -> str:
     return "fp32" if fp32_bytes < available // 4 else "none"
 
 
-def open_model(model_path, lora_play=None, force=False, weights_cache="auto", compute_dtype="fp32"):
+def open_model(model_path, lora_play=None, force=False, weights_cache="auto", compute_dtype="fp32", device="cpu"):
     from juno_py.lora import load_adapters
     from juno_py.models import load_model
 
+    on_gpu = str(device).startswith("cuda")
+    if compute_dtype == "auto":
+        compute_dtype = "bf16" if on_gpu else "fp32"
     if weights_cache == "auto":
-        weights_cache = auto_weights_cache(model_path)
-    model = load_model(model_path, weights_cache=weights_cache, compute_dtype=compute_dtype)
+        # on a GPU the weights stay quantized: the fused dequantize-matvec kernel decodes one token from the bytes
+        weights_cache = "none" if on_gpu else auto_weights_cache(model_path)
+    model = load_model(model_path, device=device, weights_cache=weights_cache, compute_dtype=compute_dtype)
     if lora_play:
         load_adapters(model, [s for s in lora_play.split(",") if s.strip()], force=force)
     return model

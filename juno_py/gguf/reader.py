@@ -368,7 +368,7 @@ class GGUFFile:
         raw = self.raw_rows(name, rows)
         if len(info.shape) == 1:
             block, bsize = GGML_BLOCK_SIZES[info.ggml_type]
-            out = quants.dequantize(info.ggml_type, raw, raw.size // bsize * block, what=name).reshape(-1)
+            out = quants.dequantize(info.ggml_type, raw, raw.shape[-1] // bsize * block, what=name).reshape(-1)
             if rows is not None:
                 start, stop, _ = rows.indices(info.shape[0])
                 out = out[: stop - start]

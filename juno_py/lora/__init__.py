@@ -136,6 +136,16 @@ def _base_of(module: nn.Module) -> nn.Module:
     return module.base if isinstance(module, AdaptedLinear) else module
 
 
+def _device_of(module: nn.Module) -> torch.device:
+    """Where a frozen base lives (its bytes, else any buffer or parameter): its adapter goes there too."""
+    raw = getattr(module, "raw", None)
+    if isinstance(raw, torch.Tensor):
+        return raw.device
+    for t in (*module.buffers(), *module.parameters()):
+        return t.device
+    return torch.device("cpu")
+
+
 def attach(model, targets: Union[str, Sequence[str]] = "qv", config: Optional[AdapterConfig] = None,
            seed: int = 0, layers: Optional[Iterable[int]] = None, **overrides) -> AdapterSet:
     """Wrap the chosen targets of every (or the given) layer in fresh adapters; returns the trainable set.
@@ -155,7 +165,9 @@ def attach(model, targets: Union[str, Sequence[str]] = "qv", config: Optional[Ad
             continue
         base = _base_of(ref.module)
         mag = base.row_norms_sq().sqrt() if config.mode == Mode.DORA else None
-        ad = LoraAdapter(base.in_features, base.out_features, config, generator=gen, magnitude=mag)
+        # initialised on the CPU (the same A for a given seed on every device), then moved beside its base
+        ad = LoraAdapter(base.in_features, base.out_features, config, generator=gen,
+                         magnitude=None if mag is None else mag.cpu()).to(_device_of(base))
         key = f"{ref.layer}:{ref.target}"
         wrapped = AdaptedLinear(base, [ad], name=key)
         model.blocks[ref.layer].linears[ref.target] = wrapped
@@ -233,7 +245,7 @@ def load_adapters(model, specs: Sequence[Union[str, tuple[str, float]]], force: 
     for path, scale, entries in files:
         for e in entries:
             bases[e.key] = check_entry_fits(model, e, path, fps, force)
-            grouped[e.key].append((LoraAdapter.from_entry(e), scale))
+            grouped[e.key].append((LoraAdapter.from_entry(e).to(_device_of(bases[e.key])), scale))
     detach(model)
     out = {}
     for key, items in sorted(grouped.items(), key=lambda kv: sort_key(kv[0])):

@@ -21,6 +21,8 @@ def load_model(path_or_store_name=None, device: Union[str, torch.device] = "cpu"
     """A GGUF model (file path or model-store name; None: the default model) ready for `.logits(ids)` and
     `.tokenizer`; `adapters`: adapter.bin paths to play, each optionally `path:scale`.
     `weights_cache`: keep dequantized weights ("bf16", "fp32") or stream them ("none").
+    `device="cuda"`: the quantized bytes move to the GPU and stay quantized there (Triton decodes them); with
+    bf16 compute the activations run in bf16 there.
     `n_ctx`: the context length you intend to use (picks LongRoPE's long or short factors, as llama.cpp does)."""
     from juno_py.gguf import GGUFFile
     from juno_py.store import resolve_model
@@ -30,8 +32,11 @@ def load_model(path_or_store_name=None, device: Union[str, torch.device] = "cpu"
             raise ValueError(f"compute_dtype is {compute_dtype!r}: expected fp32 or bf16")
         compute_dtype = _DTYPES[compute_dtype.lower()]
     gguf = GGUFFile(resolve_model(path_or_store_name))
-    model = Transformer.from_gguf(gguf, weights_cache=weights_cache, compute_dtype=compute_dtype, n_ctx=n_ctx)
-    model = model.to(device).eval()
+    on_cpu = torch.device(device).type == "cpu"
+    # on a GPU a resident cache is decoded there after the move (Transformer.place), never built on the CPU
+    model = Transformer.from_gguf(gguf, weights_cache=weights_cache if on_cpu else "none",
+                                  compute_dtype=compute_dtype, n_ctx=n_ctx)
+    model = model.place(device, weights_cache).eval()
     if adapters:
         from juno_py.lora import load_adapters
 

@@ -2,7 +2,8 @@
 final norm, output projection. One block structure serves every architecture of the allowlist; what differs is
 data in `ArchSpec` and `ModelArgs`.
 
-The residual stream, norms, RoPE and attention run in fp32; only the frozen linears use `compute_dtype`.
+The residual stream, norms, RoPE and attention run in fp32 (on a GPU with bf16 compute: bf16 activations, norms
+computed in fp32); the frozen linears use `compute_dtype`.
 """
 
 from __future__ import annotations
@@ -28,14 +29,19 @@ ACTIVATIONS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
 
 
 class RMSNorm(nn.Module):
+    """`x / rms(x) · weight`, computed in the weight's dtype (fp32, or fp64 for exactness checks); the result has
+    `out_dtype` (None: the weight's dtype; bf16 for bf16 activations)."""
+
     def __init__(self, weight: Tensor, eps: float):
         super().__init__()
         self.eps = eps
+        self.out_dtype: Optional[torch.dtype] = None
         self.register_buffer("weight", weight.float())
 
     def forward(self, x: Tensor) -> Tensor:
         x = x.to(self.weight.dtype)
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return y if self.out_dtype is None else y.to(self.out_dtype)
 
 
 def rope_inv_freq(rope_dim: int, base: float, freq_scale: float = 1.0, factors: Optional[Tensor] = None) -> Tensor:
@@ -113,7 +119,8 @@ class KVCache:
 
 
 class QuantEmbedding(nn.Module):
-    """Token embedding that dequantizes only the rows of the tokens in the batch."""
+    """Token embedding that dequantizes only the rows of the tokens in the batch: on the CPU from the file's
+    memory map, or on the device where the table's bytes already are (an in-memory model built there)."""
 
     def __init__(self, gguf, tensor: str, scale: Optional[float] = None):
         super().__init__()
@@ -133,7 +140,18 @@ class QuantEmbedding(nn.Module):
             bad = int(ids[0] if ids[0] < 0 else ids[-1])
             raise IndexError(f"token id {bad} is outside the vocabulary of {self.n_vocab} ({self.tensor})")
         info = self.gguf.tensors[self.tensor]
-        rows = quants.dequantize(info.ggml_type, info.raw[ids.numpy()], self.dim, what=self.tensor)
+        raw = info.raw
+        if isinstance(raw, torch.Tensor) and raw.device.type != "cpu":
+            from juno_py.kernels import dequant
+
+            picked = raw.index_select(0, ids.to(raw.device))
+            if dequant.has_kernel(info.ggml_type) and dequant.triton_ready(raw.device):
+                rows = dequant.dequantize_tile(picked, info.ggml_type, self.dim, dtype=torch.float32)
+            else:
+                rows = quants.dequantize(info.ggml_type, picked.cpu(), self.dim, what=self.tensor)
+            inverse = inverse.to(rows.device)
+        else:
+            rows = quants.dequantize(info.ggml_type, raw[ids.numpy()], self.dim, what=self.tensor)
         out = rows[inverse].reshape(*tokens.shape, self.dim)
         if self.scale is not None:
             out = out * torch.tensor(self.scale, dtype=torch.float32)
@@ -206,6 +224,7 @@ class Transformer(nn.Module):
         self.gguf, self.args, self.spec, self.layout = gguf, args, spec, layout
         self.checkpoint_blocks = False  # recompute each block in backward (activation checkpointing)
         self.act_dtype = torch.float32
+        self.compute_dtype = compute_dtype
 
         def linear(name: str, rows: Optional[slice] = None, bias: Optional[str] = None) -> nn.Module:
             return FrozenQuantLinear.from_gguf(gguf, name, rows=rows, bias=bias, cache=weights_cache,
@@ -247,15 +266,48 @@ class Transformer(nn.Module):
         args = ModelArgs.from_gguf(gguf)
         return cls(gguf, args, spec, resolve_layout(gguf, args, spec), weights_cache, compute_dtype, n_ctx)
 
+    @classmethod
+    def from_tensors(cls, metadata, tensors, weights_cache: str = "none", compute_dtype: torch.dtype = torch.float32,
+                     n_ctx: Optional[int] = None, label: str = "<memory>") -> "Transformer":
+        """A model from metadata and quantized tensors held in memory, no file: `tensors` maps GGUF tensor names to
+        `(ggml_type, shape, uint8 bytes)` (see `juno_py.gguf.MemoryGGUF`); bytes already on a GPU stay there."""
+        from juno_py.gguf.memory import MemoryGGUF
+
+        return cls.from_gguf(MemoryGGUF(metadata, tensors, label), weights_cache, compute_dtype, n_ctx)
+
+    def frozen_linears(self) -> Iterator[FrozenQuantLinear]:
+        for m in self.modules():
+            if isinstance(m, FrozenQuantLinear):
+                yield m
+
+    def place(self, device, weights_cache: str = "none") -> "Transformer":
+        """Move the model to `device` and set it up for it. On a GPU the frozen weights stay quantized there (or,
+        with `weights_cache` "bf16"/"fp32", a dequantized copy is decoded on the GPU after the move) and, with bf16
+        compute, the activations run in bf16 (norms in fp32; adapters keep fp32 weights)."""
+        if weights_cache not in WEIGHTS_CACHES:
+            raise ValueError(f"weights_cache is {weights_cache!r}: expected one of {', '.join(WEIGHTS_CACHES)}")
+        device = torch.device(device)
+        self.to(device)
+        if device.type != "cpu":
+            for lin in self.frozen_linears():
+                if lin.cache != weights_cache:
+                    lin.set_weights_cache(weights_cache)
+            if self.compute_dtype == torch.bfloat16:
+                self.set_activation_dtype(torch.bfloat16)
+        return self
+
     def set_activation_dtype(self, dtype: torch.dtype) -> "Transformer":
-        """Run the residual stream, norms, RoPE and attention in `dtype`: float32 (the default), or float64 for
-        exactness checks (frozen linears then compute in float64 over the same dequantized values)."""
+        """Run the residual stream, RoPE and attention in `dtype`: float32 (the default), float64 for exactness
+        checks (frozen linears then compute in float64 over the same dequantized values), or bfloat16 (GPU
+        training: norms still compute in fp32, adapters keep fp32 weights)."""
         self.act_dtype = dtype
         for blk in self.blocks:
             blk.act_dtype = dtype
+        norm_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         for m in self.modules():
             if isinstance(m, RMSNorm):
-                m.weight = m.weight.to(dtype)
+                m.weight = m.weight.to(norm_dtype)
+                m.out_dtype = None if dtype == norm_dtype else dtype
         return self
 
     # --- forward ---------------------------------------------------------------------------------------------
@@ -267,6 +319,10 @@ class Transformer(nn.Module):
         plus new) restricts attention further (padding, packed documents); causality by position and sliding
         windows always apply.
         """
+        device = self.embed.device  # inputs may come from the CPU (data loaders): they follow the model
+        tokens = tokens.to(device)
+        positions = positions.to(device) if positions is not None else None
+        mask = mask.to(device) if mask is not None else None
         b, t = tokens.shape
         plain = mask is None and cache is None and positions is None  # causal by index: SDPA builds the mask
         if positions is None:
@@ -297,6 +353,7 @@ class Transformer(nn.Module):
         tokens = torch.as_tensor(token_ids, dtype=torch.long, device=self.embed.device)
         batch = tokens.dim() == 2
         out = self.project(self(tokens if batch else tokens.unsqueeze(0)))
+        out = out if out.dtype == torch.float64 else out.float()
         return out if batch else out[0]
 
     def loss(self, tokens: Tensor, targets: Tensor, positions: Optional[Tensor] = None, mask: Optional[Tensor] = None,
@@ -315,7 +372,7 @@ class Transformer(nn.Module):
                 yield TargetRef(blk.layer, name, blk.linears[name], slot.tensor, slot.rows)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
-        return KVCache(self.args, batch, max_len, device=self.embed.device)
+        return KVCache(self.args, batch, max_len, device=self.embed.device, dtype=self.act_dtype)
 
     @property
     def tokenizer(self):

@@ -47,9 +47,10 @@ def total_ram_bytes() -> int:
     return 0
 
 
-def resolve_weights_cache(spec: str, model_path, compute_dtype: torch.dtype) -> str:
+def resolve_weights_cache(spec: str, model_path, compute_dtype: torch.dtype, device: str = "cpu") -> str:
     """'auto' | 'none' | 'bf16' | 'fp32'. auto: with bf16 compute, keep a bf16 copy of the frozen weights when it
-    is small (no dequantization per step); with fp32 compute, stream from the quantized bytes (exact)."""
+    is small (no dequantization per step); with fp32 compute, stream from the quantized bytes (exact). On a GPU
+    the copy must also fit in 1/8 of the device's memory; otherwise the bytes stay quantized there."""
     if spec != "auto":
         return spec
     if compute_dtype != torch.bfloat16:
@@ -58,7 +59,11 @@ def resolve_weights_cache(spec: str, model_path, compute_dtype: torch.dtype) -> 
 
     gguf = GGUFFile(model_path)
     elements = sum(_numel(t.shape) for t in gguf.tensors.values() if len(t.shape) == 2)
-    limit = min(CACHE_LIMIT_BYTES, total_ram_bytes() // 8 or CACHE_LIMIT_BYTES)
+    if str(device).startswith("cuda"):
+        memory = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    else:
+        memory = total_ram_bytes()
+    limit = min(CACHE_LIMIT_BYTES, memory // 8 or CACHE_LIMIT_BYTES)
     return "bf16" if 2 * elements <= limit else "none"
 
 

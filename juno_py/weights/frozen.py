@@ -1,10 +1,16 @@
-"""Frozen quantized linear (CPU streaming): a GGUF weight, or a row range of one, that stays quantized.
+"""Frozen quantized linear: a GGUF weight, or a row range of one, that stays quantized (CPU streaming, GPU resident).
 
 `FrozenQuantLinear` owns a view of the tensor's bytes in the file's memory map and an optional frozen
 bias. Its matmuls dequantize a bounded block of rows at a time (`chunk_rows`, sized from a scratch budget
 in bytes) and multiply each block into its slice of the output, so no `[n_out, n_in]` float weight ever
 exists unless a resident cache is asked for. Backward computes only the input gradient, with the same
 streaming transpose; the weight is not a Parameter and has no gradient.
+
+On a GPU (`.to("cuda")` moves the bytes there, still quantized) the same layer decodes tiles with Triton
+(`juno_py.kernels.dequant_triton`) into bf16 (or fp32) and multiplies them with cuBLAS: forward by blocks of
+rows, transpose by blocks of columns, each product reducing over the whole inner dimension in fp32. For a few
+tokens (playback decode) a fused dequantize-matvec kernel reads the bytes once instead. Types without a kernel
+decode through the torch codecs on the CPU, block by block.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from torch.autograd.function import once_differentiable
 
 from juno_py.errors import GGUFFormatError, UnsupportedQuantType
 from juno_py.gguf import quants
+from juno_py.kernels import dequant as device_dequant
 
 # fp32 bytes of dequantized rows per chunk. 8 MiB holds every SmolLM2 projection in one chunk (one codec
 # call, one BLAS call: best at every T we measured, see docs/benchmarks.md) and keeps an 8192-wide layer
@@ -33,6 +40,15 @@ BF16_MIN_TOKENS = 16
 
 CACHE_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp32": torch.float32}
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
+
+# Device path. Bytes of one dequantized tile (in the compute dtype): 64 MiB keeps the products large enough for
+# cuBLAS (an 8192-wide layer decodes 4096 rows at a time) and the transient small beside a step's activations.
+DEFAULT_DEVICE_SCRATCH_BYTES = 64 << 20
+# up to this many tokens the fused dequantize-matvec kernel replaces decode-then-multiply (playback decode)
+MATVEC_MAX_TOKENS = 8
+# where the decoding runs: "auto" (Triton on CUDA for the types it has, else the torch codecs), "torch" (the
+# torch codecs only), "triton" (the Triton kernels on any device: CPU tests run them under TRITON_INTERPRET=1)
+DEQUANT_BACKENDS = ("auto", "torch", "triton")
 
 
 def default_chunk_rows(n_in: int, n_out: int, scratch_bytes: int = DEFAULT_SCRATCH_BYTES) -> int:
@@ -93,13 +109,18 @@ class FrozenQuantLinear(nn.Module):
     is exact to the dequantized values. Outputs are float32 (float64 for float64 inputs, which gradient checks
     use). Rows per block: `chunk_rows`, or as many fp32 rows as fit in `scratch_bytes`.
 
+    Device path (bytes on a GPU, or `dequant="triton"`): tiles of `device_scratch_bytes` are decoded by Triton
+    and multiplied by cuBLAS in `compute_dtype` with fp32 accumulation; bf16 inputs give bf16 outputs, fp32
+    inputs fp32 outputs; up to MATVEC_MAX_TOKENS tokens use the fused dequantize-matvec kernel.
+
     The raw bytes, bias and cache are non-persistent buffers (never in a state_dict); the module refuses to
     be pickled or deep-copied, which would copy the mapped weight.
     """
 
     def __init__(self, raw, ggml_type: int, n_in: int, bias: Optional[torch.Tensor] = None, *,
                  chunk_rows: Optional[int] = None, scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
-                 cache: str = "none", compute_dtype: torch.dtype = torch.float32, name: str = ""):
+                 cache: str = "none", compute_dtype: torch.dtype = torch.float32, name: str = "",
+                 dequant: str = "auto", device_scratch_bytes: int = DEFAULT_DEVICE_SCRATCH_BYTES):
         super().__init__()
         codec = quants.get_codec(ggml_type, name)
         if n_in <= 0 or n_in % codec.block_size:
@@ -110,7 +131,12 @@ class FrozenQuantLinear(nn.Module):
         if compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"{name or 'frozen linear'}: compute_dtype {compute_dtype}, expected torch.float32 "
                              f"or torch.bfloat16")
+        if dequant not in DEQUANT_BACKENDS:
+            raise ValueError(f"{name or 'frozen linear'}: dequant {dequant!r}, expected one of "
+                             f"{', '.join(DEQUANT_BACKENDS)}")
         self.name = name
+        self.dequant = dequant
+        self.device_scratch_bytes = int(device_scratch_bytes)
         self._ggml_type = int(ggml_type)
         self._n_in = int(n_in)
         # non-persistent buffers: they follow .to(device) but never enter a state_dict (adapters only)
@@ -173,16 +199,62 @@ class FrozenQuantLinear(nn.Module):
 
     # ---- dequantized rows -----------------------------------------------------------------------------------
     def dequantize_rows(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Rows `[start, stop)` of W decoded from the bytes (exact: never from a bf16 cache), `[stop-start, n_in]`."""
-        w = quants.dequantize(self._ggml_type, self.raw[start:stop], self._n_in, what=self.name)
-        return w if dtype == torch.float32 else w.to(dtype)
+        """Rows `[start, stop)` of W decoded from the bytes (exact: never from a bf16 cache), `[stop-start, n_in]`,
+        on the device of the bytes. bf16 is the exact values rounded to nearest even."""
+        return self.dequantize_tile((start, stop), (0, self._n_in), dtype)
+
+    def dequantize_tile(self, rows: tuple[int, int], cols: tuple[int, int],
+                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W[r0:r1, c0:c1] decoded from the bytes, on the device of the bytes: Triton where it runs, else the
+        torch codecs (on the CPU; whole rows decoded, the columns cut from them)."""
+        (r0, r1), (c0, c1) = rows, cols
+        if self._use_triton():
+            if dtype in device_dequant.OUT_DTYPES:
+                return device_dequant.dequantize_tile(self.raw, self._ggml_type, self._n_in, rows, cols, dtype)
+            return device_dequant.dequantize_tile(self.raw, self._ggml_type, self._n_in, rows, cols).to(dtype)
+        raw = self.raw[r0:r1]
+        w = quants.dequantize(self._ggml_type, raw.cpu() if raw.device.type != "cpu" else raw, self._n_in,
+                              what=self.name)
+        if (c0, c1) != (0, self._n_in):
+            w = w[:, c0:c1]
+        return w.to(self.raw.device, dtype) if (w.device, w.dtype) != (self.raw.device, dtype) else w
+
+    def _use_triton(self) -> bool:
+        """Decode with the Triton kernels: on CUDA (auto) or when forced, for the types they cover."""
+        if self.dequant == "torch" or not device_dequant.has_kernel(self._ggml_type):
+            return False
+        if self.dequant == "auto" and self.raw.device.type != "cuda":
+            return False
+        if not device_dequant.triton_ready(self.raw.device):
+            if self.dequant == "triton":
+                raise RuntimeError(f"{self.name or 'frozen linear'}: dequant='triton' needs Triton and a CUDA device "
+                                   f"(or TRITON_INTERPRET=1 on the CPU)")
+            return False
+        return True
+
+    def _on_device_path(self) -> bool:
+        """GPU-resident arithmetic: bytes on an accelerator, or the Triton kernels forced (interpreter tests)."""
+        return self.raw.device.type != "cpu" or self.dequant == "triton"
 
     def _dequantize_all(self, dtype: torch.dtype) -> torch.Tensor:
+        if self._on_device_path():
+            return self.dequantize_rows(0, self._n_out, dtype)
         out = torch.empty(self._n_out, self._n_in, dtype=dtype, device=self.raw.device)
         for a, b, w in self._blocks(torch.float32, exact=True):
             out[a:b] = w
             del w
         return out
+
+    def set_weights_cache(self, cache: str) -> "FrozenQuantLinear":
+        """Keep ("bf16", "fp32") or drop ("none") a dequantized copy of W, decoded where the bytes are now (on a
+        GPU: by the Triton kernels, after the move, so the copy is never built on the CPU)."""
+        if cache not in CACHE_DTYPES:
+            raise ValueError(f"{self.name or 'frozen linear'}: cache {cache!r}, expected one of {', '.join(CACHE_DTYPES)}")
+        self.cache = cache
+        self.weight_cache = None
+        if CACHE_DTYPES[cache] is not None:
+            self.weight_cache = self._dequantize_all(CACHE_DTYPES[cache])
+        return self
 
     def _blocks(self, dtype: torch.dtype, exact: bool = False):
         """Yield `(start, stop, rows of W in dtype)` covering `[0, n_out)`, one block at a time.
@@ -209,28 +281,106 @@ class FrozenQuantLinear(nn.Module):
             yield a, b, w
             del w
 
-    def _matmul_dtype(self, x: torch.Tensor, tokens: int) -> torch.dtype:
+    def _matmul_dtype(self, x: torch.Tensor, tokens: int, exact: bool = False) -> torch.dtype:
         if x.dtype == torch.float64:
             return torch.float64
+        if exact:
+            return torch.float32
         if self.compute_dtype == torch.bfloat16 and (tokens >= BF16_MIN_TOKENS or self.cache == "bf16"):
             return torch.bfloat16
         return torch.float32
 
-    def _operands(self, t: torch.Tensor, n_from: int, n_to: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _operands(self, t: torch.Tensor, n_from: int, n_to: int, what: str,
+                  exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """`t [..., n_from]` as a matrix in the matmul dtype, and the empty output `[tokens, n_to]` (fp32, or
         fp64 for fp64 inputs)."""
         if t.shape[-1] != n_from:
             raise ValueError(f"{self.name or 'frozen linear'}: {what} has {t.shape[-1]} features, expected {n_from}")
         t2 = t.reshape(-1, n_from)
-        dtype = self._matmul_dtype(t, t2.shape[0])
+        dtype = self._matmul_dtype(t, t2.shape[0], exact)
         out_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         return t2.to(dtype), torch.empty(t2.shape[0], n_to, dtype=out_dtype, device=t.device)
 
+    # ---- device matmuls (GPU resident; no autograd) ---------------------------------------------------------
+    def _device_dtypes(self, t: torch.Tensor, exact: bool = False) -> tuple[torch.dtype, torch.dtype]:
+        """(dtype of the products' operands, dtype of the result) on the device path: float64 stays float64
+        (gradient checks); `exact`: fp32 operands; otherwise the operands are the resident cache's dtype, or
+        `compute_dtype`, and the result has the input's dtype when that is bf16 (bf16 activations), else fp32."""
+        if t.dtype == torch.float64:
+            return torch.float64, torch.float64
+        if exact:
+            return torch.float32, torch.float32
+        op = self.weight_cache.dtype if self.weight_cache is not None else self.compute_dtype
+        return op, torch.bfloat16 if t.dtype == torch.bfloat16 else torch.float32
+
+    def _device_step(self, n_other: int, elem: int) -> int:
+        return max(1, self.device_scratch_bytes // (elem * max(n_other, 1)))
+
+    def _device_forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        if x.shape[-1] != self._n_in:
+            raise ValueError(f"{self.name or 'frozen linear'}: input has {x.shape[-1]} features, expected {self._n_in}")
+        x2 = x.reshape(-1, self._n_in)
+        op, res = self._device_dtypes(x, exact)
+        tokens = x2.shape[0]
+        cache = self.weight_cache
+        if cache is not None and (cache.dtype == op or not exact):
+            y = mm_out(x2.to(op), cache.t(), res)
+        elif op != torch.float64 and 0 < tokens <= MATVEC_MAX_TOKENS and self._use_triton():
+            # x in the compute dtype, as the tile path multiplies it (the kernel widens it to fp32 exactly)
+            y = device_dequant.dequant_matvec(self.raw, self._ggml_type, self._n_in, x2.to(op),
+                                              round_bf16=op == torch.bfloat16).to(res)
+        else:
+            xc = x2.to(op)
+            step = self._device_step(self._n_in, xc.element_size())
+            y = None
+            for a in range(0, self._n_out, step):
+                b = min(a + step, self._n_out)
+                w = self.dequantize_rows(a, b, op)
+                part = mm_out(xc, w.t(), res)
+                del w
+                if b - a == self._n_out:
+                    y = part
+                else:
+                    if y is None:
+                        y = torch.empty(tokens, self._n_out, dtype=res, device=x.device)
+                    y[:, a:b] = part
+        return y.reshape(*x.shape[:-1], self._n_out)
+
+    def _device_transpose(self, g: torch.Tensor) -> torch.Tensor:
+        """`g·W` by blocks of columns of W: every product reduces over all n_out rows at once (fp32 accumulation)."""
+        if g.shape[-1] != self._n_out:
+            raise ValueError(f"{self.name or 'frozen linear'}: gradient has {g.shape[-1]} features, expected "
+                             f"{self._n_out}")
+        g2 = g.reshape(-1, self._n_out)
+        op, res = self._device_dtypes(g)
+        gc = g2.to(op)
+        cache = self.weight_cache
+        if cache is not None:
+            out = mm_out(gc, cache, res)
+        else:
+            step = self._device_step(self._n_out, gc.element_size())
+            out = None
+            for c in range(0, self._n_in, step):
+                d = min(c + step, self._n_in)
+                w = self.dequantize_tile((0, self._n_out), (c, d), op)
+                part = mm_out(gc, w, res)
+                del w
+                if d - c == self._n_in:
+                    out = part
+                else:
+                    if out is None:
+                        out = torch.empty(g2.shape[0], self._n_in, dtype=res, device=g.device)
+                    out[:, c:d] = part
+        return out.reshape(*g.shape[:-1], self._n_in)
+
     # ---- streaming matmuls (no autograd) --------------------------------------------------------------------
-    def _stream_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`x·Wᵀ` for x `[..., n_in]`: each block of rows of W multiplies into its column slice of the output."""
-        xc, out = self._operands(x, self._n_in, self._n_out, "input")
-        for a, b, w in self._blocks(xc.dtype):
+    def _stream_forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        """`x·Wᵀ` for x `[..., n_in]`: each block of rows of W multiplies into its column slice of the output.
+        `exact`: fp32 operands over W decoded from the bytes, whatever the compute dtype and cache."""
+        if self._on_device_path():
+            return self._device_forward(x, exact)
+        xc, out = self._operands(x, self._n_in, self._n_out, "input", exact)
+        for a, b, w in self._blocks(xc.dtype, exact=exact):
             if xc.dtype == out.dtype:
                 torch.mm(xc, w.t(), out=out[:, a:b])  # BLAS writes the column slice in place (ldc = n_out)
             else:
@@ -240,6 +390,8 @@ class FrozenQuantLinear(nn.Module):
 
     def _stream_transpose(self, g: torch.Tensor) -> torch.Tensor:
         """`g·W` for g `[..., n_out]` (the adjoint of `_stream_forward`), accumulated block by block in fp32."""
+        if self._on_device_path():
+            return self._device_transpose(g)
         gc, out = self._operands(g, self._n_out, self._n_in, "gradient")
         for a, b, w in self._blocks(gc.dtype):
             if gc.dtype != out.dtype:
@@ -260,24 +412,39 @@ class FrozenQuantLinear(nn.Module):
         return self._apply_fn(x, self.bias)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """`x·Wᵀ` without the bias (autograd: input gradient only). DoRA's factored norm takes
-        `U = W·Aᵀ = layer.matmul(A).T` for its r rows of A: no separate method is needed."""
+        """`x·Wᵀ` without the bias (autograd: input gradient only)."""
         return self._apply_fn(x, None)
+
+    def matmul_exact(self, x: torch.Tensor) -> torch.Tensor:
+        """`x·Wᵀ` with fp32 operands (fp64 for fp64 x) over W decoded exactly from the bytes, no autograd: DoRA's
+        factored norm takes `U = W·Aᵀ = layer.matmul_exact(A).T` for its r rows of A. bf16 operands would put
+        errors of about 1e-3 relative into U, and so about 3e-5 into a norm that an adapter moves by 1e-3."""
+        with torch.no_grad():
+            return self._stream_forward(x, exact=True)
 
     def _apply_fn(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if torch.is_grad_enabled() and x.requires_grad:
             return StreamingLinearFn.apply(x, self, bias)
         # no graph to record (inference, or an input that needs no gradient): skip the Function's overhead
         y = self._stream_forward(x)
-        return y if bias is None else y.add_(bias)
+        return y if bias is None else y.add_(bias.to(y.dtype))
 
     def matmul_transposed(self, g: torch.Tensor) -> torch.Tensor:
         """`g·W` for g `[..., n_out]` → `[..., n_in]` (what backward runs; no autograd)."""
         return self._stream_transpose(g)
 
     def row_norms_sq(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Squared L2 norms of the exact dequantized rows `[n_out]` (fp64 arithmetic, computed once, kept in fp64;
-        returned as `dtype`)."""
+        """Squared L2 norms of the exact dequantized rows `[n_out]`, computed once and kept (returned as `dtype`).
+        CPU: fp64 arithmetic. Device path: fp32 sums of the exact fp32 rows, decoded a tile at a time."""
+        if self._row_norms_sq is None and self._on_device_path():
+            out = torch.empty(self._n_out, dtype=torch.float32, device=self.raw.device)
+            step = self._device_step(self._n_in, 4)
+            for a in range(0, self._n_out, step):
+                b = min(a + step, self._n_out)
+                w = self.dequantize_rows(a, b, torch.float32)
+                out[a:b] = torch.linalg.vecdot(w, w, dim=1)
+                del w
+            self._row_norms_sq = out
         if self._row_norms_sq is None:
             out = torch.empty(self._n_out, dtype=torch.float64, device=self.raw.device)
             for a, b, w in self._blocks(torch.float32, exact=True):
@@ -291,11 +458,30 @@ class FrozenQuantLinear(nn.Module):
         name = f"{self.name}, " if self.name else ""
         return (f"{name}in_features={self.in_features}, out_features={self.out_features}, "
                 f"type={quants.get_codec(self._ggml_type).name}, bias={self.bias is not None}, cache={self.cache}, "
-                f"compute_dtype={str(self.compute_dtype).removeprefix('torch.')}, chunk_rows={self.chunk_rows}")
+                f"compute_dtype={str(self.compute_dtype).removeprefix('torch.')}, chunk_rows={self.chunk_rows}"
+                + (f", dequant={self.dequant}" if self.dequant != "auto" else ""))
 
     def __reduce_ex__(self, protocol):
         raise TypeError(f"FrozenQuantLinear {self.name!r} views a memory-mapped GGUF file and is never pickled or "
                         f"copied: save the adapters (their state_dict), and reload the base from its GGUF")
+
+
+_MM_OUT_DTYPE = [True]  # whether torch.mm takes out_dtype here (checked on first use)
+
+
+def mm_out(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """`a @ b` with the result in `out_dtype`: bf16 operands with an fp32 result use cuBLAS's fp32 output (the
+    accumulator, never rounded to bf16 first); elsewhere the bf16 values are widened (exact) and multiplied in fp32."""
+    if a.dtype == out_dtype:
+        return torch.mm(a, b)
+    if a.dtype == torch.bfloat16 and out_dtype == torch.float32:
+        if a.is_cuda and _MM_OUT_DTYPE[0]:
+            try:
+                return torch.mm(a, b, torch.float32)
+            except (TypeError, RuntimeError, NotImplementedError):  # a torch without mm's out_dtype (before 2.8)
+                _MM_OUT_DTYPE[0] = False
+        return torch.mm(a.float(), b.float())
+    return torch.mm(a, b).to(out_dtype)
 
 
 def scratch_bytes_for(layer: FrozenQuantLinear) -> int:
@@ -304,4 +490,4 @@ def scratch_bytes_for(layer: FrozenQuantLinear) -> int:
 
 
 __all__ = ["FrozenQuantLinear", "StreamingLinearFn", "DEFAULT_SCRATCH_BYTES", "BF16_MIN_TOKENS",
-           "default_chunk_rows", "scratch_bytes_for"]
+           "DEFAULT_DEVICE_SCRATCH_BYTES", "MATVEC_MAX_TOKENS", "default_chunk_rows", "scratch_bytes_for", "mm_out"]

@@ -1,0 +1,149 @@
+"""FrozenQuantLinear's device path (Triton tiles and the fused matvec; on the GPU, or forced with
+dequant="triton" under the interpreter) against its eager CPU path and fp64 references: forward, transpose,
+autograd, the bf16 cache, row norms, and the torch-codec fallback for types without a kernel.
+
+Bounds are the fp32 accumulation bound of an n-term dot product, n·u·(|x|·|W|), on top of the exact result over
+the operands the path multiplies (bf16-rounded x and W with bf16 compute), so a path that dropped a tile, used
+the wrong rows, or rounded an fp32 accumulator to bf16 fails.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from juno_py.gguf import GGMLType  # noqa: E402
+from juno_py.kernels.dequant import dequantize_reference  # noqa: E402
+from juno_py.weights import FrozenQuantLinear  # noqa: E402
+from juno_py.weights.frozen import MATVEC_MAX_TOKENS  # noqa: E402
+from tests.kernels.conftest import DEVICE  # noqa: E402
+from tests.weights.random_blocks import random_rows  # noqa: E402
+
+U32 = 2.0 ** -24
+U_BF16 = 2.0 ** -8  # unit roundoff of bf16
+KERNEL_TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K,
+                GGMLType.Q6_K]
+FALLBACK = GGMLType.Q3_K  # no Triton kernel: decoded by the torch codec on the CPU, then moved
+
+
+def layer_shape(t: GGMLType) -> tuple[int, int]:
+    big = DEVICE == "cuda"
+    if t in (GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K):
+        return (4097, 4096) if big else (37, 512)
+    return (4097, 2080) if big else (37, 288)
+
+
+def make(t: GGMLType, compute: torch.dtype, tiles: int = 5, **kw):
+    """The device-path layer (scratch sized so forward and transpose each take about `tiles` ragged tiles) and
+    the eager CPU layer over the same bytes, and W (fp32, exact)."""
+    n_out, n_in = layer_shape(t)
+    raw = torch.from_numpy(random_rows(t, n_out, n_in, seed=int(t)))
+    scratch = 2 * max(n_in, n_out) * (max(n_out, n_in) // tiles + 1)
+    dev = FrozenQuantLinear(raw, t, n_in, compute_dtype=compute, dequant="triton" if DEVICE == "cpu" else "auto",
+                            device_scratch_bytes=scratch, **kw).to(DEVICE)
+    eager = FrozenQuantLinear(raw, t, n_in, compute_dtype=torch.float32, dequant="torch")
+    return dev, eager, dequantize_reference(raw, t, n_in, torch.float32)
+
+
+def operands(x: torch.Tensor, w: torch.Tensor, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    if compute == torch.bfloat16:
+        return x.bfloat16().double(), w.bfloat16().double()
+    return x.double(), w.double()
+
+
+def check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, compute: torch.dtype, out_bf16: bool = False) -> None:
+    """got ≈ x·wᵀ: exact over the multiplied operands within the fp32 accumulation bound (plus bf16 output
+    rounding when the result is bf16)."""
+    xo, wo = operands(x, w, compute)
+    ref = xo @ wo.T
+    bound = w.shape[1] * U32 * (xo.abs() @ wo.abs().T) + (U_BF16 * ref.abs() if out_bf16 else 0)
+    got = got.detach().cpu().double()
+    assert got.shape == ref.shape
+    assert bool(((got - ref).abs() <= bound).all()), float(((got - ref).abs() - bound).max())
+
+
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES + [FALLBACK], ids=lambda t: t.name)
+def test_forward_and_transpose_match_reference(ggml_type, compute):
+    dev, eager, w = make(ggml_type, compute)
+    n_out, n_in = w.shape
+    gen = torch.Generator().manual_seed(0)
+    for tokens in (1, MATVEC_MAX_TOKENS, MATVEC_MAX_TOKENS + 5):  # fused matvec, then decode-and-multiply
+        x = torch.randn(tokens, n_in, generator=gen)
+        y = dev(x.to(DEVICE))
+        assert y.dtype == torch.float32 and y.device.type == DEVICE
+        check(y, x, w, compute)
+        g = torch.randn(tokens, n_out, generator=gen)
+        dx = dev.matmul_transposed(g.to(DEVICE))
+        check(dx, g, w.T, compute)
+        if compute == torch.float32:  # the eager CPU path computes the same products, within the same bound
+            check(eager(x), x, w, compute)
+    xb = torch.randn(2, 3, n_in, generator=gen).bfloat16()  # bf16 activations in, bf16 out
+    yb = dev(xb.to(DEVICE))
+    assert yb.dtype == torch.bfloat16 and yb.shape == (2, 3, n_out)
+    check(yb.reshape(6, n_out), xb.reshape(6, n_in).float(), w, compute, out_bf16=True)
+
+
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_1, GGMLType.Q4_K], ids=lambda t: t.name)
+def test_autograd_gives_input_gradient_through_device_transpose(ggml_type):
+    dev, _, w = make(ggml_type, torch.bfloat16)
+    x = torch.randn(11, w.shape[1], generator=torch.Generator().manual_seed(1)).to(DEVICE).requires_grad_(True)
+    g = torch.randn(11, w.shape[0], generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    dev(x).backward(g)
+    assert torch.equal(x.grad, dev.matmul_transposed(g))
+    check(x.grad, g.cpu(), w.T, torch.bfloat16)
+    assert list(dev.parameters()) == []
+
+
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q5_0, GGMLType.Q6_K, FALLBACK], ids=lambda t: t.name)
+def test_bf16_cache_is_decoded_on_the_device_and_used(ggml_type):
+    dev, _, w = make(ggml_type, torch.bfloat16)
+    dev.set_weights_cache("bf16")
+    assert dev.weight_cache.device.type == DEVICE
+    assert torch.equal(dev.weight_cache.cpu().view(torch.int16), w.bfloat16().view(torch.int16))
+    x = torch.randn(20, w.shape[1], generator=torch.Generator().manual_seed(3))
+    check(dev(x.to(DEVICE)), x, w, torch.bfloat16)
+    g = torch.randn(20, w.shape[0], generator=torch.Generator().manual_seed(4))
+    check(dev.matmul_transposed(g.to(DEVICE)), g, w.T, torch.bfloat16)
+    dev.set_weights_cache("none")
+    assert dev.weight_cache is None
+
+
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.Q4_K, FALLBACK], ids=lambda t: t.name)
+def test_row_norms_and_rows_on_the_device(ggml_type):
+    dev, eager, w = make(ggml_type, torch.bfloat16)
+    norms = dev.row_norms_sq()
+    assert norms.device.type == DEVICE and norms.dtype == torch.float32
+    ref = w.double().square().sum(dim=1)
+    assert bool(((norms.cpu().double() - ref).abs() <= w.shape[1] * U32 * ref).all())
+    assert dev.row_norms_sq() is not None and dev._row_norms_sq is dev._row_norms_sq  # cached
+    assert torch.equal(dev.dequantize_rows(3, 9).cpu(), w[3:9])
+    assert torch.equal(dev.dequantize_tile((2, 30), (5, 77)).cpu(), w[2:30, 5:77])
+    a = torch.randn(12, w.shape[1], generator=torch.Generator().manual_seed(6))
+    check(dev.matmul_exact(a.to(DEVICE)), a, w, torch.float32)  # fp32 operands whatever the compute dtype
+
+
+def test_dora_factored_norm_on_the_device_path():
+    """‖W + sBA‖_row from U = W·Aᵀ run through the device path (`matmul_exact`: fp32 tiles and products) and the
+    fp32 row norms, against fp64 on the exact W, for an adapter the size of a trained one (‖sBA‖ = 5 % of ‖W‖,
+    norms moved by about 1e-3): within 1e-5 relative (the DoRA norm target) and 1 % of the adapter's effect.
+    (With bf16 operands for U this data gives 3.3e-5: that is why U is computed in fp32.)"""
+    from juno_py.lora.adapters import AdaptedLinear, AdapterConfig, LoraAdapter, Mode
+
+    dev, _, w = make(GGMLType.Q4_K, torch.bfloat16)
+    n_out, n_in = w.shape
+    gen = torch.Generator().manual_seed(5)
+    ad = LoraAdapter(n_in, n_out, AdapterConfig(rank=8, alpha=8.0, mode=Mode.DORA), generator=gen,
+                     magnitude=torch.ones(n_out))
+    B = torch.randn(n_out, 8, generator=gen, dtype=torch.float64)
+    delta = ad.scale * B @ ad.lora_A.detach().double()
+    B *= 0.05 * w.double().norm() / delta.norm()
+    with torch.no_grad():
+        ad.lora_B.copy_(B)
+    lin = AdaptedLinear(dev, [ad.to(DEVICE)])
+    got = lin.weight_row_norm().cpu().double()
+    base = w.double().norm(dim=1)
+    ref = (w.double() + ad.scale * ad.lora_B.detach().cpu().double() @ ad.lora_A.detach().cpu().double()).norm(dim=1)
+    assert float(((ref - base) / base).abs().max()) > 1e-4  # the adapter moves the norms
+    assert float(((got - ref).abs() / ref).max()) <= 1e-5
+    assert float((got - ref).norm()) <= 1e-2 * float((ref - base).norm())
