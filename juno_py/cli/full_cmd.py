@@ -1,0 +1,166 @@
+"""`juno-py full`: full-parameter training of chosen targets (GaLore-AdamW or AdamW) on a quantized GGUF model,
+written back as a GGUF through the merge stage. stdout: the output file's path only; the training summary, the
+GaLore diagnostics and the merge report go to stderr."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from juno_py.cli import lora_cmd
+from juno_py.cli.main import cli, one_line_errors
+
+# `juno-py lora`'s options that mean the same here (data, validation, schedule, batches, stop rules, precision,
+# checkpoints, metrics); they are that command's own Option objects, so the two commands cannot drift apart
+SHARED_OPTIONS = (
+    "model_path", "data", "validation_data", "validation_split", "lora_targets", "lora_schedule", "lora_warmup_steps",
+    "lora_min_lr", "batch_size", "lora_gradient_accumulation", "max_seq_len", "max_steps", "epochs",
+    "lora_loss_target", "validation_every", "lora_validation_patience", "lora_validation_min_delta",
+    "lora_overfit_ratio", "qa_variants", "system", "pack", "skip_bad_records", "seed", "bptt_window",
+    "grad_checkpoint", "compute_dtype", "weights_cache", "device", "threads", "save_every", "metrics_out",
+    "events_out", "progress")
+# learning rates: GaLore's lifted step is scaled by α and spread by an r-column projector, so per weight it moves
+# about an eighth of AdamW's at the same rate (1e-3 learns the built-in facts in 4 epochs on SmolLM2-135M)
+DEFAULTS = dict(lr={"galore": 1e-3, "adamw": 1e-4}, rank=128, update_gap=200, scale=0.25)
+
+
+def world_size() -> int:
+    """Processes of a torchrun job (1 when run alone)."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1") or 1))
+    except ValueError:
+        return 1
+
+
+@cli.command("full")
+@click.option("--output", required=True, type=click.Path(dir_okay=False),
+              help="The trained model as GGUF (written at the end by the merge stage); the resume state goes to "
+                   "<output>.state.")
+@click.option("--optimizer", type=click.Choice(["galore", "adamw"]), default="galore", show_default=True,
+              help="GaLore-AdamW (moments in a low-rank subspace of each gradient) or AdamW (full moments).")
+@click.option("--lora-lr", default=None, type=click.FloatRange(0, min_open=True),
+              help="Peak learning rate (default: 1e-3 for galore, whose steps are further scaled by --galore-scale; "
+                   "1e-4 for adamw).")
+@click.option("--lora-weight-decay", default=0.0, show_default=True, type=click.FloatRange(0),
+              help="Decoupled weight decay on every trained matrix.")
+@click.option("--lora-max-grad-norm", default=1.0, show_default=True, type=click.FloatRange(0),
+              help="Clip gradients to this L2 norm (0: no clipping): globally or per matrix, see --grad-clip.")
+@click.option("--grad-clip", type=click.Choice(["auto", "global", "per-matrix"]), default="auto", show_default=True,
+              help="Clip the global gradient norm, or each matrix's (auto: per matrix in GaLore's per-layer mode, "
+                   "which never holds all gradients at once; else global).")
+@click.option("--galore-rank", default=DEFAULTS["rank"], show_default=True, type=click.IntRange(1),
+              help="Rank r of each matrix's gradient subspace (at most the matrix's smaller side).")
+@click.option("--galore-update-gap", default=DEFAULTS["update_gap"], show_default=True, type=click.IntRange(1),
+              help="Steps T between refreshes of a matrix's projector (staggered across matrices).")
+@click.option("--galore-scale", default=DEFAULTS["scale"], show_default=True, type=click.FloatRange(0, min_open=True),
+              help="α: the lifted update is multiplied by this (independent of the rank).")
+@click.option("--galore-svd", type=click.Choice(["randomized", "exact"]), default="randomized", show_default=True,
+              help="How a projector is refreshed: randomized SVD (a sketch of r+8 columns, 2 power iterations) "
+                   "or torch.linalg.svd.")
+@click.option("--galore-per-layer/--no-galore-per-layer", default=None,
+              help="Update each matrix in its gradient hook during backward and free the gradient at once, so all "
+                   "gradients never coexist (default: on in a single process). Excludes gradient accumulation and "
+                   "global-norm clipping.")
+@click.option("--requant", default="auto", show_default=True,
+              help="How trained tensors are encoded: auto (per tensor the smallest type from its own upward whose "
+                   "retention meets --min-retention), source (each keeps its type), or a GGML type (f16, q8_0, ...).")
+@click.option("--min-retention", default=0.9, show_default=True, type=click.FloatRange(0, 1),
+              help="Target of --requant auto: 1 - |ΔW - ΔW_kept| / |ΔW| per tensor.")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the merge report (per tensor and summary) as JSON.")
+@click.option("--resume", is_flag=True, help="Continue from <output>.state: trained weights, optimizer moments and "
+                                             "projectors, step, schedule, RNG and data position.")
+@one_line_errors
+def full(**o) -> None:
+    """Train every weight of the chosen targets (the rest stays quantized and frozen); write a GGUF. Prints its path."""
+    import torch
+
+    from juno_py.cli.merge_cmd import warnings_to_stderr
+    from juno_py.lora import parse_targets
+    from juno_py.merge import parse_requant
+    from juno_py.merge.merge import check_output_path
+    from juno_py.metrics import Identity, MetricsRecorder
+    from juno_py.store import resolve_model
+    from juno_py.train.dense import build_dense_optimizer, densify, merge_trained
+    from juno_py.train.galore import GaLoreConfig, resolve_update_mode
+    from juno_py.train.loop import TrainConfig, train
+
+    say = lora_cmd._say
+    galore = o["optimizer"] == "galore"
+    lr = o["lora_lr"] or DEFAULTS["lr"][o["optimizer"]]
+    per_layer, clip, global_norm, matrix_norm = resolve_update_mode(
+        o["optimizer"], o["galore_per_layer"], o["grad_clip"], o["lora_max_grad_norm"],
+        o["lora_gradient_accumulation"], o["bptt_window"], world_size())
+    parse_requant(o["requant"])  # a bad type fails now, not after the training
+    galore_cfg = GaLoreConfig(rank=o["galore_rank"], update_gap=o["galore_update_gap"], scale=o["galore_scale"],
+                              svd=o["galore_svd"], per_layer=per_layer, max_matrix_norm=matrix_norm)
+    output = Path(o["output"])
+    if o["threads"]:
+        torch.set_num_threads(o["threads"])
+    model_file = resolve_model(o["model_path"])
+    check_output_path(output, [Path(model_file)])
+
+    model = lora_cmd.load_training_model(o, model_file)
+    train_set, val_set = lora_cmd.load_training_data(o, model)
+    targets = parse_targets(o["lora_targets"])
+    dense = densify(model, targets)
+    identity = Identity(algorithm=f"full-{o['optimizer']}", scaling="-", init="-",
+                        architecture=model.args.architecture, device=str(o["device"]),
+                        rank=galore_cfg.rank if galore else 0, alpha=galore_cfg.scale if galore else 1.0,
+                        targets=",".join(targets))
+    recorder = MetricsRecorder(identity, o["events_out"])
+    optimizer = build_dense_optimizer(o["optimizer"], dense, lr, o["lora_weight_decay"], galore_cfg,
+                                      o["seed"], recorder)
+    what = (f"GaLore r={galore_cfg.rank} T={galore_cfg.update_gap} α={galore_cfg.scale} {galore_cfg.svd} SVD, "
+            f"{'per-layer updates' if per_layer else 'updates after backward'}" if galore else "AdamW")
+    say(f"full training: {len(dense.linears)} matrices ({','.join(targets)}), {dense.n_parameters():,} trainable "
+        f"weights (fp32 masters); {what}; lr {lr:g}; clipping {clip} at {o['lora_max_grad_norm']}")
+
+    cfg = TrainConfig(
+        lr=lr, batch_size=o["batch_size"], accumulation=o["lora_gradient_accumulation"],
+        max_grad_norm=global_norm, weight_decay=o["lora_weight_decay"], schedule=o["lora_schedule"],
+        warmup_steps=o["lora_warmup_steps"], min_lr=o["lora_min_lr"], max_steps=o["max_steps"], epochs=o["epochs"],
+        loss_target=o["lora_loss_target"], validation_every=o["validation_every"],
+        patience=o["lora_validation_patience"], min_delta=o["lora_validation_min_delta"],
+        overfit_ratio=o["lora_overfit_ratio"], bptt_window=o["bptt_window"], grad_checkpoint=o["grad_checkpoint"],
+        pack=o["pack"], max_seq_len=o["max_seq_len"], pad_id=model.tokenizer.pad_id or 0, seed=o["seed"],
+        save_every=o["save_every"], lora_path=output)
+    try:
+        with lora_cmd._StopFlag() as stop:
+            result = train(model, dense, train_set, cfg, val_set, recorder, resume=o["resume"], stop_requested=stop,
+                           progress=o["progress"], log=say, optimizer=optimizer)
+        say(result.summary())
+        if galore:
+            for line in optimizer.summary_lines():
+                say(line)
+        if result.stop_reason == "interrupted":
+            say(f"saved; continue with the same command and --resume (state: {output}.state); no GGUF written")
+            return
+        with warnings_to_stderr():
+            report = merge_trained(dense, model_file, output, o["requant"], o["min_retention"], recorder)
+    except KeyboardInterrupt:
+        say(f"juno-py: stopped without saving; the last checkpoint ({output}.state, if any) is kept")
+        sys.exit(130)
+    finally:
+        if o["metrics_out"]:
+            recorder.write_summary(o["metrics_out"])
+        recorder.close()
+    click.echo(report.table(), err=True)
+    if o["report_path"]:
+        report.write_json(o["report_path"])
+    click.echo(str(output))
+
+
+def _share_lora_options() -> None:
+    names = {p.name for p in full.params}
+    shared = [p for p in lora_cmd.lora.params if p.name in SHARED_OPTIONS and p.name not in names]
+    missing = set(SHARED_OPTIONS) - {p.name for p in shared}
+    if missing:  # a renamed `juno-py lora` option: say which, rather than lose it silently
+        raise RuntimeError(f"juno-py full: options {sorted(missing)} not found on juno-py lora")
+    full.params[:0] = shared
+
+
+_share_lora_options()

@@ -1,0 +1,189 @@
+"""Full-parameter training targets: chosen frozen quantized linears become dense trainable weights.
+
+`densify(model, targets)` replaces each chosen `FrozenQuantLinear` by a `DenseLinear` whose weight is the exactly
+dequantized matrix as an fp32 Parameter (the master copy); its matmuls run in the frozen layer's compute dtype
+(bf16 where the hardware has it). Every other weight stays quantized and frozen. The returned `DenseTargets` is the
+trainable side with the surface of an AdapterSet that the training loop uses, and gives the merge its dense deltas
+ΔW = W_trained − W_base, keyed '<layer>:<target>'.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from juno_py.errors import JunoError
+from juno_py.lora import parse_targets
+from juno_py.train.optim import BETAS, EPS
+
+STATE_FORMAT = "juno-py full state"  # the resume sidecar of `juno-py full`: its own schema, not an adapter's
+OPTIMIZERS = ("galore", "adamw")
+
+
+class DenseLinearFn(torch.autograd.Function):
+    """`y = x·Wᵀ (+ b)` with W the fp32 master, computed in `dtype`; backward gives dx and dW (fp32).
+
+    Saved for backward: x in the compute dtype and a reference to the master W (no copy: a bf16 copy of W is
+    made for each matmul and dropped after it), so a step holds no second weight per layer."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype):
+        x2 = x.reshape(-1, weight.shape[1]).to(dtype)
+        # fp32 out (as the frozen linears give on the CPU); bf16 activations (GPU) stay bf16, float64 stays float64
+        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float64) else torch.float32
+        y = (x2 @ weight.to(dtype).T).to(out_dtype)
+        if bias is not None:
+            y += bias.to(out_dtype)
+        ctx.save_for_backward(x2, weight)
+        ctx.dtype, ctx.x_dtype, ctx.x_shape = dtype, x.dtype, x.shape
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy: torch.Tensor):
+        x2, weight = ctx.saved_tensors
+        dy2 = dy.reshape(-1, weight.shape[0]).to(ctx.dtype)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = (dy2 @ weight.to(ctx.dtype)).to(ctx.x_dtype).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            dw = (dy2.T @ x2).to(weight.dtype)
+        return dx, dw, None, None
+
+
+class DenseLinear(nn.Module):
+    """A trainable dense `y = x·Wᵀ + b`: W an fp32 Parameter, b a frozen buffer, matmuls in `compute_dtype`
+    (float64 inputs compute in float64, for exactness checks)."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 compute_dtype: torch.dtype = torch.float32, name: str = ""):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().to(torch.float32).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
+        self.compute_dtype, self.name = compute_dtype, name
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.float64 if x.dtype == torch.float64 else self.compute_dtype
+        return DenseLinearFn.apply(x, self.weight, self.bias, dtype)
+
+    def extra_repr(self) -> str:
+        return (f"{self.name}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"compute_dtype={str(self.compute_dtype).removeprefix('torch.')}")
+
+
+class DenseTargets:
+    """The dense trainable targets of one model, keyed '<layer>:<target>' (layer order, then target order), with
+    the frozen quantized layer each replaced (kept for ΔW and nothing else)."""
+
+    state_format = STATE_FORMAT
+
+    def __init__(self, model, linears: dict[str, DenseLinear], bases: dict[str, nn.Module]):
+        self.model, self.linears, self.bases = model, linears, bases
+
+    @property
+    def modules(self) -> dict:
+        """Adapted modules whose DoRA norms the loop refreshes: none here."""
+        return {}
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for lin in self.linears.values():
+            yield lin.weight
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for key, lin in self.linears.items():
+            yield key, lin.weight
+
+    def n_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def train(self, mode: bool = True) -> "DenseTargets":
+        for lin in self.linears.values():
+            lin.train(mode)
+        return self
+
+    def eval(self) -> "DenseTargets":
+        return self.train(False)
+
+    def save(self, path) -> None:
+        """Nothing to write beside the resume state, which holds the trained weights (`<output>.state`); the
+        GGUF is written once, by the merge, at the end."""
+        return None
+
+    def base_weight(self, key: str) -> torch.Tensor:
+        """The frozen base's exact dequantized weight of `key` (fp32, on the CPU)."""
+        base = self.bases[key]
+        return base.dequantize_rows(0, base.out_features).cpu()
+
+    def deltas(self) -> dict[str, Callable[[], torch.Tensor]]:
+        """ΔW = W_trained − W_base per key, in float64 (exact for two fp32 matrices), computed when the merge asks
+        for it, one tensor at a time."""
+        def delta(key: str) -> Callable[[], torch.Tensor]:
+            return lambda: self.linears[key].weight.detach().cpu().double() - self.base_weight(key).double()
+
+        return {key: delta(key) for key in self.linears}
+
+
+def densify(model, targets: Union[str, Sequence[str]] = "all", layers: Optional[Iterable[int]] = None) -> DenseTargets:
+    """Make the chosen targets of every (or the given) layer dense and trainable; freeze everything else."""
+    names = parse_targets(targets)
+    layer_set = set(layers) if layers is not None else None
+    linears, bases = {}, {}
+    for ref in model.targets(names):
+        if layer_set is not None and ref.layer not in layer_set:
+            continue
+        base = ref.module
+        key = f"{ref.layer}:{ref.target}"
+        if not hasattr(base, "dequantize_rows"):
+            raise JunoError(f"target {key}: a {type(base).__name__}, expected a frozen quantized linear (full "
+                            f"training replaces the base weights; detach adapters first)")
+        weight = base.dequantize_rows(0, base.out_features)
+        dense = DenseLinear(weight, base.bias, base.compute_dtype, name=key).to(weight.device)
+        base.weight_cache = None  # the dense master replaces it; the bytes stay for ΔW
+        model.blocks[ref.layer].linears[ref.target] = dense
+        linears[key], bases[key] = dense, base
+    if not linears:
+        raise JunoError(f"no targets to train (targets {','.join(names)}, layers {sorted(layer_set or [])})")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    out = DenseTargets(model, linears, bases)
+    for p in out.parameters():
+        p.requires_grad_(True)
+    return out
+
+
+def build_dense_optimizer(kind: str, targets: DenseTargets, lr: float, weight_decay: float = 0.0, galore=None,
+                          seed: int = 0, recorder=None) -> torch.optim.Optimizer:
+    """'galore': GaLoreAdamW with `galore` (a GaLoreConfig); 'adamw': torch.optim.AdamW (β 0.9/0.999, ε 1e-8),
+    both with decoupled weight decay on every matrix and one group named 'weights' for the schedule."""
+    if kind == "galore":
+        from juno_py.train.galore import GaLoreAdamW, GaLoreConfig
+
+        return GaLoreAdamW(list(targets.named_parameters()), lr, weight_decay, galore or GaLoreConfig(), seed=seed,
+                           recorder=recorder)
+    if kind == "adamw":
+        group = {"name": "weights", "params": list(targets.parameters()), "lr": lr, "base_lr": lr,
+                 "weight_decay": weight_decay}
+        return torch.optim.AdamW([group], lr=lr, betas=BETAS, eps=EPS, weight_decay=weight_decay)
+    raise JunoError(f"--optimizer {kind!r}: expected one of {', '.join(OPTIMIZERS)}")
+
+
+def merge_trained(targets: DenseTargets, base, output: Union[str, Path], requant="auto", min_retention: float = 0.9,
+                  recorder=None, log: Optional[Callable[[str], None]] = None):
+    """Write `output`: the base GGUF with every trained target replaced, through the merge's dense-delta path
+    (ΔW = W_trained − W_base, each tensor encoded under `requant`); returns the MergeReport."""
+    from juno_py.merge import merge_model
+
+    return merge_model(base, output, deltas=targets.deltas(), requant=requant, min_retention=min_retention,
+                       recorder=recorder, log=log)

@@ -1,0 +1,429 @@
+"""GaLore-AdamW: every weight of 2-D matrices trains, while Adam's moments live in a rank-r subspace of the gradient.
+
+Per matrix W `[m, n]` with gradient G: a projector from the top-r singular vectors of G, left `P [m, r]` when
+m ≤ n (the projected gradient is `R = Pᵀ G`, `[r, n]`), else right `Q [n, r]` (`R = G Q`, `[m, r]`), recomputed
+every `update_gap` steps, with the matrices' refreshes staggered over the gap. Adam's moments and its normalized
+step `N` are computed on R exactly as `torch.optim.AdamW` does on a full gradient; the step is lifted back (`P N`
+or `N Qᵀ`), scaled by α and applied after the decoupled weight decay. With P = I and α = 1 it is AdamW; with any
+rotating projector it is not (Adam is element-wise). The moments are kept across a refresh, as the paper does.
+
+Per-layer mode updates each matrix in a post-accumulate-gradient hook the moment its gradient is complete and
+frees the gradient, so the gradients of all matrices never exist together. Diagnostics per matrix: the captured
+fraction ‖R‖/‖G‖ of every step (a `galore` metrics event) and the optimizer state's size against AdamW's.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from juno_py.errors import JunoError
+from juno_py.train.optim import BETAS, EPS
+
+SVD_METHODS = ("randomized", "exact", "identity")  # identity: P = I (a check that GaLore reduces to AdamW)
+# a matrix whose mean captured fraction between refreshes stays below this gets a warning: the subspace goes
+# stale before the next refresh (lower the update gap or raise the rank)
+LOW_CAPTURE = 0.3
+
+
+class GaLoreConfigError(JunoError, ValueError):
+    """A GaLore setting, or a combination of training settings, that cannot work."""
+
+
+@dataclass(frozen=True)
+class GaLoreConfig:
+    rank: int = 128
+    update_gap: int = 200  # T: steps between refreshes of a matrix's projector
+    scale: float = 0.25  # α, independent of the rank
+    svd: str = "randomized"  # or "exact" (torch.linalg.svd), or "identity"
+    stagger: bool = True  # spread the matrices' refreshes over the gap
+    per_layer: bool = False  # update each matrix in its gradient hook, during backward
+    max_matrix_norm: float = 0.0  # clip each matrix's gradient to this L2 norm (0: off)
+    oversample: int = 8  # randomized SVD: extra columns beyond r
+    power_iters: int = 2  # randomized SVD: subspace iterations
+
+    def __post_init__(self):
+        if self.rank < 1:
+            raise GaLoreConfigError(f"--galore-rank {self.rank}: expected at least 1")
+        if self.update_gap < 1:
+            raise GaLoreConfigError(f"--galore-update-gap {self.update_gap}: expected at least 1")
+        if not (math.isfinite(self.scale) and self.scale > 0):
+            raise GaLoreConfigError(f"--galore-scale {self.scale}: expected a positive number")
+        if self.svd not in SVD_METHODS:
+            raise GaLoreConfigError(f"--galore-svd {self.svd!r}: expected one of {', '.join(SVD_METHODS)}")
+        if self.max_matrix_norm < 0:
+            raise GaLoreConfigError(f"per-matrix clipping norm {self.max_matrix_norm}: expected >= 0")
+
+
+def check_per_layer(accumulation: int, max_grad_norm: float, bptt_window: int = 0, world_size: int = 1) -> None:
+    """Refuse what per-layer updates cannot do: each matrix steps as soon as one backward pass has produced its
+    gradient, so nothing may need the gradients of several passes, or of all matrices at once."""
+    if accumulation > 1:
+        raise GaLoreConfigError(f"--galore-per-layer updates each matrix during backward, so gradient accumulation "
+                                f"(--lora-gradient-accumulation {accumulation}) cannot add up several micro-batches: "
+                                f"use --no-galore-per-layer, or a larger --batch-size")
+    if max_grad_norm > 0:
+        raise GaLoreConfigError("--galore-per-layer updates each matrix before the others have gradients, so the "
+                                "global gradient norm is never known before an update: use --grad-clip per-matrix "
+                                "(each matrix clipped to --lora-max-grad-norm), or --no-galore-per-layer")
+    if bptt_window:
+        raise GaLoreConfigError(f"--galore-per-layer needs one backward pass per step; --bptt-window {bptt_window} "
+                                f"runs one per window: use --no-galore-per-layer")
+    if world_size > 1:
+        raise GaLoreConfigError(f"--galore-per-layer would update each process's matrices before the {world_size} "
+                                f"processes average their gradients: use --no-galore-per-layer")
+
+
+def resolve_update_mode(optimizer: str, per_layer: Optional[bool], grad_clip: str, max_norm: float,
+                        accumulation: int = 1, bptt_window: int = 0,
+                        world_size: int = 1) -> tuple[bool, str, float, float]:
+    """`juno-py full`'s update mode from its options: (per-layer updates, clipping 'global' or 'per-matrix', the
+    loop's global clipping norm, GaLore's per-matrix norm). per_layer None: on for GaLore in a single process.
+    grad_clip 'auto': per matrix in per-layer mode, else global. Refuses the combinations that cannot work."""
+    galore = optimizer == "galore"
+    if per_layer is None:
+        per_layer = galore and world_size == 1
+    elif per_layer and not galore:
+        raise GaLoreConfigError("--galore-per-layer applies to --optimizer galore")
+    clip = grad_clip if grad_clip != "auto" else ("per-matrix" if per_layer else "global")
+    if clip not in ("global", "per-matrix"):
+        raise GaLoreConfigError(f"--grad-clip {grad_clip!r}: expected auto, global or per-matrix")
+    if clip == "per-matrix" and not galore:
+        raise GaLoreConfigError("--grad-clip per-matrix applies to --optimizer galore (AdamW clips globally)")
+    global_norm = max_norm if clip == "global" else 0.0
+    if per_layer:
+        check_per_layer(accumulation, global_norm, bptt_window, world_size)
+    return per_layer, clip, global_norm, max_norm if clip == "per-matrix" else 0.0
+
+
+# -------------------------------------------------------------------------------------------------- projector
+def projector_side(shape: Sequence[int]) -> str:
+    """'left' (P [m, r], the smaller side) when m ≤ n, else 'right' (Q [n, r])."""
+    return "left" if shape[0] <= shape[1] else "right"
+
+
+def top_singular_vectors(g: torch.Tensor, r: int, side: str = "left", method: str = "randomized",
+                         generator: Optional[torch.Generator] = None, oversample: int = 8,
+                         power_iters: int = 2) -> torch.Tensor:
+    """An orthonormal basis of the top-r singular subspace of `g` `[m, n]`: left singular vectors `[m, r]` or right
+    ones `[n, r]`, in g's dtype.
+
+    exact: `torch.linalg.svd(g)` (U[:, :r], or Vh[:r]ᵀ: the signs LAPACK gives, as galore-torch takes them).
+    randomized: a Gaussian sketch of r + oversample columns, `power_iters` subspace iterations
+    (re-orthonormalized), then the exact SVD of the small projected matrix (Halko, Martinsson, Tropp 2011); where
+    the sketch would be as wide as the matrix, the exact SVD. identity: the first r unit vectors."""
+    d = g.shape[0] if side == "left" else g.shape[1]
+    if method == "identity":
+        return torch.eye(d, r, dtype=g.dtype, device=g.device)
+    q = r + oversample
+    if method == "exact" or q >= min(g.shape):
+        u, _, vh = torch.linalg.svd(g, full_matrices=False)
+        return (u[:, :r] if side == "left" else vh[:r].T).contiguous()
+    a = g if side == "left" else g.T  # [d, k]: its left singular vectors are the ones wanted
+    omega = torch.randn(a.shape[1], q, generator=generator, dtype=a.dtype, device=a.device)
+    y = a @ omega
+    for _ in range(power_iters):
+        y = torch.linalg.qr(y).Q
+        y = a @ (a.T @ y)
+    basis = torch.linalg.qr(y).Q  # [d, q]
+    # the SVD of the small Qᵀa [q, k] through its QR (Qᵀa = Rᵀ Q₂ᵀ): only a q×q SVD, several times cheaper
+    r_small = torch.linalg.qr((basis.T @ a).T).R  # [q, q]
+    u_small, _, _ = torch.linalg.svd(r_small.T)
+    return (basis @ u_small[:, :r]).contiguous()
+
+
+def state_numel(shape: Sequence[int], rank: int) -> dict[str, int]:
+    """Values GaLore keeps for one matrix (two moments in r-space, the projector) and what AdamW would keep."""
+    m, n = int(shape[0]), int(shape[1])
+    r = min(rank, m, n)
+    small = m if projector_side((m, n)) == "left" else n
+    return {"moments": 2 * r * (m + n - small), "projector": small * r, "adamw": 2 * m * n}
+
+
+# -------------------------------------------------------------------------------------------------- optimizer
+class GaLoreAdamW(torch.optim.Optimizer):
+    """GaLore-AdamW over named 2-D parameters: one parameter group named 'weights' (the schedule sets its `lr` from
+    `base_lr`). `recorder` (a MetricsRecorder) receives one `galore` event per step; `seed` makes the randomized
+    SVD's sketches reproducible (each refresh draws from a generator seeded by seed, matrix and step)."""
+
+    def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], lr: float, weight_decay: float = 0.0,
+                 config: GaLoreConfig = GaLoreConfig(), betas: tuple[float, float] = BETAS, eps: float = EPS,
+                 seed: int = 0, recorder=None):
+        named_params = list(named_params)
+        if not named_params:
+            raise GaLoreConfigError("GaLore has no matrices to train")
+        for name, p in named_params:
+            if p.dim() != 2:
+                raise GaLoreConfigError(f"{name}: shape {tuple(p.shape)}, GaLore trains 2-D matrices only")
+        params = [p for _, p in named_params]
+        group = {"name": "weights", "params": params, "lr": lr, "base_lr": lr, "weight_decay": weight_decay}
+        super().__init__([group], dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.config, self.seed, self.recorder = config, seed, recorder
+        self.names = {id(p): name for name, p in named_params}
+        gap = config.update_gap
+        for i, p in enumerate(params):
+            self.state[p].update(
+                index=i, step=0, rank=min(config.rank, *p.shape), side=projector_side(p.shape),
+                phase=(i * gap) // len(params) if config.stagger else 0,
+                projector=None, exp_avg=None, exp_avg_sq=None,
+                captured=float("nan"), sum_all=0.0, n_all=0, sum_window=0.0, n_window=0, window_mean=float("nan"),
+                refreshes=0)
+        self.steps = 0
+        self._step_info = self._new_step_info()
+        self._handles = []
+        if config.per_layer:
+            self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    @property
+    def updates_in_backward(self) -> bool:
+        """True in per-layer mode: the weights change during backward, before the loop sees a gradient norm."""
+        return self.config.per_layer
+
+    # ---- one matrix ---------------------------------------------------------------------------------------
+    @staticmethod
+    def _new_step_info() -> dict:
+        return {"sq": 0.0, "finite": True, "refreshes": 0, "refresh_ms": 0.0, "clipped": 0}
+
+    def _refresh_due(self, st: dict) -> bool:
+        return st["projector"] is None or st["step"] % self.config.update_gap == st["phase"]
+
+    def _refresh(self, st: dict, grad: torch.Tensor) -> None:
+        c = self.config
+        if grad.is_cuda:  # time the refresh itself, not the queue before it
+            torch.cuda.synchronize(grad.device)
+        t0 = time.perf_counter()
+        gen = None
+        if c.svd == "randomized":
+            gen = torch.Generator(device=grad.device)
+            gen.manual_seed((self.seed * 1_000_003 + st["index"] * 10_007 + st["step"]) % (2**63))
+        st["projector"] = top_singular_vectors(grad, st["rank"], st["side"], c.svd, gen, c.oversample,
+                                               c.power_iters)
+        if grad.is_cuda:
+            torch.cuda.synchronize(grad.device)
+        if st["n_window"]:
+            st["window_mean"] = st["sum_window"] / st["n_window"]
+        st["sum_window"], st["n_window"] = 0.0, 0
+        st["refreshes"] += 1
+        self._step_info["refreshes"] += 1
+        self._step_info["refresh_ms"] += 1e3 * (time.perf_counter() - t0)
+
+    @torch.no_grad()
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, group: dict) -> None:
+        """One GaLore-AdamW step of one matrix from its (already clipped) gradient."""
+        st = self.state[p]
+        beta1, beta2 = group["betas"]
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        grad = grad.to(p.dtype)
+        refreshed = self._refresh_due(st)
+        if refreshed:
+            self._refresh(st, grad)
+        P = st["projector"]
+        low = P.T @ grad if st["side"] == "left" else grad @ P
+        # ‖R‖/‖G‖, read with the other matrices' at the end of the step (one device sync, not one per matrix)
+        g_norm = torch.linalg.vector_norm(grad)
+        st["pending"] = (torch.where(g_norm > 0, torch.linalg.vector_norm(low) / g_norm, 1.0), refreshed)
+        if st["exp_avg"] is None:
+            st["exp_avg"], st["exp_avg_sq"] = torch.zeros_like(low), torch.zeros_like(low)
+        m, v = st["exp_avg"], st["exp_avg_sq"]
+        st["step"] += 1
+        t = st["step"]
+        # torch.optim.AdamW's arithmetic, in r-space
+        m.lerp_(low, 1 - beta1)
+        v.mul_(beta2).addcmul_(low, low, value=1 - beta2)
+        denom = (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
+        normalized = m / denom
+        step = P @ normalized if st["side"] == "left" else normalized @ P.T
+        if wd:
+            p.mul_(1 - lr * wd)
+        p.add_(step, alpha=-lr / (1 - beta1 ** t) * self.config.scale)
+
+    def _clip(self, grad: torch.Tensor, norm) -> torch.Tensor:
+        """Per-matrix clipping to `max_matrix_norm`; `norm` a float or a 0-d tensor (then nothing waits for it)."""
+        limit = self.config.max_matrix_norm
+        if limit <= 0:
+            return grad
+        if isinstance(norm, torch.Tensor):
+            self._step_info["clipped"] += (norm > limit).int()
+            return grad * (limit / (norm + 1e-6)).clamp(max=1.0)
+        if norm > limit:
+            self._step_info["clipped"] += 1
+            return grad * (limit / (norm + 1e-6))
+        return grad
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        """Per-layer mode: step this matrix as soon as backward has accumulated its gradient; free the gradient.
+        After a non-finite gradient, no further matrix of this step is updated."""
+        grad, p.grad = p.grad, None
+        info = self._step_info
+        if grad is None or not info["finite"]:
+            return
+        sq = float(grad.double().square().sum())
+        if not math.isfinite(sq):
+            info["finite"] = False
+            return
+        info["sq"] += sq
+        self._update(p, self._clip(grad, math.sqrt(sq)), self.param_groups[0])
+
+    # ---- the loop's interface -----------------------------------------------------------------------------
+    def grad_norm(self, params: Sequence[torch.Tensor]) -> float:
+        """The global gradient norm of this step (inf/nan after a non-finite gradient). In per-layer mode the
+        gradients are gone: the norm was summed in the hooks."""
+        if self.config.per_layer:
+            return math.sqrt(self._step_info["sq"]) if self._step_info["finite"] else math.inf
+        sq = sum(float(p.grad.double().square().sum()) for p in params if p.grad is not None)
+        return math.sqrt(sq)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Update every matrix that has a gradient (in per-layer mode that happened during backward), then record
+        the step's diagnostics."""
+        if closure is not None:
+            raise GaLoreConfigError("GaLoreAdamW.step takes no closure")
+        group = self.param_groups[0]
+        if not self.config.per_layer:
+            for p in group["params"]:
+                if p.grad is not None:
+                    norm = torch.linalg.vector_norm(p.grad.double()) if self.config.max_matrix_norm > 0 else 0.0
+                    self._update(p, self._clip(p.grad, norm), group)
+        self.steps += 1
+        self._collect()
+        self._emit()
+        self._step_info = self._new_step_info()
+
+    def _collect(self) -> None:
+        """Fold this step's captured fractions into each matrix's statistics."""
+        updated = [p for p in self.param_groups[0]["params"] if self.state[p].get("pending") is not None]
+        if not updated:
+            return
+        values = torch.stack([self.state[p]["pending"][0].float() for p in updated]).tolist()
+        for p, value in zip(updated, values):
+            st = self.state[p]
+            refreshed = st.pop("pending")[1]
+            st["captured"] = value
+            st["sum_all"] += value
+            st["n_all"] += 1
+            if not refreshed:  # a fresh projector captures its own gradient best: the window measures staleness
+                st["sum_window"] += value
+                st["n_window"] += 1
+        clipped = self._step_info["clipped"]
+        self._step_info["clipped"] = int(clipped)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._step_info = self._new_step_info()
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # ---- diagnostics --------------------------------------------------------------------------------------
+    def captured(self) -> dict[str, float]:
+        """The captured fraction ‖R‖/‖G‖ of each matrix at its last update."""
+        return {self.names[id(p)]: self.state[p]["captured"] for p in self.param_groups[0]["params"]}
+
+    def _emit(self) -> None:
+        if self.recorder is None:
+            return
+        fractions = [f for f in self.captured().values() if math.isfinite(f)]
+        info = self._step_info
+        per_matrix = {f"captured.{name}": f for name, f in self.captured().items()}
+        self.recorder.emit("galore", step=self.steps, captured_mean=sum(fractions) / max(1, len(fractions)),
+                           captured_min=min(fractions, default=float("nan")), refreshes=info["refreshes"],
+                           refresh_ms=info["refresh_ms"], clipped_matrices=info["clipped"], **per_matrix)
+
+    def state_size(self) -> dict[str, int]:
+        """Values held: moments and projectors as allocated (or as they will be, before the first step), and what
+        AdamW would hold for the same matrices."""
+        out = {"moments": 0, "projector": 0, "adamw": 0}
+        for p in self.param_groups[0]["params"]:
+            st, planned = self.state[p], state_numel(p.shape, self.config.rank)
+            out["moments"] += (st["exp_avg"].numel() + st["exp_avg_sq"].numel() if st["exp_avg"] is not None
+                               else planned["moments"])
+            out["projector"] += st["projector"].numel() if st["projector"] is not None else planned["projector"]
+            out["adamw"] += planned["adamw"]
+        return out
+
+    def summary(self) -> dict:
+        """Per matrix: mean captured fraction over all steps and over the steps between refreshes (the
+        staleness), refreshes; the matrices whose between-refresh mean is below LOW_CAPTURE; the state size."""
+        rows = {}
+        for p in self.param_groups[0]["params"]:
+            st = self.state[p]
+            window = (st["sum_window"] / st["n_window"]) if st["n_window"] else st["window_mean"]
+            rows[self.names[id(p)]] = {"captured_mean": st["sum_all"] / st["n_all"] if st["n_all"] else float("nan"),
+                                       "captured_between_refreshes": window, "refreshes": st["refreshes"],
+                                       "rank": st["rank"], "side": st["side"]}
+        low = sorted((k for k, r in rows.items() if r["captured_between_refreshes"] < LOW_CAPTURE),
+                     key=lambda k: rows[k]["captured_between_refreshes"])
+        return {"matrices": rows, "low_capture": low, "state": self.state_size(), "config": asdict(self.config)}
+
+    def summary_lines(self) -> list[str]:
+        """What `juno-py full` prints: state size against AdamW, captured fractions, a warning for stale ones."""
+        s = self.summary()
+        size, rows = s["state"], s["matrices"]
+        fmt = lambda n: f"{n / 1e6:.2f}M"  # noqa: E731
+        lines = [f"GaLore state: {fmt(size['moments'])} moment values + {fmt(size['projector'])} projector values "
+                 f"({fmt(size['moments'] + size['projector'])}) vs AdamW's {fmt(size['adamw'])} "
+                 f"({(size['moments'] + size['projector']) / size['adamw']:.3f}x)"]
+        means = [r["captured_mean"] for r in rows.values() if math.isfinite(r["captured_mean"])]
+        stale = {k: r["captured_between_refreshes"] for k, r in rows.items()
+                 if math.isfinite(r["captured_between_refreshes"])}
+        if means:
+            worst = min(stale, key=stale.get) if stale else None
+            lines.append(f"captured gradient fraction |P^T G|/|G|: mean {sum(means) / len(means):.3f} over "
+                         f"{len(means)} matrices" + (f"; between refreshes mean {sum(stale.values()) / len(stale):.3f}"
+                                                     f", lowest {stale[worst]:.3f} ({worst})" if stale else ""))
+        if s["low_capture"]:
+            shown = ", ".join(f"{k} {stale[k]:.2f}" for k in s["low_capture"][:4])
+            more = f" and {len(s['low_capture']) - 4} more" if len(s["low_capture"]) > 4 else ""
+            lines.append(f"warning: {len(s['low_capture'])} matrices keep less than {LOW_CAPTURE} of their gradient "
+                         f"between refreshes ({shown}{more}): the subspace goes stale; lower --galore-update-gap or "
+                         f"raise --galore-rank")
+        return lines
+
+    # ---- resume state -------------------------------------------------------------------------------------
+    def _config_doc(self) -> dict:
+        c = asdict(self.config)
+        return {k: c[k] for k in ("rank", "update_gap", "scale", "svd", "stagger", "oversample", "power_iters")}
+
+    def state_tensors(self, names: dict[int, str]) -> tuple[dict[str, torch.Tensor], dict]:
+        """Moments and projectors as tensors; per matrix its step, refresh phase and statistics as JSON."""
+        tensors, doc = {}, {"galore": self._config_doc(), "steps": self.steps, "matrices": {}}
+        keys = ("step", "phase", "rank", "side", "captured", "sum_all", "n_all", "sum_window", "n_window",
+                "window_mean", "refreshes")
+        for p in self.param_groups[0]["params"]:
+            st, name = self.state[p], names[id(p)]
+            doc["matrices"][name] = {k: st[k] for k in keys}
+            for k in ("exp_avg", "exp_avg_sq", "projector"):
+                if st[k] is not None:
+                    tensors[f"galore/{name}/{k}"] = st[k]
+        return tensors, doc
+
+    def load_state_tensors(self, names: dict[int, str], tensors: dict, doc: dict, where: str) -> None:
+        from juno_py.train.state import StateError
+
+        saved = doc.get("galore") if isinstance(doc, dict) else None
+        if saved != self._config_doc():
+            raise StateError(f"{where}: the run's GaLore settings differ from this one's ({saved} vs "
+                             f"{self._config_doc()}); resume with the same --galore-* options")
+        for p in self.param_groups[0]["params"]:
+            name, st = names[id(p)], self.state[p]
+            entry = doc["matrices"].get(name)
+            if entry is None:
+                raise StateError(f"{where}: GaLore state of {name!r} is missing")
+            st.update(entry)
+            for k in ("exp_avg", "exp_avg_sq", "projector"):
+                t = tensors.get(f"galore/{name}/{k}")
+                st[k] = None if t is None else t.clone().to(p.device)
+            if st["projector"] is not None:
+                want = (p.shape[0] if st["side"] == "left" else p.shape[1], st["rank"])
+                if tuple(st["projector"].shape) != want:
+                    raise StateError(f"{where}: GaLore projector of {name!r} has shape "
+                                     f"{tuple(st['projector'].shape)}, expected {want}")
+        self.steps = int(doc["steps"])
