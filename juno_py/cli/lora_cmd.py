@@ -14,8 +14,12 @@ from juno_py.store import DEFAULT_MODEL
 DEFAULTS = dict(rank=16, alpha=32.0, targets="all", lr=2e-3, epochs=8, batch_size=4, qa_variants=4)
 
 
+_quiet = False  # under torchrun, ranks other than 0 keep quiet (errors still reach stderr)
+
+
 def _say(msg: str) -> None:
-    click.echo(msg, err=True)
+    if not _quiet:
+        click.echo(msg, err=True)
 
 
 class _StopFlag:
@@ -39,6 +43,36 @@ class _StopFlag:
 
     def __exit__(self, *exc):
         signal.signal(signal.SIGINT, self._previous)
+
+
+def load_training_model(o: dict, model_file):
+    """The model as the training commands open it (`juno-py lora`, `juno-py full`): compute dtype and weights
+    cache resolved from their options."""
+    from juno_py.models import load_model
+    from juno_py.train.setup import resolve_compute_dtype, resolve_weights_cache
+
+    compute = resolve_compute_dtype(o["compute_dtype"], o["device"])
+    cache = resolve_weights_cache(o["weights_cache"], model_file, compute, o["device"])
+    model = load_model(model_file, device=o["device"], weights_cache=cache, compute_dtype=compute)
+    _say(f"model: {model_file} ({model.args.architecture}, {model.args.n_layer} layers); compute "
+         f"{str(compute).removeprefix('torch.')}, weights cache {cache}")
+    return model
+
+
+def load_training_data(o: dict, model) -> tuple[list, list]:
+    """Training and validation sequences from the data options (no --data: the built-in facts)."""
+    from juno_py.train.data import BUILTIN_FACTS, load_dataset
+
+    data = [Path(p) for p in o["data"]] or [BUILTIN_FACTS]
+    if not o["data"]:
+        _say(f"data: the built-in facts ({BUILTIN_FACTS}); set --data to train on your own")
+    train_set, val_set, stats = load_dataset(
+        data, model.tokenizer, o["max_seq_len"], o["qa_variants"], o["skip_bad_records"], o["validation_split"],
+        o["seed"], o["system"], [Path(p) for p in o["validation_data"]])
+    _say(f"data: {stats.line()}; {len(val_set)} validation sequences")
+    if not train_set:
+        raise click.UsageError("no training sequences left (all records dropped by --max-seq-len?)")
+    return train_set, val_set
 
 
 @cli.command("lora")
@@ -113,12 +147,17 @@ class _StopFlag:
                    "gradients (0: whole sequence, exact).")
 @click.option("--grad-checkpoint", is_flag=True, help="Recompute each block in backward: less memory, more time.")
 @click.option("--compute-dtype", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", show_default=True,
-              help="Dtype of the frozen matmuls (auto: bf16 where the CPU has native bf16). Adapters stay fp32.")
+              help="Dtype of the frozen matmuls (auto: bf16 where the CPU has native bf16, and on a GPU, where "
+                   "the activations run in bf16 too). Adapters and optimizer state stay fp32.")
 @click.option("--weights-cache", type=click.Choice(["auto", "none", "bf16", "fp32"]), default="auto",
               show_default=True, help="Keep dequantized frozen weights resident (auto: bf16 for small models "
                                       "with bf16 compute) or stream them from the quantized bytes (none).")
-@click.option("--device", default="cpu", show_default=True, help="Torch device.")
+@click.option("--device", default="cpu", show_default=True,
+              help="Torch device; on cuda the base stays quantized on the GPU (Triton decodes it).")
 @click.option("--threads", default=None, type=click.IntRange(1), help="CPU threads (default: torch's choice).")
+@click.option("--nproc", default=None, type=click.IntRange(1),
+              help="Data-parallel training on N processes on this host (one per GPU with --device cuda): runs "
+                   "torchrun for you. Same global batch as one process. See docs/distributed.md.")
 @click.option("--save-every", default=0, show_default=True, type=click.IntRange(0),
               help="Write the adapter and its resume state every N optimizer steps (0: at the end only).")
 @click.option("--resume", is_flag=True, help="Continue from <lora-path>.state: weights, optimizer moments, step, "
@@ -135,33 +174,29 @@ def lora(**o) -> None:
 
     from juno_py.lora import AdapterConfig, Init, Mode, Scaling, attach, parse_targets
     from juno_py.metrics import MetricsRecorder
-    from juno_py.models import load_model
     from juno_py.store import resolve_model
-    from juno_py.train.data import BUILTIN_FACTS, load_dataset
+    from juno_py.train import distributed
     from juno_py.train.loop import TrainConfig, train
-    from juno_py.train.setup import default_adapter_path, resolve_compute_dtype, resolve_weights_cache, run_identity
+    from juno_py.train.setup import default_adapter_path, run_identity
 
+    global _quiet
+    if o["nproc"]:
+        from juno_py.cli.launch import run_torchrun
+
+        sys.exit(run_torchrun(click.get_current_context(), o["nproc"], o["device"]))
+    world = distributed.init_from_env(o["device"])  # a rank of a torchrun job, or a single process
+    _quiet = not world.is_main
+    if world.active:
+        o["device"] = str(world.device)
+        _say(f"data parallel: {world.size} processes ({world.backend}); each takes its share of every global batch")
     if o["threads"]:
         torch.set_num_threads(o["threads"])
-    model_file = resolve_model(o["model_path"])
+    model_file = distributed.local_first(world, resolve_model, o["model_path"])  # pulled once per host
     lora_path = Path(o["lora_path"]) if o["lora_path"] else default_adapter_path(o["model_path"], model_file)
     if not o["lora_path"]:
         _say(f"adapter: {lora_path} (set --lora-path to choose)")
-    compute = resolve_compute_dtype(o["compute_dtype"], o["device"])
-    cache = resolve_weights_cache(o["weights_cache"], model_file, compute)
-    model = load_model(model_file, device=o["device"], weights_cache=cache, compute_dtype=compute)
-    _say(f"model: {model_file} ({model.args.architecture}, {model.args.n_layer} layers); compute "
-         f"{str(compute).removeprefix('torch.')}, weights cache {cache}")
-
-    data = [Path(p) for p in o["data"]] or [BUILTIN_FACTS]
-    if not o["data"]:
-        _say(f"data: the built-in facts ({BUILTIN_FACTS}); set --data to train on your own")
-    train_set, val_set, stats = load_dataset(
-        data, model.tokenizer, o["max_seq_len"], o["qa_variants"], o["skip_bad_records"], o["validation_split"],
-        o["seed"], o["system"], [Path(p) for p in o["validation_data"]])
-    _say(f"data: {stats.line()}; {len(val_set)} validation sequences")
-    if not train_set:
-        raise click.UsageError("no training sequences left (all records dropped by --max-seq-len?)")
+    model = load_training_model(o, model_file)
+    train_set, val_set = load_training_data(o, model)
 
     config = AdapterConfig(rank=o["lora_rank"], alpha=o["lora_alpha"], mode=Mode[o["lora_mode"].upper()],
                            scaling=Scaling[o["lora_scaling"].upper()],
@@ -171,7 +206,8 @@ def lora(**o) -> None:
     _say(f"adapter: {o['lora_mode']} r={config.rank} alpha={config.alpha} on {','.join(targets)}, "
          f"{adapters.n_parameters():,} trainable parameters")
 
-    recorder = MetricsRecorder(run_identity(model, config, targets, o["device"]), o["events_out"])
+    recorder = MetricsRecorder(run_identity(model, config, targets, o["device"]),
+                               o["events_out"] if world.is_main else None)
     cfg = TrainConfig(
         lr=o["lora_lr"], batch_size=o["batch_size"], accumulation=o["lora_gradient_accumulation"],
         max_grad_norm=o["lora_max_grad_norm"], weight_decay=o["lora_weight_decay"], plus_ratio=o["lora_plus_ratio"],
@@ -190,10 +226,12 @@ def lora(**o) -> None:
         _say(f"juno-py: stopped without saving; the last checkpoint ({lora_path}, if any) is kept")
         sys.exit(130)
     finally:
-        if o["metrics_out"]:
+        if o["metrics_out"] and world.is_main:
             recorder.write_summary(o["metrics_out"])
         recorder.close()
     _say(result.summary())
     if result.stop_reason == "interrupted":
         _say(f"saved; continue with the same command and --resume (state: {lora_path}.state)")
-    click.echo(str(lora_path))
+    if world.is_main:
+        click.echo(str(lora_path))
+    distributed.shutdown()

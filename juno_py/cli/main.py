@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import click
@@ -18,7 +19,8 @@ def one_line_errors(fn):
         try:
             return fn(*args, **kwargs)
         except (JunoError, FileNotFoundError, PermissionError, IsADirectoryError) as e:
-            click.echo(f"juno-py: error: {e}", err=True)
+            rank = os.environ.get("RANK") if os.environ.get("WORLD_SIZE", "1") not in ("", "1") else None
+            click.echo(f"juno-py: error{f' (rank {rank})' if rank else ''}: {e}", err=True)  # rank: under torchrun
             sys.exit(1)
 
     return wrapper
@@ -33,6 +35,7 @@ def cli() -> None:
 def _register() -> None:
     # each module adds its command(s) to `cli`
     from juno_py.cli import eval_cmd, export_cmd, inspect_cmd, local_cmd, lora_cmd, merge_cmd, models_cmd  # noqa: F401
+    from juno_py.cli import full_cmd  # noqa: F401
 
 
 def main() -> None:

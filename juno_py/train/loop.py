@@ -24,9 +24,10 @@ import torch
 from juno_py.errors import JunoError
 from juno_py.metrics import Identity, MetricsRecorder, format_bytes, peak_rss_bytes, rss_bytes
 from juno_py.models.loss import chunked_cross_entropy
-from juno_py.train.data import Batch, Example, collate, pad_batch, plan_epoch
+from juno_py.train import distributed
+from juno_py.train.data import Batch, Example, pad_batch, plan_epoch
 from juno_py.train.optim import build_optimizer, lr_factor, set_learning_rates
-from juno_py.train.state import StateError, load_state, optimizer_tensors, restore_optimizer, save_state, state_path
+from juno_py.train.state import FORMAT, StateError, optimizer_tensors, restore_optimizer, save_state, state_path
 
 
 class TrainingDiverged(JunoError, FloatingPointError):
@@ -153,11 +154,16 @@ def _detach_cache(cache) -> None:
     cache.v = [v.detach() for v in cache.v]
 
 
-def forward_backward(model, batch: Batch, denominator: float, window: int = 0, times: Optional[dict] = None) -> float:
+def forward_backward(model, batch: Batch, denominator: float, window: int = 0, times: Optional[dict] = None,
+                     net=None, sync: bool = True) -> float:
     """Forward and backward of one micro-batch; gradients of (summed token loss / denominator) accumulate in the
     adapters. `window` tokens at a time (0: the whole sequence), each window attending to the cached K/V of the
     earlier ones with gradients stopped there. Returns the summed token loss; raises TrainingDiverged on a
-    non-finite loss before any backward."""
+    non-finite loss before any backward.
+
+    `net`: the model's DistributedDataParallel wrapper (data-parallel training). The blocks then run through it,
+    and the gradients are all-reduced in the backward of the last window if `sync`. A non-finite loss does not
+    raise there: every rank must take part in the all-reduce; the step checks the all-reduced loss instead."""
     times = times if times is not None else {}
     T = batch.tokens.shape[1]
     window = T if not window or window >= T else window
@@ -167,12 +173,13 @@ def forward_backward(model, batch: Batch, denominator: float, window: int = 0, t
         b = min(a + window, T)
         mask = batch.mask[:, a:b, :b] if batch.mask is not None else None
         t0 = time.perf_counter()
-        hidden = model(batch.tokens[:, a:b], batch.positions[:, a:b], mask, cache)
+        with distributed.sync_context(net, sync and b == T):
+            hidden = (net or model)(batch.tokens[:, a:b], batch.positions[:, a:b], mask, cache)
         loss = chunked_cross_entropy(hidden, batch.targets[:, a:b], model.project, chunk=loss_chunk(model),
                                      reduction="sum")
         value = float(loss.detach())
         t1 = time.perf_counter()
-        if not math.isfinite(value):
+        if not math.isfinite(value) and net is None:
             raise TrainingDiverged(f"the loss is {value} (tokens {a}..{b} of a micro-batch)")
         (loss / denominator).backward()
         times["forward_ms"] = times.get("forward_ms", 0.0) + 1e3 * (t1 - t0)
@@ -184,8 +191,12 @@ def forward_backward(model, batch: Batch, denominator: float, window: int = 0, t
 
 
 def grad_norm(params: Sequence[torch.Tensor]) -> float:
-    """Global L2 norm of the gradients (fp64 accumulation)."""
-    sq = sum(float(p.grad.double().square().sum()) for p in params if p.grad is not None)
+    """Global L2 norm of the gradients (fp64 accumulation). On a GPU the squares are summed there and read once:
+    one read per parameter would wait for the device hundreds of times a step."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads and grads[0].device.type != "cpu":
+        return math.sqrt(float(torch.stack([g.double().square().sum() for g in grads]).sum()))
+    sq = sum(float(g.double().square().sum()) for g in grads)
     return math.sqrt(sq)
 
 
@@ -213,19 +224,24 @@ def data_fingerprint(examples: Sequence[Example]) -> str:
 def train(model, adapters, train_set: Sequence[Example], cfg: TrainConfig, val_set: Sequence[Example] = (),
           recorder: Optional[MetricsRecorder] = None, resume: bool = False,
           stop_requested: Optional[Callable[[], bool]] = None, progress: Optional[bool] = None,
-          log: Optional[Callable[[str], None]] = None) -> TrainResult:
+          log: Optional[Callable[[str], None]] = None,
+          optimizer: Optional[torch.optim.Optimizer] = None) -> TrainResult:
     """Train `adapters` (attached to `model`) on `train_set`; see TrainConfig for every knob.
 
     `stop_requested()` is asked after each step (Ctrl-C sets it): the run saves and returns. `progress`: a tqdm
     bar on stderr (None: when stderr is a terminal). `log` receives one-line messages (default: stderr).
+    `adapters` may be any trainable set with an AdapterSet's surface (`juno_py.train.dense.DenseTargets`: dense
+    weights for full training). `optimizer`: default AdamW over the adapter groups; one with a `grad_norm(params)`
+    method reports the step's norm itself (GaLore's per-layer mode updates during backward and frees gradients).
     """
     if not train_set:
         raise ValueError("no training examples")
-    say = log or (lambda msg: print(msg, file=sys.stderr))
+    world = distributed.current()  # the data-parallel ranks under torchrun, else a single process
+    say = (log or (lambda msg: print(msg, file=sys.stderr))) if world.is_main else (lambda msg: None)
     recorder = recorder or MetricsRecorder(Identity())
     params = list(adapters.parameters())
     names = {id(p): n for n, p in adapters.named_parameters()}
-    optimizer = build_optimizer(adapters, cfg.lr, cfg.weight_decay, cfg.plus_ratio)
+    optimizer = optimizer or build_optimizer(adapters, cfg.lr, cfg.weight_decay, cfg.plus_ratio)
     model.checkpoint_blocks = cfg.grad_checkpoint
     torch.manual_seed(cfg.seed)  # dropout
 
@@ -246,26 +262,33 @@ def train(model, adapters, train_set: Sequence[Example], cfg: TrainConfig, val_s
     identity = {"data": data_fingerprint(train_set), "params": sorted(names.values()),
                 "shapes": [list(p.shape) for p in params], "seed": cfg.seed, "batch_size": cfg.batch_size,
                 "accumulation": cfg.accumulation, "pack": cfg.pack, "max_seq_len": cfg.max_seq_len}
+    if world.active:  # every rank must plan the same epochs from the same data
+        distributed.check_same_data(world, {"training data": identity["data"],
+                                            "validation data": data_fingerprint(val_set)})
     run = RunState()
     best_weights: Optional[list[torch.Tensor]] = None
     if resume:
-        best_weights = _restore(cfg, run, params, names, optimizer, identity)
+        best_weights = _restore(cfg, run, params, names, optimizer, identity,
+                                getattr(adapters, "state_format", FORMAT))
         say(f"resumed from {state_path(cfg.lora_path)} at step {run.step} (epoch {run.epoch}, batch {run.batch})")
 
     def checkpoint(reason: str) -> None:
         if cfg.lora_path is None:
             return
+        if not world.is_main:  # rank 0 writes; the others wait for it, so no failure elsewhere cuts a save short
+            return world.barrier()
         t0 = time.perf_counter()
-        adapters.save(cfg.lora_path)
-        _save(cfg, run, params, names, optimizer, identity, best_weights)
-        size = Path(cfg.lora_path).stat().st_size
+        written = adapters.save(cfg.lora_path)  # None: the resume state holds the weights (dense targets)
+        _save(cfg, run, params, names, optimizer, identity, best_weights, getattr(adapters, "state_format", FORMAT))
+        size = Path(written or state_path(cfg.lora_path)).stat().st_size
         recorder.emit("checkpoint", step=run.step, path=str(cfg.lora_path), bytes=size, reason=reason,
                       ms=1e3 * (time.perf_counter() - t0))
+        world.barrier()
 
     def validate() -> Optional[dict]:
         if not val_set:
             return None
-        v = evaluate(model, val_set, cfg.batch_size, cfg.pad_id)
+        v = distributed.evaluate(model, val_set, cfg.batch_size, cfg.pad_id, world)  # the same on every rank
         improved = run.best_val is None or v["loss"] < run.best_val - cfg.min_delta
         if improved:
             nonlocal best_weights
@@ -280,7 +303,8 @@ def train(model, adapters, train_set: Sequence[Example], cfg: TrainConfig, val_s
 
     model.train()
     adapters.train()
-    bar = _progress_bar(total_steps, run.step, progress)
+    net = distributed.wrap(model, world, getattr(optimizer, "updates_in_backward", False))  # DDP, or None
+    bar = _progress_bar(total_steps, run.step, progress if world.is_main else False)
     started = time.perf_counter() - run.seconds
     stop_reason = None
     batches, batches_epoch = [], None
@@ -292,9 +316,9 @@ def train(model, adapters, train_set: Sequence[Example], cfg: TrainConfig, val_s
             # --- the group of micro-batches of this step
             if batches_epoch != run.epoch:
                 batches, batches_epoch = plan(run.epoch), run.epoch
-            group = [collate(rows, cfg.pad_id) for rows in batches[run.batch:run.batch + cfg.accumulation]]
-            n_sup = sum(b.n_supervised for b in group)
-            n_tok = sum(b.n_real for b in group)
+            step_batches = batches[run.batch:run.batch + cfg.accumulation]
+            share = distributed.StepShare(step_batches, cfg.batch_size, cfg.pad_id, world, cfg.seed, run.step)
+            n_sup, n_tok = share.n_supervised, share.n_tokens  # of the global batch, all ranks together
             lrs = set_learning_rates(optimizer, lr_factor(cfg.schedule, run.step, total_steps, cfg.warmup_steps,
                                                           min_ratio))
             times: dict = {}
@@ -305,13 +329,15 @@ def train(model, adapters, train_set: Sequence[Example], cfg: TrainConfig, val_s
 
             # --- forward and backward; nothing is updated before every number is known to be finite
             try:
-                loss_sum = sum(forward_backward(model, b, max(n_sup, 1), cfg.bptt_window, times) for b in group)
-                norm = grad_norm(params)
+                loss_sum = share.forward_backward(forward_backward, model, net, cfg.bptt_window, times)
+                if not math.isfinite(loss_sum):
+                    raise TrainingDiverged(f"the loss is {loss_sum}")
+                norm = optimizer.grad_norm(params) if hasattr(optimizer, "grad_norm") else grad_norm(params)
                 if not math.isfinite(norm):
                     raise TrainingDiverged(f"the gradient norm is {norm}")
             except TrainingDiverged as e:
                 optimizer.zero_grad(set_to_none=True)
-                kept = _keep_last_good(checkpoint, params, cfg)
+                kept = _keep_last_good(checkpoint, params, cfg, getattr(optimizer, "updates_in_backward", False))
                 raise TrainingDiverged(f"step {run.step + 1}: {e}: stopped before the optimizer step; {kept}") \
                     from None
 
@@ -330,7 +356,7 @@ def train(model, adapters, train_set: Sequence[Example], cfg: TrainConfig, val_s
             # --- bookkeeping
             loss = loss_sum / max(n_sup, 1)
             run.step += 1
-            run.batch += len(group)
+            run.batch += len(step_batches)
             run.tokens += n_tok
             if math.isnan(run.first_loss):
                 run.first_loss = loss
@@ -341,7 +367,7 @@ def train(model, adapters, train_set: Sequence[Example], cfg: TrainConfig, val_s
                 run.epoch, run.batch = run.epoch + 1, 0
             run.seconds = time.perf_counter() - started
             recorder.emit("train_step", step=run.step, epoch=run.epoch, tokens=n_tok, supervised_tokens=n_sup,
-                          loss=loss, grad_norm=norm, clipped=clipped, lr_a=lrs.get("A", 0.0),
+                          loss=loss, grad_norm=norm, clipped=clipped, lr_a=lrs.get("A", lrs.get("weights", 0.0)),
                           lr_b=lrs.get("B", 0.0), **times)
             if bar is not None:
                 bar.update(1)
@@ -365,6 +391,7 @@ def train(model, adapters, train_set: Sequence[Example], cfg: TrainConfig, val_s
                     stop_reason = f"loss target ({recent:.4f} <= {cfg.loss_target} over the last epoch)"
             if stop_reason is None and stop_requested is not None and stop_requested():
                 stop_reason = "interrupted"
+            stop_reason = distributed.agree_stop(stop_reason, world)
             if stop_reason is None and cfg.save_every and run.step % cfg.save_every == 0:
                 checkpoint("save-every")
     finally:
@@ -385,8 +412,13 @@ def train(model, adapters, train_set: Sequence[Example], cfg: TrainConfig, val_s
                        stop_reason, run.first_loss, run.last_loss, run.best_val, run.best_step, peak_rss_bytes())
 
 
-def _keep_last_good(checkpoint: Callable[[str], None], params, cfg: TrainConfig) -> str:
-    """After a divergence: the adapter still holds the last good step's weights; save them if they are finite."""
+def _keep_last_good(checkpoint: Callable[[str], None], params, cfg: TrainConfig, partial: bool = False) -> str:
+    """After a divergence: the adapter still holds the last good step's weights; save them if they are finite.
+    `partial`: the optimizer updated some weights during this step's backward (per-layer mode), so the weights
+    are not the last good step's: the last checkpoint stays."""
+    if partial:
+        where = f"the last checkpoint {cfg.lora_path} is kept as it was" if cfg.lora_path else "nothing was saved"
+        return f"per-layer updates had already changed some weights during this backward pass; {where}"
     if cfg.lora_path is None:
         return "the adapter keeps the last good step's weights"
     if all(bool(torch.isfinite(p).all()) for p in params):
@@ -404,7 +436,8 @@ def _progress_bar(total: int, initial: int, progress: Optional[bool]):
 
 
 # ------------------------------------------------------------------------------------------- resume state
-def _save(cfg: TrainConfig, run: RunState, params, names, optimizer, identity: dict, best_weights) -> None:
+def _save(cfg: TrainConfig, run: RunState, params, names, optimizer, identity: dict, best_weights,
+          fmt: str = FORMAT) -> None:
     tensors, steps = optimizer_tensors(optimizer, names)
     for p in params:
         tensors[f"param/{names[id(p)]}"] = p
@@ -413,14 +446,14 @@ def _save(cfg: TrainConfig, run: RunState, params, names, optimizer, identity: d
             tensors[f"best/{names[id(p)]}"] = w
     tensors["rng/torch"] = torch.get_rng_state()
     meta = {"identity": identity, "run": run.__dict__, "adam_steps": steps}
-    save_state(state_path(cfg.lora_path), tensors, meta)
+    save_state(state_path(cfg.lora_path), tensors, meta, fmt)
 
 
-def _restore(cfg: TrainConfig, run: RunState, params, names, optimizer, identity: dict):
+def _restore(cfg: TrainConfig, run: RunState, params, names, optimizer, identity: dict, fmt: str = FORMAT):
     if cfg.lora_path is None:
         raise StateError("--resume needs --lora-path (its .state file holds the run)")
     where = state_path(cfg.lora_path)
-    tensors, meta = load_state(where)
+    tensors, meta = distributed.read_state(where, fmt)  # rank 0 reads, every rank gets it
     saved = meta.get("identity", {})
     for key, value in identity.items():
         if saved.get(key) != value:

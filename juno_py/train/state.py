@@ -33,33 +33,46 @@ def state_path(adapter_path) -> Path:
     return Path(str(adapter_path) + ".state")
 
 
-def save_state(path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
-    doc = {"format": FORMAT, "version": VERSION, **meta}
+def save_state(path, tensors: dict[str, torch.Tensor], meta: dict[str, Any], fmt: str = FORMAT) -> Path:
+    """`fmt`: the schema's name (adapters: FORMAT; `juno-py full` writes its own, `juno_py.train.dense`)."""
+    doc = {**meta, "format": fmt, "version": VERSION}
     data = st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
                    metadata={_META_KEY: json.dumps(doc, sort_keys=True)})
     return atomic_write_bytes(path, data)
 
 
-def load_state(path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def load_state(path, fmt: str = FORMAT) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    return parse_state(read_state_bytes(path), path, fmt)
+
+
+def read_state_bytes(path) -> bytes:
     path = Path(path)
     try:
-        data = path.read_bytes()
+        return path.read_bytes()
     except FileNotFoundError:
         raise StateError(f"{path}: no resume state (train once with this --lora-path, or drop --resume)") from None
+
+
+def parse_state(data: bytes, path, fmt: str = FORMAT) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Tensors and the JSON document of a state file's bytes (`path` names the file in errors)."""
+    path = Path(path)
     try:
         tensors = st_load(data)
         header_len = int.from_bytes(data[:8], "little")
         meta = json.loads(json.loads(data[8:8 + header_len])["__metadata__"][_META_KEY])
     except (SafetensorError, KeyError, ValueError, TypeError) as e:
         raise StateError(f"{path}: not a juno-py resume state ({type(e).__name__}: {e})") from None
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+    if meta.get("format") != fmt or meta.get("version") != VERSION:
         raise StateError(f"{path}: format {meta.get('format')!r} version {meta.get('version')!r}, expected "
-                         f"{FORMAT!r} version {VERSION}")
+                         f"{fmt!r} version {VERSION}")
     return tensors, meta
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> tuple[dict, dict]:
-    """Adam moments keyed by parameter name, and the step count of each parameter (JSON)."""
+    """Adam moments keyed by parameter name, and the step count of each parameter (JSON). An optimizer with its
+    own `state_tensors(names)` (GaLore: moments, projectors, refresh phases) answers for itself."""
+    if hasattr(optimizer, "state_tensors"):
+        return optimizer.state_tensors(names)
     tensors, steps = {}, {}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -75,6 +88,8 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str]) -
 
 def restore_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], tensors: dict, steps: dict,
                       where: str) -> None:
+    if hasattr(optimizer, "load_state_tensors"):
+        return optimizer.load_state_tensors(names, tensors, steps, where)
     for group in optimizer.param_groups:
         for p in group["params"]:
             name = names[id(p)]
@@ -87,5 +102,7 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], t
             if m.shape != p.shape or v.shape != p.shape:
                 raise StateError(f"{where}: Adam moments of {name!r} have shape {tuple(m.shape)}, the parameter "
                                  f"{tuple(p.shape)}")
-            optimizer.state[p] = {"step": torch.tensor(steps[name], dtype=torch.float32),
+            # the fused (GPU) AdamW keeps its step counts on the parameters' device
+            step_device = p.device if optimizer.defaults.get("fused") else None
+            optimizer.state[p] = {"step": torch.tensor(steps[name], dtype=torch.float32, device=step_device),
                                   "exp_avg": m.clone().to(p.device), "exp_avg_sq": v.clone().to(p.device)}
