@@ -123,7 +123,7 @@ def _dora_layer(n_out=96, n_in=64, rank=8, seed=0):
     base = FrozenQuantLinear(raw, GGMLType.Q8_0, n_in)
     gen = torch.Generator().manual_seed(seed)
     ad = LoraAdapter(n_in, n_out, AdapterConfig(rank=rank, alpha=2 * rank, mode=Mode.DORA), generator=gen,
-                     magnitude=base.row_norms_sq().sqrt() * (1 + 0.2 * torch.randn(n_out, generator=gen)))
+                     magnitude=base.row_norms_sq().sqrt().cpu() * (1 + 0.2 * torch.randn(n_out, generator=gen)))
     with torch.no_grad():
         ad.lora_B.normal_(0, 0.2, generator=gen)
     return AdaptedLinear(base, [ad.to(DEVICE)])
