@@ -22,9 +22,9 @@ def test_short_galore_run_on_smollm2_lowers_heldout_loss_of_the_merged_gguf(smol
     from juno_py.train.loop import evaluate
 
     out = tmp_path / "facts-qv.gguf"
-    cmd = [sys.executable, "-m", "juno_py", "full", "--model-path", str(smollm2_path), "--lora-targets", "qv",
-           "--max-steps", "6", "--lora-lr", "1e-3", "--galore-rank", "32", "--validation-data",
-           str(BUILTIN_FACTS_HELDOUT), "--validation-every", "3", "--lora-validation-patience", "0",
+    cmd = [sys.executable, "-m", "juno_py", "full", "--model-path", str(smollm2_path), "--lora-targets", "wv",
+           "--max-steps", "4", "--lora-lr", "3e-3", "--galore-rank", "16", "--validation-data",
+           str(BUILTIN_FACTS_HELDOUT), "--validation-every", "2", "--lora-validation-patience", "0",
            "--requant", "auto", "--report", str(tmp_path / "report.json"), "--events-out", str(tmp_path / "ev.jsonl"),
            "--output", str(out), "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
@@ -43,7 +43,7 @@ def test_short_galore_run_on_smollm2_lowers_heldout_loss_of_the_merged_gguf(smol
     val = [e["loss"] for e in events if e["kind"] == "validation"]
     assert len(val) == 2 and val[1] < val[0]
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["requant"] == "auto" and report["summary"]["tensors_patched"] == 60
+    assert report["requant"] == "auto" and report["summary"]["tensors_patched"] == 30
     assert report["summary"]["retention_min"] >= 0.9  # auto climbed until each tensor kept 90 % of its delta
     assert {t["source_type"] for t in report["tensors"]} == {"Q4_1"}
     assert "retention mean" in proc.stderr and "GaLore state:" in proc.stderr
