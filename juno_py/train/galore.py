@@ -213,14 +213,18 @@ class GaLoreAdamW(torch.optim.Optimizer):
         self._step_info["refresh_ms"] += 1e3 * (time.perf_counter() - t0)
 
     @torch.no_grad()
-    def _update(self, p: torch.Tensor, grad: torch.Tensor, group: dict) -> None:
-        """One GaLore-AdamW step of one matrix from its (already clipped) gradient."""
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, group: dict, ok: Optional[torch.Tensor] = None) -> None:
+        """One GaLore-AdamW step of one matrix from its (already clipped) gradient. `ok`: a 0-d bool tensor on the
+        device (per-layer mode on a GPU, where the host does not wait for each matrix): where it is false (a
+        non-finite gradient) the weights and moments keep their values."""
         st = self.state[p]
         beta1, beta2 = group["betas"]
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         grad = grad.to(p.dtype)
         refreshed = self._refresh_due(st)
         if refreshed:
+            if ok is not None and not bool(ok):  # an SVD of a non-finite matrix: wait and skip (about once a step)
+                return
             self._refresh(st, grad)
         P = st["projector"]
         low = P.T @ grad if st["side"] == "left" else grad @ P
@@ -229,18 +233,24 @@ class GaLoreAdamW(torch.optim.Optimizer):
         st["pending"] = (torch.where(g_norm > 0, torch.linalg.vector_norm(low) / g_norm, 1.0), refreshed)
         if st["exp_avg"] is None:
             st["exp_avg"], st["exp_avg_sq"] = torch.zeros_like(low), torch.zeros_like(low)
-        m, v = st["exp_avg"], st["exp_avg_sq"]
         st["step"] += 1
         t = st["step"]
         # torch.optim.AdamW's arithmetic, in r-space
+        m, v = st["exp_avg"], st["exp_avg_sq"]
+        if ok is not None:  # work on copies; keep them only where the gradient was finite
+            m, v = m.clone(), v.clone()
         m.lerp_(low, 1 - beta1)
         v.mul_(beta2).addcmul_(low, low, value=1 - beta2)
         denom = (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
         normalized = m / denom
         step = P @ normalized if st["side"] == "left" else normalized @ P.T
+        w = p if ok is None else p.clone()
         if wd:
-            p.mul_(1 - lr * wd)
-        p.add_(step, alpha=-lr / (1 - beta1 ** t) * self.config.scale)
+            w.mul_(1 - lr * wd)
+        w.add_(step, alpha=-lr / (1 - beta1 ** t) * self.config.scale)
+        if ok is not None:
+            for old, new in ((st["exp_avg"], m), (st["exp_avg_sq"], v), (p, w)):
+                old.copy_(torch.where(ok, new, old))
 
     def _clip(self, grad: torch.Tensor, norm) -> torch.Tensor:
         """Per-matrix clipping to `max_matrix_norm`; `norm` a float or a 0-d tensor (then nothing waits for it)."""
@@ -257,26 +267,35 @@ class GaLoreAdamW(torch.optim.Optimizer):
 
     def _on_grad(self, p: torch.Tensor) -> None:
         """Per-layer mode: step this matrix as soon as backward has accumulated its gradient; free the gradient.
-        After a non-finite gradient, no further matrix of this step is updated."""
+        On the CPU, after a non-finite gradient no further matrix of this step is updated; on a GPU the check
+        stays on the device (no wait per matrix) and only the matrices with a non-finite gradient keep their
+        values. Either way the loop then stops the run without a checkpoint."""
         grad, p.grad = p.grad, None
         info = self._step_info
         if grad is None or not info["finite"]:
             return
-        sq = float(grad.double().square().sum())
-        if not math.isfinite(sq):
+        norm = torch.linalg.vector_norm(grad, dtype=torch.float64)  # an fp64 sum without an fp64 copy
+        if grad.is_cuda:
+            info["sq"] = info["sq"] + norm.square()
+            self._update(p, self._clip(grad, norm), self.param_groups[0], ok=torch.isfinite(norm))
+            return
+        norm = float(norm)
+        if not math.isfinite(norm):
             info["finite"] = False
             return
-        info["sq"] += sq
-        self._update(p, self._clip(grad, math.sqrt(sq)), self.param_groups[0])
+        info["sq"] += norm * norm
+        self._update(p, self._clip(grad, norm), self.param_groups[0])
 
     # ---- the loop's interface -----------------------------------------------------------------------------
     def grad_norm(self, params: Sequence[torch.Tensor]) -> float:
         """The global gradient norm of this step (inf/nan after a non-finite gradient). In per-layer mode the
         gradients are gone: the norm was summed in the hooks."""
         if self.config.per_layer:
-            return math.sqrt(self._step_info["sq"]) if self._step_info["finite"] else math.inf
-        sq = sum(float(p.grad.double().square().sum()) for p in params if p.grad is not None)
-        return math.sqrt(sq)
+            sq = float(self._step_info["sq"])  # a device tensor on a GPU: one wait for the whole step
+            return math.sqrt(sq) if self._step_info["finite"] and math.isfinite(sq) else math.inf
+        from juno_py.train.loop import grad_norm
+
+        return grad_norm(params)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -288,7 +307,8 @@ class GaLoreAdamW(torch.optim.Optimizer):
         if not self.config.per_layer:
             for p in group["params"]:
                 if p.grad is not None:
-                    norm = torch.linalg.vector_norm(p.grad.double()) if self.config.max_matrix_norm > 0 else 0.0
+                    norm = torch.linalg.vector_norm(p.grad, dtype=torch.float64) if self.config.max_matrix_norm > 0 \
+                        else 0.0
                     self._update(p, self._clip(p.grad, norm), group)
         self.steps += 1
         self._collect()

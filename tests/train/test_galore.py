@@ -207,6 +207,33 @@ def test_per_layer_hook_updates_during_backward_and_frees_the_gradient():
     torch.testing.assert_close(states[1][1], states[0][1], rtol=0, atol=0)
 
 
+def test_device_guarded_update_equals_the_plain_one_and_skips_a_non_finite_gradient():
+    """The GPU per-layer path checks finiteness on the device (`ok`): a finite gradient must step exactly as the
+    plain path does; a non-finite one must leave weights and moments as they were (run here on the CPU)."""
+    grads = gradients((16, 24), 4, seed=10)
+    results = []
+    for guarded in (False, True):
+        w = torch.nn.Parameter(torch.ones(16, 24))
+        opt = GaLoreAdamW([("w", w)], 1e-2, 0.1, GaLoreConfig(rank=4, update_gap=3, svd="exact"))
+        for g in grads:
+            ok = torch.tensor(True) if guarded else None
+            opt._update(w, g, opt.param_groups[0], ok=ok)
+        results.append((w.detach().clone(), opt.state[w]["exp_avg"].clone()))
+        if guarded:
+            before = (w.detach().clone(), opt.state[w]["exp_avg"].clone(), opt.state[w]["exp_avg_sq"].clone())
+            bad = grads[0].clone()
+            bad[3, 5] = float("nan")
+            assert opt.state[w]["step"] % 3 != 0  # no refresh due: the update runs, masked on the device
+            opt._update(w, bad, opt.param_groups[0], ok=torch.isfinite(bad.sum()))
+            assert torch.equal(w.detach(), before[0]) and torch.equal(opt.state[w]["exp_avg"], before[1])
+            assert torch.equal(opt.state[w]["exp_avg_sq"], before[2])
+            opt.state[w]["step"] = 6  # a refresh is due: the non-finite gradient is caught before the SVD
+            opt._update(w, bad, opt.param_groups[0], ok=torch.isfinite(bad.sum()))
+            assert torch.equal(w.detach(), before[0])
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------------------------------------ toy problem
 @pytest.fixture
 def one_thread():
