@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from juno_py.kernels.reference import compose_eager, norm_assemble_eager
+from juno_py.kernels.reference import compose_eager, norm_assemble_eager, norm_rows_eager
 
 _MODES = ("auto", "eager", "fused")
 
@@ -96,6 +96,23 @@ def compose_path(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor) -> str
     return FUSED_TRAINING
 
 
+def layer_training_fused(x: torch.Tensor, n_out: int, *params: torch.Tensor) -> bool:
+    """Whether a DoRA layer's training step on input x (output `[..., n_out]`) takes the fused training path: the
+    same rule as `compose_path` giving FUSED_TRAINING for the layer's base and lora outputs (fp32/bf16, a gradient
+    wanted through x or a parameter, kernels on x's device, at least `FUSED_TRAIN_MIN_ELEMENTS` in auto).
+
+    `AdaptedLinear` then runs the whole step as one autograd Function (`DoraLinearFn`), which orders the GEMMs so
+    the GPU runs them while the CPU issues the small work. Raises KernelUnavailable like `compose_path`."""
+    mode = kernel_mode()
+    if mode == "eager" or x.dtype not in _FUSED_DTYPES or x.dim() < 1:
+        return False
+    if not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))):
+        return False
+    if _fused_kernels(x.device, mode) is None:
+        return False
+    return mode == "fused" or (x.numel() // max(x.shape[-1], 1)) * n_out >= FUSED_TRAIN_MIN_ELEMENTS
+
+
 def dora_compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: float) -> torch.Tensor:
     """Autograd-aware `g·(base + s·lora)`, g broadcast over the last dimension, arithmetic in fp32.
 
@@ -123,5 +140,19 @@ def norm_assemble(base_sq: torch.Tensor, cross: torch.Tensor, ba_sq: torch.Tenso
     return kernels.norm_assemble(base_sq, cross, ba_sq, s)
 
 
-__all__ = ["dora_compose", "norm_assemble", "compose_path", "compose_eager", "norm_assemble_eager", "kernel_mode",
-           "KernelUnavailable", "FUSED_TRAIN_MIN_ELEMENTS", "EAGER", "FUSED_INFERENCE", "FUSED_TRAINING"]
+def norm_rows(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, V: torch.Tensor, s: float,
+              eps: float = 0.0) -> torch.Tensor:
+    """max(‖W + sBA‖_row, eps) = max(sqrt(max(‖W‖² + Σ_j B_ij·(2s·U_ij + s²·V_ij), 0)), eps) with U = W·Aᵀ and
+    V = B·(A·Aᵀ) `[n, r]`: one fused kernel on CUDA (fp32 or bf16 inputs, result fp32), else the eager reference
+    (which keeps fp64 for fp64 inputs). Same JUNO_PY_KERNELS rules as `norm_assemble`."""
+    mode = kernel_mode()
+    narrow = all(t.dtype in _FUSED_DTYPES for t in (base_sq, B, U, V))
+    kernels = _fused_kernels(B.device, mode) if mode != "eager" and narrow else None
+    if kernels is None:
+        return norm_rows_eager(base_sq, B, U, V, s, eps)
+    return kernels.norm_rows(base_sq, B, U, V, s, eps)
+
+
+__all__ = ["dora_compose", "norm_assemble", "norm_rows", "compose_path", "layer_training_fused", "compose_eager",
+           "norm_assemble_eager", "norm_rows_eager", "kernel_mode", "triton_kernels", "KernelUnavailable",
+           "FUSED_TRAIN_MIN_ELEMENTS", "EAGER", "FUSED_INFERENCE", "FUSED_TRAINING"]

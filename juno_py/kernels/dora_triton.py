@@ -99,6 +99,76 @@ def _norm_assemble_kernel(base_sq_ptr, cross_ptr, ba_sq_ptr, out_ptr, n, s, BLOC
     tl.store(out_ptr + offs, tl.sqrt_rn(total), mask=ok)
 
 
+@triton.jit
+def _norm_rows_kernel(base_sq_ptr, b_ptr, u_ptr, v_ptr, out_ptr, n, r, sb0, sb1, su0, su1, sv0, sv1, two_s, s_sq, eps,
+                      BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, R_TILES: tl.constexpr):
+    """Rows [pid·BLOCK_D, +BLOCK_D) of ‖W + sBA‖ = sqrt(max(‖W‖² + Σ_j B_ij·(2s·U_ij + s²·V_ij), 0)), then
+    max(·, eps), with U = W·Aᵀ and V = B·(A·Aᵀ), all `[n, r]` with any strides; fp32, correctly rounded sqrt.
+    R_TILES (constexpr) tiles of BLOCK_R rank columns: a compile-time loop bound, as the interpreter needs."""
+    rows = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    row_ok = rows < n
+    rows64 = rows.to(tl.int64)
+    acc = tl.zeros([BLOCK_D, BLOCK_R], dtype=tl.float32)
+    for t in range(R_TILES):
+        cols = t * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask = row_ok[:, None] & (cols < r)[None, :]
+        c64 = cols.to(tl.int64)[None, :]
+        b = tl.load(b_ptr + rows64[:, None] * sb0 + c64 * sb1, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + rows64[:, None] * su0 + c64 * su1, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + rows64[:, None] * sv0 + c64 * sv1, mask=mask, other=0.0).to(tl.float32)
+        acc += b * (two_s * u + s_sq * v)
+    total = tl.load(base_sq_ptr + rows, mask=row_ok, other=0.0).to(tl.float32) + tl.sum(acc, axis=1)
+    total = tl.where(total < 0.0, 0.0, total)  # rounding can push a zero row slightly negative; NaN passes through
+    norm = tl.sqrt_rn(total)
+    norm = tl.where(norm < eps, eps, norm)
+    tl.store(out_ptr + rows, norm, mask=row_ok)
+
+
+# ---- launching --------------------------------------------------------------------------------------------------
+# `kernel[grid](...)` spends most of a DoRA step's CPU time on the H200's host (about 0.15 ms a launch, against
+# 0.03 ms for a torch op; benchmarks/dora_step_profile.py): it binds and specializes every argument and builds a
+# cache key on each call. `_launch` keeps the compiled kernel of each specialization and launches it directly
+# (`CompiledKernel[grid]`). Its key is at least as fine as triton's specialization: each tensor's dtype and
+# 16-byte alignment, each int's value class (== 1, divisible by 16, 32-bit range) and every constexpr value.
+# The first launch of a key goes through triton as usual; anything unexpected turns the shortcut off for good.
+_compiled: dict = {}
+_direct = not INTERPRETED
+
+
+def _arg_key(a):
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if isinstance(a, bool):
+        return "b", a
+    if isinstance(a, int):
+        return "i", a == 1, a % 16 == 0, -(1 << 31) <= a < (1 << 31), 0 <= a < (1 << 64)
+    if isinstance(a, float):
+        return "f"
+    return "?", type(a).__name__, a
+
+
+def _launch(kernel, grid, args, num_warps=4, **constexprs):
+    """`kernel[grid](*args, **constexprs, num_warps=num_warps)`, the compiled kernel reused when it can be."""
+    global _direct
+    if not _direct:
+        kernel[grid](*args, **constexprs, num_warps=num_warps)
+        return
+    key = (kernel, num_warps, tuple(constexprs.items()), tuple(_arg_key(a) for a in args), args[0].device.index)
+    hit = _compiled.get(key)
+    if hit is not None:
+        compiled, names = hit
+        try:
+            compiled[grid](*args, *(constexprs[n] for n in names))
+            return
+        except Exception:  # noqa: BLE001 - a triton whose internals differ: launch the usual way from now on
+            _direct = False
+            _compiled.clear()
+    compiled = kernel[grid](*args, **constexprs, num_warps=num_warps)
+    names = list(getattr(kernel, "arg_names", [])[len(args):])
+    if _direct and hasattr(compiled, "__getitem__") and sorted(names) == sorted(constexprs):
+        _compiled[key] = (compiled, names)
+
+
 # ---- launch configuration --------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -116,6 +186,7 @@ class TileConfig:
 FORWARD_CONFIG = TileConfig()
 BACKWARD_CONFIG = TileConfig(block_m=32, block_n=128, num_warps=4)
 NORM_BLOCK = 1024
+NORM_ROWS_ELEMENTS = 4096  # rows × rank columns per step of `_norm_rows_kernel`
 
 
 def _tile(cfg: TileConfig, M: int, N: int) -> tuple[int, int]:
@@ -152,10 +223,10 @@ def compose_forward(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: 
         return y, inner
     bm, bn = _tile(cfg, M, N)
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm))
-    _compose_fwd_kernel[grid](base, lora, g, _out_arg(y), _out_arg(inner) if write_inner else y, M, N, float(s),
-                              WRITE_INNER=write_inner, Y_BF16=y.dtype == torch.bfloat16,
-                              INNER_BF16=write_inner and inner.dtype == torch.bfloat16,
-                              BLOCK_M=bm, BLOCK_N=bn, num_warps=cfg.num_warps)
+    _launch(_compose_fwd_kernel, grid, (base, lora, g, _out_arg(y), _out_arg(inner) if write_inner else y, M, N,
+                                        float(s)),
+            cfg.num_warps, WRITE_INNER=write_inner, Y_BF16=y.dtype == torch.bfloat16,
+            INNER_BF16=write_inner and inner.dtype == torch.bfloat16, BLOCK_M=bm, BLOCK_N=bn)
     return y, inner
 
 
@@ -185,14 +256,14 @@ def compose_backward(dy: torch.Tensor, g: torch.Tensor, inner: torch.Tensor | No
     groups = triton.cdiv(row_tiles, tiles)
     partial = torch.empty(groups, N, dtype=torch.float32, device=dy.device) if inner is not None else None
     placeholder = dy  # never touched: the constexpr flags switch its use off
-    _compose_bwd_kernel[(col_blocks, groups)](
+    _launch(_compose_bwd_kernel, (col_blocks, groups), (
         dy, g.contiguous(), inner if inner is not None else placeholder,
         _out_arg(d_base) if d_base is not None else placeholder,
         _out_arg(d_lora) if d_lora is not None else placeholder,
-        partial if partial is not None else placeholder, M, N, float(s),
+        partial if partial is not None else placeholder, M, N, float(s)), cfg.num_warps,
         WRITE_D_BASE=d_base is not None, WRITE_D_LORA=d_lora is not None, REDUCE_D_G=partial is not None,
         D_BASE_BF16=base_dtype == torch.bfloat16, D_LORA_BF16=lora_dtype == torch.bfloat16,
-        BLOCK_M=bm, BLOCK_N=bn, TILES=tiles, num_warps=cfg.num_warps)
+        BLOCK_M=bm, BLOCK_N=bn, TILES=tiles)
     d_g = partial.sum(dim=0) if partial is not None else None  # stage two
     return d_base, d_lora, d_g
 
@@ -208,6 +279,25 @@ def norm_assemble(base_sq: torch.Tensor, cross: torch.Tensor, ba_sq: torch.Tenso
         block = min(NORM_BLOCK, triton.next_power_of_2(n))
         flat = [t.reshape(-1).contiguous() for t in (base_sq, cross, ba_sq)]
         _norm_assemble_kernel[(triton.cdiv(n, block),)](*flat, out, n, float(s), BLOCK=block)
+    return out
+
+
+def norm_rows(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, V: torch.Tensor, s: float,
+              eps: float = 0.0) -> torch.Tensor:
+    """max(‖W + sBA‖_row, eps) = max(sqrt(max(‖W‖² + Σ_j B_ij·(2s·U_ij + s²·V_ij), 0)), eps), fp32 `[n]`, in one
+    launch: B, U = W·Aᵀ and V = B·(A·Aᵀ) are `[n, r]` fp32 or bf16 with any strides (U may be a transposed view)."""
+    n, r = B.shape
+    if U.shape != (n, r) or V.shape != (n, r) or base_sq.numel() != n:
+        raise ValueError(f"fused DoRA norm: base_sq {tuple(base_sq.shape)}, B {tuple(B.shape)}, U {tuple(U.shape)}, "
+                         f"V {tuple(V.shape)}: expected [n] and three [n, r]")
+    out = torch.empty(n, dtype=torch.float32, device=B.device)
+    if n == 0:
+        return out
+    block_r = min(64, triton.next_power_of_2(max(r, 1)))
+    block_d = min(max(1, NORM_ROWS_ELEMENTS // block_r), triton.next_power_of_2(n))
+    _launch(_norm_rows_kernel, (triton.cdiv(n, block_d),), (
+        base_sq.reshape(-1).contiguous(), B, U, V, out, n, r, *B.stride(), *U.stride(), *V.stride(), 2.0 * s, s * s,
+        float(eps)), 4, BLOCK_D=block_d, BLOCK_R=block_r, R_TILES=triton.cdiv(r, block_r))
     return out
 
 
@@ -242,5 +332,5 @@ class DoraComposeFn(torch.autograd.Function):
                 d_lora.reshape(lora_shape) if d_lora is not None else None, d_g, None)
 
 
-__all__ = ["DoraComposeFn", "compose_forward", "compose_backward", "norm_assemble", "TileConfig", "INTERPRETED",
-           "FUSED_DTYPES"]
+__all__ = ["DoraComposeFn", "compose_forward", "compose_backward", "norm_assemble", "norm_rows", "TileConfig",
+           "INTERPRETED", "FUSED_DTYPES"]

@@ -14,9 +14,11 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
-from juno_py.kernels import dora_compose, norm_assemble
+from juno_py import kernels
+from juno_py.kernels import dora_compose, norm_rows
 from juno_py.lora.format import AdapterEntry, Fingerprint, Init, Mode, Scaling
 
 DORA_EPS = 1e-6
@@ -44,17 +46,49 @@ class AdapterConfig:
         return self.alpha / (math.sqrt(self.rank) if self.scaling == Scaling.RSLORA else self.rank)
 
 
-def factored_row_norm(base_sq: torch.Tensor, U: torch.Tensor, A: torch.Tensor, B: torch.Tensor, s: float,
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """‖W + sBA‖ per row from ‖W‖²_row, U = W·Aᵀ `[d_out, r]`, A `[r, d_in]`, B `[d_out, r]`; no `d_out×d_in`.
+# A·Aᵀ with at least this many multiply-adds runs on bf16 tensor cores from a split A (`gram`): fp32's own GEMM
+# runs at about 1/15 of the bf16 rate on an H200 (G at r = 384 on an 8192-wide layer: 75 µs in fp32, 0.2 ms on a
+# 28672-wide one; benchmarks/dora_step_profile.py)
+SPLIT_GRAM_MIN_FMAS = 1 << 30
 
-    ‖W+sBA‖²_row = ‖W‖²_row + 2s·rowsum(B ⊙ U) + s²·rowsum((B·G) ⊙ B) with G = A·Aᵀ; accumulated in `dtype`.
+
+def gram(A: torch.Tensor) -> torch.Tensor:
+    """G = A·Aᵀ `[r, r]` in A's dtype. Large fp32 A on CUDA: X = [A_hi; A_lo] with A_hi = bf16(A) and
+    A_lo = bf16(A − A_hi) (together within about 2⁻¹⁷ of A), one bf16 GEMM X·Xᵀ with fp32 accumulation, and
+    G = the sum of its four r×r blocks: an fp32 GEMM's accuracy at the bf16 rate (4r²·d_in products instead of
+    r²·d_in), with 2r×d_in bf16 and 2r×2r fp32 of scratch."""
+    r, k = A.shape
+    if not (A.is_cuda and A.dtype == torch.float32 and r * r * k >= SPLIT_GRAM_MIN_FMAS):
+        return A @ A.T
+    X = torch.empty(2 * r, k, dtype=torch.bfloat16, device=A.device)
+    X[:r].copy_(A)
+    torch.sub(A, X[:r], out=X[r:])
+    return mm_fp32(X, X.T).view(2, r, 2, r).sum(dim=(0, 2))
+
+
+def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a·b with an fp32 result: fp32 operands as they are, bf16 operands with fp32 accumulation and no rounding
+    of the result to bf16 (cuBLAS's fp32 output; on the CPU the exact bf16 values multiplied in fp32)."""
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        return torch.mm(a, b)
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+def factored_row_norm(base_sq: torch.Tensor, U: torch.Tensor, A: torch.Tensor, B: torch.Tensor, s: float,
+                      dtype: torch.dtype = torch.float32, eps: float = 0.0) -> torch.Tensor:
+    """‖W + sBA‖ per row (then max(·, eps)) from ‖W‖²_row, U = W·Aᵀ `[d_out, r]` (a transposed view is fine),
+    A `[r, d_in]`, B `[d_out, r]`; no `d_out×d_in` matrix.
+
+    ‖W+sBA‖²_row = ‖W‖²_row + 2s·rowsum(B ⊙ U) + s²·rowsum((B·G) ⊙ B) with G = A·Aᵀ, accumulated in `dtype`:
+    G (through bf16 tensor cores at fp32 accuracy when large: `gram`), V = B·G, then one fused kernel for
+    rowsum(B ⊙ (2s·U + s²·V)), the sum with ‖W‖², the square root and eps (`kernels.norm_rows`).
     """
     A, B, U = A.to(dtype), B.to(dtype), U.to(dtype)
-    G = A @ A.T
-    cross = (B * U).sum(dim=1)
-    ba_sq = ((B @ G) * B).sum(dim=1)
-    return norm_assemble(base_sq.to(dtype), cross, ba_sq, s)  # fused kernel on CUDA, eager reference elsewhere
+    G = gram(A)
+    V = B @ G
+    return norm_rows(base_sq.to(dtype), B, U, V, s, eps)  # fused kernel on CUDA, eager reference elsewhere
 
 
 class LoraAdapter(nn.Module):
@@ -144,38 +178,121 @@ class AdaptedLinear(nn.Module):
     def base_row_norms_sq(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.base.row_norms_sq(dtype)  # frozen: computed once by the base and kept
 
-    def weight_row_norm(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """‖W + sBA‖_row of the DoRA adapter, factored: U = W·Aᵀ runs A's rows through the frozen linear."""
+    def weight_row_norm(self, dtype: torch.dtype = torch.float32, eps: float = 0.0) -> torch.Tensor:
+        """‖W + sBA‖_row of the DoRA adapter (then max(·, eps)), factored: U = W·Aᵀ runs A's rows through the
+        frozen linear."""
         ad = self.dora
         with torch.no_grad():
             A = ad.lora_A.detach()
             # fp32 products over the exact W (a bf16 W or A would cost the norm about 3e-5 relative)
             matmul = getattr(self.base, "matmul_exact", self.base.matmul)
             U = matmul(A.to(dtype)).T
-            return factored_row_norm(self.base_row_norms_sq(dtype), U, A, ad.lora_B.detach(), ad.scale, dtype)
+            return factored_row_norm(self.base_row_norms_sq(dtype), U, A, ad.lora_B.detach(), ad.scale, dtype, eps)
 
-    def dora_scale(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """g = m / max(‖W + sBA‖_row, 1e-6), the norm detached. Reused while A and B are unchanged (playback)."""
+    def dora_norm(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """max(‖W + sBA‖_row, 1e-6), detached; recomputed only when A or B changed (or `_g_cache` was cleared)."""
         ad = self.dora
         key = (ad.lora_A._version, ad.lora_B._version, id(ad.lora_A), id(ad.lora_B), dtype)
         held = self.norm_held and self._g_cache is not None and self._g_cache[0][-1] == dtype
         if not held and (self._g_cache is None or self._g_cache[0] != key):
-            self._g_cache = (key, self.weight_row_norm(dtype).clamp_min(DORA_EPS))
-        return ad.magnitude.to(dtype) / self._g_cache[1]
+            self._g_cache = (key, self.weight_row_norm(dtype, eps=DORA_EPS))
+        return self._g_cache[1]
+
+    def dora_scale(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """g = m / max(‖W + sBA‖_row, 1e-6), the norm detached. Reused while A and B are unchanged (playback)."""
+        return self.dora.magnitude.to(dtype) / self.dora_norm(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base_out = self.base.matmul(x)
         ad = self.dora
-        if ad is not None:
+        if ad is not None and self._fused_step(x, ad):
+            y = DoraLinearFn.apply(x, ad.lora_A, ad.lora_B, ad.magnitude, self)
+        elif ad is not None:
+            base_out = self.base.matmul(x)
             dt = torch.float64 if x.dtype == torch.float64 else torch.float32
             y = dora_compose(base_out, ad.delta_input(x), self.dora_scale(dt), ad.scale)
         else:
-            y = base_out
+            y = self.base.matmul(x)
             for w, a in zip(self.weights, self.adapters):
                 y = y + (w * a.scale) * a.delta_input(x).to(y.dtype)
         bias = getattr(self.base, "bias", None)
         return y + bias.to(y.dtype) if bias is not None else y
 
+    def _fused_step(self, x: torch.Tensor, ad: LoraAdapter) -> bool:
+        """A training step as one Function (`DoraLinearFn`): where the fused training kernels run, without dropout
+        (its mask would have to be kept), on a base that has the transposed product for the input gradient."""
+        return ((not self.training or ad.config.dropout == 0) and hasattr(self.base, "matmul_transposed")
+                and kernels.layer_training_fused(x, self.out_features, ad.lora_A, ad.lora_B, ad.magnitude))
+
     def extra_repr(self) -> str:
         kinds = ",".join(("dora" if a.is_dora else "lora") + f"(r={a.config.rank})" for a in self.adapters)
         return f"{self.name}, adapters={kinds}, weights={self.weights}"
+
+
+class DoraLinearFn(torch.autograd.Function):
+    """One DoRA layer's training step, `y = g ⊙ (x·Wᵀ + s·(x·Aᵀ)·Bᵀ)` with `g = m / max(‖W + sBA‖_row, 1e-6)`
+    (the norm detached), as one autograd node, so the order of the GPU work is ours and not autograd's:
+
+    - forward: the base GEMM first (the GPU runs it while the CPU issues the rest), the adapter's two small
+      GEMMs, the norm (recomputed when A or B changed: `AdaptedLinear.dora_norm`), g, then the fused composition
+      (`compose_forward`, writing inner = base + s·lora when m trains);
+    - backward: the fused kernel for d_base = g·dy, d_lora = g·s·dy and Σ_tokens inner·dy, then at once the
+      input gradient's big GEMM `d_base·W` (`base.matmul_transposed`; autograd would run it last), then the
+      adapter's GEMMs while it runs, `dx += d_xa·A` accumulated in place, `d_m = d_g / norm`.
+
+    Gradients of A and B come out of the GEMMs in fp32 (bf16 operands, fp32 accumulation, no bf16 rounding).
+    Saved: x, x·Aᵀ `[tokens, r]`, the adapter's A and B in the activations' dtype, g, the norm and (when m
+    trains) inner; nothing the size of W.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, m: torch.Tensor, layer: "AdaptedLinear"):
+        tk = kernels.triton_kernels()
+        ad = layer.dora
+        s = float(ad.scale)
+        x2 = x.reshape(-1, x.shape[-1])
+        base_out = layer.base.matmul(x2)  # first: the big GEMM
+        dt = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32  # as `LoraAdapter.delta_input`
+        xc = x2.to(dt)
+        Ac, Bc = A.detach().to(dt), B.detach().to(dt)
+        xa = torch.mm(xc, Ac.T)
+        lora = torch.mm(xa, Bc.T)
+        norm = layer.dora_norm(torch.float32)
+        g = torch.div(m.detach(), norm)
+        y, inner = tk.compose_forward(base_out, lora, g, s, write_inner=ctx.needs_input_grad[3])
+        ctx.save_for_backward(xc, Ac, Bc, xa, g, norm, inner)
+        ctx.layer, ctx.s, ctx.x_shape, ctx.x_dtype = layer, s, x.shape, x.dtype
+        ctx.dtypes = (base_out.dtype, lora.dtype)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy: torch.Tensor):
+        tk = kernels.triton_kernels()
+        xc, Ac, Bc, xa, g, norm, inner = ctx.saved_tensors
+        need_x, need_A, need_B, need_m = ctx.needs_input_grad[:4]
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        if not dy2.is_contiguous():
+            dy2 = dy2.contiguous()
+        dx = dA = dB = d_m = None
+        need_lora = need_x or need_A or need_B
+        d_base, d_lora, d_g = tk.compose_backward(dy2, g, inner if need_m else None, ctx.s,
+                                                  ctx.dtypes[0] if need_x else None,
+                                                  ctx.dtypes[1] if need_lora else None)
+        if need_x:  # the big GEMM first: the GPU runs it while the CPU issues the adapter's small GEMMs
+            dx = ctx.layer.base.matmul_transposed(d_base).to(ctx.x_dtype)
+            del d_base
+        if need_B:
+            dB = mm_fp32(d_lora.T, xa)
+        if need_x or need_A:
+            d_xa = torch.mm(d_lora, Bc)
+            if need_A:
+                dA = mm_fp32(d_xa.T, xc)
+            if need_x:
+                if dx.dtype == d_xa.dtype and dx.dim() == 2 and dx.is_contiguous():
+                    dx.addmm_(d_xa, Ac)
+                else:
+                    dx = dx + torch.mm(d_xa, Ac).to(dx.dtype)
+                dx = dx.reshape(ctx.x_shape)
+        if need_m:
+            d_m = d_g.div_(norm)
+        return dx, dA, dB, d_m, None
