@@ -9,8 +9,10 @@ fp32 adapters), plus the composition kernel's bandwidth against a copy and the f
 Every layer sees the same bf16 x, W, A, B and m: W ~ N(0, 0.02²), A kaiming-uniform, B ≠ 0 (‖sBA‖ ≈ 0.3‖W‖ per
 row), m = ‖W + sBA‖_row·(1 + 1.5e-3·N(0, 1)) so g ≈ 1 with a spread of about 1.5e-3, s = alpha/r with alpha = r.
 juno-py computes base = x·Wᵀ (dense bf16 W, or the quantized frozen linear), lora = (x·Aᵀ)·Bᵀ in bf16 from fp32
-adapters, then the fused composition; at inference g is cached (frozen adapter). Training steps recompute the
-norm every call for both (after an optimizer step it would be stale). PEFT's layer is called directly (no
+adapters, then the fused composition (a training step is one autograd Function, `DoraLinearFn`); at inference g
+is cached (frozen adapter). Training steps recompute the norm every call for both (after an optimizer step it
+would be stale); juno-py's U = W·Aᵀ is fp32-accurate on the dense stand-in as on the quantized frozen linear
+(`DenseBase.matmul_exact`: A split into two bf16 parts). PEFT's layer is called directly (no
 PeftModel wrapper), in train() for training and eval() for inference, lora_dropout 0. Timings: CUDA events around
 each call, started on an idle GPU (so a call's time is its GPU time or, where launching is slower than the GPU,
 its launch time), implementations interleaved call by call, median of --reps calls after warm-up; TF32 off. Memory:
@@ -56,6 +58,7 @@ class DenseBase(nn.Module):
         self.register_buffer("W", W, persistent=False)
         self.bias = None
         self._row_norms_sq = W.double().square().sum(1)  # frozen: once, at load
+        self._row_norms_sq32 = self._row_norms_sq.float()
 
     in_features = property(lambda self: self.W.shape[1])
     out_features = property(lambda self: self.W.shape[0])
@@ -63,14 +66,32 @@ class DenseBase(nn.Module):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.bfloat16:
             return F.linear(x, self.W)
-        # fp32 rows (DoRA's U = W·Aᵀ): bf16 operands, fp32 accumulation and result
+        # fp32 rows: bf16 operands, fp32 accumulation and result
         xb = x.to(torch.bfloat16)
         if xb.is_cuda:
             return torch.mm(xb, self.W.t(), out_dtype=torch.float32)
         return xb.float() @ self.W.float().t()
 
+    def matmul_exact(self, x: torch.Tensor) -> torch.Tensor:
+        """x·Wᵀ for fp32 rows (DoRA's U = W·Aᵀ) as the frozen linear's `matmul_exact` gives it: to fp32 accuracy
+        over the exact W. W is exactly bf16 here, so x = x_hi + x_lo in two bf16 parts (x_hi = bf16(x),
+        x_lo = bf16(x − x_hi), together within about 2⁻¹⁷ of x): x_hi·Wᵀ with an fp32 result plus x_lo·Wᵀ,
+        which is 2⁻⁹ of it and may carry bf16 rounding (2⁻¹⁸ of U); two bf16 GEMMs, fp32 accumulation."""
+        r = x.shape[0]
+        xs = torch.empty(2 * r, x.shape[1], dtype=torch.bfloat16, device=x.device)
+        xs[:r].copy_(x)
+        torch.sub(x, xs[:r], out=xs[r:])
+        if not x.is_cuda:
+            return xs[:r].float() @ self.W.float().t() + xs[r:].float() @ self.W.float().t()
+        u = torch.mm(xs[:r], self.W.t(), out_dtype=torch.float32)
+        return u.add_(torch.mm(xs[r:], self.W.t()))
+
+    def matmul_transposed(self, g: torch.Tensor) -> torch.Tensor:
+        """g·W (the input gradient, no autograd)."""
+        return g @ self.W if g.dtype == self.W.dtype else g @ self.W.to(g.dtype)
+
     def row_norms_sq(self, dtype=torch.float32):
-        return self._row_norms_sq.to(dtype)
+        return self._row_norms_sq32 if dtype == torch.float32 else self._row_norms_sq.to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------------- data
@@ -231,7 +252,7 @@ def infer_call(layer, x):
 
 
 # ---------------------------------------------------------------------------------------------------- layer table
-def bench_shape(T, d_in, d_out, r, device, reps, warmup, with_quant):
+def bench_shape(T, d_in, d_out, r, device, reps, warmup, with_quant, peers=True):
     d = layer_data(T, d_in, d_out, r, device)
     x = d["x"].clone().requires_grad_(True)
     layers, resident, notes = {}, {}, {}
@@ -254,9 +275,10 @@ def bench_shape(T, d_in, d_out, r, device, reps, warmup, with_quant):
             resident.pop(name, None)
 
     build("juno-py dense", lambda: juno_layer(DenseBase(d["W"]), d))
-    build("PEFT LoRA bf16", lambda: peft_layer(d, False, torch.bfloat16))
-    build("PEFT DoRA bf16", lambda: peft_layer(d, True, torch.bfloat16))
-    build("PEFT DoRA fp32", lambda: peft_layer(d, True, torch.float32))
+    if peers:
+        build("PEFT LoRA bf16", lambda: peft_layer(d, False, torch.bfloat16))
+        build("PEFT DoRA bf16", lambda: peft_layer(d, True, torch.bfloat16))
+        build("PEFT DoRA fp32", lambda: peft_layer(d, True, torch.float32))
     if with_quant:
         for t in QUANT_TYPES:
             build(f"juno-py {t}", lambda t=t: juno_layer(quant_layer(t, d_in, d_out, device), d))
@@ -290,6 +312,15 @@ def bench_shape(T, d_in, d_out, r, device, reps, warmup, with_quant):
     mem_infer = {n: peak_mib(f, device) for n, f in infer.items()}
     rows = [dict(impl=n, train_ms=t_train[n], infer_ms=t_infer[n], train_peak_mib=mem_train[n],
                  infer_peak_mib=mem_infer[n], resident_mib=resident[n]) for n in layers]
+    if with_quant:  # the norm's U = W·Aᵀ alone (a training step recomputes it): bf16 products on the dense
+        # stand-in, fp32 products over the exact W (`matmul_exact`) on the quantized frozen linear
+        A = d["A"].float()
+        u_calls = {n: (lambda b=lay.base: getattr(b, "matmul_exact", b.matmul)(A)) for n, lay in layers.items()
+                   if isinstance(lay, AdaptedLinear)}
+        t_u = interleaved(u_calls, reps, warmup, device)
+        for row in rows:
+            if row["impl"] in t_u:
+                row["norm_U_ms"] = t_u[row["impl"]]
     del layers, train, infer
     return dict(T=T, d_in=d_in, d_out=d_out, r=r, rows=rows, notes=notes, agree=agree)
 
@@ -322,6 +353,10 @@ def print_layer_table(res):
                  f"{by[f'juno-py {t}']['infer_ms'] / j['infer_ms']:.2f}×" for t in QUANT_TYPES if f"juno-py {t}" in by]
         if quant:
             print("juno-py quantized time / juno-py dense: " + "; ".join(quant))
+        u = [f"{n}: {row['norm_U_ms']:.3f}" for n, row in by.items() if "norm_U_ms" in row]
+        if u:
+            print("the norm's U = W·Aᵀ alone, ms (dense: bf16 products; quantized: fp32 over the exact W): "
+                  + "; ".join(u))
     for k, v in res["agree"].items():
         print(f"check: ‖{k}‖ / ‖adapter effect‖ = {v:.2e} (both outputs bf16)")
 
@@ -489,6 +524,9 @@ def main():
     ap.add_argument("--tiles", action="store_true", help="only the tile-configuration sweep")
     ap.add_argument("--no-quant", action="store_true", help="skip the quantized juno-py layers")
     ap.add_argument("--no-norm", action="store_true", help="skip the factored-norm memory and error table")
+    ap.add_argument("--quant-only", action="store_true",
+                    help="only juno-py dense and quantized (no PEFT layers): the quantized-W ratios")
+    ap.add_argument("--shape-index", type=int, nargs="*", help="run only these entries of SHAPES (0-based)")
     ap.add_argument("--bandwidth-elements", type=int, nargs="*", default=[1 << 27, 1 << 28],
                     help="sizes of the kernel bandwidth tables (none: skip them)")
     ap.add_argument("--json", type=Path, help="also write every number here")
@@ -511,6 +549,8 @@ def main():
         tiles(device, args.reps, args.warmup)
     else:
         shapes = QUICK_SHAPES if args.quick else SHAPES
+        if args.shape_index is not None and not args.quick:
+            shapes = [SHAPES[i] for i in args.shape_index]
         reps = min(args.reps, 5) if args.quick else args.reps
         if device.type == "cuda":
             out["bandwidth"] = {}
@@ -523,7 +563,7 @@ def main():
         out["layers"] = []
         for T, d_in, d_out, r in shapes:
             res = bench_shape(T, d_in, d_out, r, device, reps, 1 if args.quick else args.warmup,
-                              with_quant=not args.no_quant and device.type == "cuda")
+                              with_quant=not args.no_quant and device.type == "cuda", peers=not args.quant_only)
             print_layer_table(res)
             out["layers"].append(res)
             if device.type == "cuda":

@@ -43,6 +43,7 @@ F16_FIELDS = {
     GGMLType.Q4_0: ((0, 2e-3, 6e-3),),  # centred codes -8..7
     GGMLType.Q4_1: ((0, 1e-3, 3e-3), (2, -8.0, None)),
     GGMLType.Q5_0: ((0, 2e-3, 6e-3),),  # centred codes -16..15
+    GGMLType.Q5_1: ((0, 1e-3, 3e-3), (2, -16.0, None)),
     GGMLType.Q8_0: ((0, 5e-5, 2e-4),),  # signed codes
 }
 

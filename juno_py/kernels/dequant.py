@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import math
 import os
 from typing import Optional
 
@@ -33,10 +34,12 @@ TRITON_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4
                           GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 
-# tile of one program of the dequantization kernel: 8 rows x 256 columns (one K-quant super-block per row)
-TILE_ROWS, TILE_COLS = 8, 256
-# tile of one program of the matrix-vector kernel: 32 output rows, 256 input columns per step
-MATVEC_ROWS, MATVEC_COLS = 32, 256
+# values per block as the kernels cut rows (float types: 256 columns a block), and per type (decode: blocks a program
+# NB, warps; matvec: rows a program BN, blocks a step KB). Chosen by `benchmarks/dequant_gpu.py --sweep` on the H200:
+# 4096 values a program for the 32-value types, 2048 (Q4_K) or 4096 (Q5_K, Q6_K) for the K-quants.
+KERNEL_BLOCK = {GGMLType.F32: 256, GGMLType.F16: 256, GGMLType.BF16: 256}
+KERNEL_CONFIG = {t: ((128, 4, 16, 8) if GGML_BLOCK_SIZES[t][0] == 32 else (8, 4, 16, 1)) for t in TRITON_TYPES}
+KERNEL_CONFIG.update({GGMLType.Q5_K: (16, 4, 16, 1), GGMLType.Q6_K: (16, 4, 16, 1)})
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 _kernels = None
@@ -72,6 +75,26 @@ def _on(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+def _geometry(ggml_type: int) -> tuple[int, int]:
+    """(values, bytes) of one block as the kernels see it: float types are cut into blocks of 256 columns."""
+    block, size = GGML_BLOCK_SIZES[ggml_type]
+    b = KERNEL_BLOCK.get(ggml_type, block)
+    return b, b // block * size
+
+
+def _row_alignment(row_bytes: int) -> int:
+    """The largest power of two up to 16 that divides a row's bytes: passed to the kernel as a compile-time factor
+    of the row stride, so the compiler knows how wide the loads of a block may be."""
+    return math.gcd(row_bytes, 16)
+
+
+def _aligned(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """`raw`, or an aligned copy of it when its first byte is not aligned to the float type's element size (the
+    float kernels read whole elements)."""
+    size = GGML_BLOCK_SIZES[ggml_type][1] if ggml_type in KERNEL_BLOCK else 1
+    return raw if raw.data_ptr() % size == 0 else raw.clone()
+
+
 def _check(raw: torch.Tensor, ggml_type: int, n_cols: int) -> int:
     if not has_kernel(ggml_type):
         raise ValueError(f"no Triton kernel for GGML type {GGMLType(ggml_type).name}")
@@ -104,12 +127,19 @@ def dequantize_tile(raw: torch.Tensor, ggml_type: int, n_cols: int, rows: Option
     elif out.dtype != dtype or out.shape[0] < shape[0] or out.shape[1] < shape[1] or out.stride(1) != 1:
         raise ValueError(f"dequantize_tile: out {tuple(out.shape)} {out.dtype} cannot hold {shape} {dtype}")
     if shape[0] and shape[1]:
+        raw = _aligned(raw, ggml_type)
         dst = out.view(torch.int16) if dtype == torch.bfloat16 else out  # bf16 is written as its bit pattern
-        grid = (_cdiv(shape[0], TILE_ROWS), _cdiv(shape[1], TILE_COLS))
+        B, block_bytes = _geometry(ggml_type)
+        blk0 = c0 // B
+        n_blk = _cdiv(c1, B) - blk0
+        nb, warps = KERNEL_CONFIG[ggml_type][:2]
+        ra = _row_alignment(row_bytes)
+        grid = (_cdiv(shape[0] * n_blk, nb),)
         with _on(raw):
-            kernels().dequant_kernel[grid](raw, dst, raw.shape[0], n_cols, row_bytes, r0, c0, shape[0], shape[1],
-                                           out.stride(0), TYPE=int(ggml_type), BF16=dtype == torch.bfloat16,
-                                           BR=TILE_ROWS, BC=TILE_COLS, num_warps=4)
+            kernels().dequant_kernel[grid](raw, dst, row_bytes // ra, r0, blk0, n_blk, shape[0], c0, c1,
+                                           out.stride(0), TYPE=int(ggml_type), B=B, BLOCK_BYTES=block_bytes,
+                                           RA=ra, BF16=dtype == torch.bfloat16,
+                                           EDGES=bool(c0 % B or c1 % B), NB=nb, num_warps=warps)
     return out[: shape[0], : shape[1]]
 
 
@@ -125,11 +155,15 @@ def dequant_matvec(raw: torch.Tensor, ggml_type: int, n_cols: int, x: torch.Tens
     n_rows = raw.shape[0]
     y = torch.empty(x.shape[0], n_rows, dtype=torch.float32, device=raw.device)
     if x.shape[0] and n_rows:
-        grid = (_cdiv(n_rows, MATVEC_ROWS), x.shape[0])
+        raw = _aligned(raw, ggml_type)
+        B, block_bytes = _geometry(ggml_type)
+        _, _, bn, kb = KERNEL_CONFIG[ggml_type]
+        ra = _row_alignment(row_bytes)
+        grid = (_cdiv(n_rows, bn), x.shape[0])
         with _on(raw):
-            kernels().matvec_kernel[grid](raw, x, y, n_rows, n_cols, row_bytes, x.stride(0), y.stride(0),
-                                          TYPE=int(ggml_type), ROUND_BF16=round_bf16, BN=MATVEC_ROWS,
-                                          BK=MATVEC_COLS, num_warps=4)
+            kernels().matvec_kernel[grid](raw, x, y, n_rows, n_cols, _cdiv(n_cols, B), row_bytes // ra, x.stride(0),
+                                          y.stride(0), TYPE=int(ggml_type), B=B, BLOCK_BYTES=block_bytes, RA=ra,
+                                          ROUND_BF16=round_bf16, BN=bn, KB=kb, num_warps=4)
     return y
 
 

@@ -1,6 +1,22 @@
 """Triton kernels that decode GGML blocks (imported only when a GPU or interpreted path first runs: `@triton.jit`
 reads TRITON_INTERPRET when a kernel is defined). The launch wrappers, the numerics and the eager references are
 in `juno_py.kernels.dequant`.
+
+Block-wise decoding: a program takes `NB` whole blocks (32 values for Q4_0..Q8_0, 256 for the K-quants, 256
+columns for F32/F16/BF16) of the flattened (row, block) grid of the rectangle it decodes. Each block's values are
+laid out in a small tensor whose last axis is a run of consecutive code bytes (16 or 32), so the code bytes of a
+block are one contiguous vector load per run (as wide as the block's alignment allows: 16 bytes for Q4_K/Q5_K),
+shared by the 2 or 4 values each byte holds through broadcasting; the float16 scales, minima and the K-quants'
+sub-block scales are read once per block or sub-block, never per value. Every value is then `code · scale
+(+ bias)` with the same fp32 operations as the torch codecs, rounded to bf16 with integer operations
+(`_bf16_bits`), and the output is written in runs of 16 or 32 contiguous values.
+
+Axes of a block's value tensor (`v` is the value's index inside its block):
+- Q4_0/Q4_1/Q5_0/Q5_1/Q8_0: [NB, 2 (h), 16 (l)], v = 16h + l; a nibble code is byte qs[l] shifted by 4h;
+- Q4_K/Q5_K: [NB, 4 (c), 2 (h), 32 (l)], v = 64c + 32h + l; byte qs[32c + l] shifted by 4h, sub-block 2c + h;
+- Q6_K: [NB, 2 (n), 2 (a), 2 (b), 32 (l)], v = 128n + 64a + 32b + l; low bits ql[64n + 32b + l] >> 4a, high bits
+  qh[32n + l] >> 2(2a + b), scale sc[v // 16];
+- F32/F16/BF16: [NB, 8, 32], v = 32s + l (256 columns a block, the last one masked at the row's end).
 """
 
 import os
@@ -10,96 +26,19 @@ import triton.language as tl
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
+# TYPE is the GGML type number: F32 0, F16 1, Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14, BF16 30
+
 
 @triton.jit
-def _f16(ptr, mask):
+def _u8(ptr):
+    return tl.load(ptr).to(tl.int32)
+
+
+@triton.jit
+def _f16(ptr):
     """The little-endian float16 at each byte address `ptr`, as fp32 (exact)."""
-    lo = tl.load(ptr, mask=mask, other=0).to(tl.int32)
-    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.int32)
-    return (lo | (hi << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return (_u8(ptr) | (_u8(ptr + 1) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
-@triton.jit
-def _byte(ptr, mask):
-    return tl.load(ptr, mask=mask, other=0).to(tl.int32)
-
-@triton.jit
-def _k_scale_min(blk, sub, mask):
-    """Q4_K/Q5_K: the 6-bit scale and minimum of sub-block `sub` (0..7) from the 12 bytes at block byte 4."""
-    a = _byte(blk + 4 + sub, mask)
-    b = _byte(blk + 8 + sub, mask)
-    c = _byte(blk + 4 + tl.where(sub >= 4, sub - 4, sub), mask)
-    low = sub < 4
-    sc = tl.where(low, a & 63, (b & 0xF) | ((c >> 6) << 4))
-    mn = tl.where(low, b & 63, (b >> 4) | ((a >> 6) << 4))
-    return sc.to(tl.float32), mn.to(tl.float32)
-
-@triton.jit
-def _dequant(raw_ptr, rows, cols, n_rows, n_cols, row_bytes, TYPE: tl.constexpr):
-    """fp32 values of W[rows, cols] (`rows` [R], `cols` [C] absolute indices; out of range: 0)."""
-    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-    row_base = raw_ptr + rows.to(tl.int64)[:, None] * row_bytes
-    if TYPE == 0:  # F32
-        p = row_base + (cols * 4)[None, :]
-        bits = _byte(p, mask) | (_byte(p + 1, mask) << 8) | (_byte(p + 2, mask) << 16) | (_byte(p + 3, mask) << 24)
-        v = bits.to(tl.float32, bitcast=True)
-    elif TYPE == 1:  # F16
-        v = _f16(row_base + (cols * 2)[None, :], mask)
-    elif TYPE == 30:  # BF16
-        p = row_base + (cols * 2)[None, :]
-        v = ((_byte(p, mask) | (_byte(p + 1, mask) << 8)) << 16).to(tl.float32, bitcast=True)
-    elif TYPE == 12 or TYPE == 13 or TYPE == 14:  # K-quants: 256 values a block
-        j = (cols % 256)[None, :]
-        if TYPE == 12:
-            blk = row_base + (cols // 256 * 144)[None, :]
-        elif TYPE == 13:
-            blk = row_base + (cols // 256 * 176)[None, :]
-        else:
-            blk = row_base + (cols // 256 * 210)[None, :]
-        if TYPE == 14:  # Q6_K: ql[128] qh[64] int8 scales[16] d
-            within = j % 128
-            low = (_byte(blk + (j // 128) * 64 + within % 64, mask) >> ((within // 64) * 4)) & 0xF
-            high = (_byte(blk + 128 + (j // 128) * 32 + within % 32, mask) >> ((within // 32) * 2)) & 3
-            sc = _byte(blk + 192 + j // 16, mask).to(tl.int8).to(tl.float32)
-            scale = _f16(blk + 208, mask) * sc
-            v = ((low | (high << 4)) - 32).to(tl.float32) * scale
-        else:  # Q4_K: d dmin scales[12] qs[128]; Q5_K: d dmin scales[12] qh[32] qs[128]
-            sc, mn = _k_scale_min(blk, j // 32, mask)
-            qs = 16 if TYPE == 12 else 48
-            q = (_byte(blk + qs + (j // 64) * 32 + j % 32, mask) >> (((j % 64) // 32) * 4)) & 0xF
-            if TYPE == 13:
-                q = q | (((_byte(blk + 16 + j % 32, mask) >> (j // 32)) & 1) << 4)
-            scale = _f16(blk, mask) * sc
-            bias = -_f16(blk + 2, mask) * mn
-            v = q.to(tl.float32) * scale + bias
-    else:  # 32-value blocks: Q4_0 Q4_1 Q5_0 Q5_1 Q8_0
-        j = (cols % 32)[None, :]
-        if TYPE == 8:  # d int8[32]
-            blk = row_base + (cols // 32 * 34)[None, :]
-            v = _byte(blk + 2 + j, mask).to(tl.int8).to(tl.float32) * _f16(blk, mask)
-        else:
-            if TYPE == 2:
-                blk = row_base + (cols // 32 * 18)[None, :]
-                qs = 2
-            elif TYPE == 3:
-                blk = row_base + (cols // 32 * 20)[None, :]
-                qs = 4
-            elif TYPE == 6:
-                blk = row_base + (cols // 32 * 22)[None, :]
-                qs = 6
-            else:
-                blk = row_base + (cols // 32 * 24)[None, :]
-                qs = 8
-            q = (_byte(blk + qs + j % 16, mask) >> ((j // 16) * 4)) & 0xF
-            if TYPE == 6 or TYPE == 7:  # the fifth bit: bit j of the little-endian uint32 before qs
-                q = q | (((_byte(blk + qs - 4 + j // 8, mask) >> (j % 8)) & 1) << 4)
-            d = _f16(blk, mask)
-            if TYPE == 2:
-                v = (q - 8).to(tl.float32) * d
-            elif TYPE == 6:
-                v = (q - 16).to(tl.float32) * d
-            else:  # Q4_1, Q5_1: d·q + m
-                v = q.to(tl.float32) * d + _f16(blk + 2, mask)
-    return v
 
 @triton.jit
 def _bf16_bits(v):
@@ -108,30 +47,163 @@ def _bf16_bits(v):
     r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     return tl.where(v != v, 0x7FC0, r)
 
-@triton.jit
-def dequant_kernel(raw_ptr, out_ptr, n_rows, n_cols, row_bytes, row0, col0, n_out_rows, n_out_cols,
-                    out_stride, TYPE: tl.constexpr, BF16: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
-    v = _dequant(raw_ptr, row0 + r, col0 + c, n_rows, n_cols, row_bytes, TYPE)
-    mask = (r < n_out_rows)[:, None] & (c < n_out_cols)[None, :]
-    dst = out_ptr + r.to(tl.int64)[:, None] * out_stride + c[None, :]
-    if BF16:
-        tl.store(dst, _bf16_bits(v).to(tl.int16), mask=mask)
-    else:
-        tl.store(dst, v, mask=mask)
 
 @triton.jit
-def matvec_kernel(raw_ptr, x_ptr, y_ptr, n_rows, n_cols, row_bytes, x_stride, y_stride,
-                   TYPE: tl.constexpr, ROUND_BF16: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
-    t = tl.program_id(1)
-    acc = tl.zeros([BN], dtype=tl.float32)
-    for k0 in range(0, n_cols, BK):
-        cols = k0 + tl.arange(0, BK)
-        w = _dequant(raw_ptr, rows, cols, n_rows, n_cols, row_bytes, TYPE)
-        if ROUND_BF16:  # the weight as the bf16 tile path sees it
-            w = (_bf16_bits(w) << 16).to(tl.float32, bitcast=True)
-        x = tl.load(x_ptr + t.to(tl.int64) * x_stride + cols, mask=cols < n_cols, other=0.0)
-        acc += tl.sum(w * x[None, :], axis=1)
-    tl.store(y_ptr + t.to(tl.int64) * y_stride + rows, acc, mask=rows < n_rows)
+def _emit(val, idx, base, lo, hi, ok, out_ptr, MODE: tl.constexpr, BF16: tl.constexpr, EDGES: tl.constexpr,
+          NB: tl.constexpr, B: tl.constexpr):
+    """MODE 0: store `val` at `out_ptr + base + idx` where `ok` (and lo <= idx < hi when EDGES), as bf16 bits or fp32;
+    returns nothing useful. MODE 1 (matvec): Σ over each block of val · x[base + idx] (x at `out_ptr`, fp32; the
+    weight rounded to bf16 first when BF16), one fp32 partial sum per block `[NB]`."""
+    keep = ok
+    if EDGES:
+        keep = keep & (idx >= lo) & (idx < hi)
+    if MODE == 0:
+        if BF16:
+            tl.store(out_ptr + (base + idx), _bf16_bits(val).to(tl.int16), mask=keep)
+        else:
+            tl.store(out_ptr + (base + idx), val, mask=keep)
+        return tl.zeros([NB], dtype=tl.float32)
+    else:
+        if BF16:  # the weight as the bf16 tile path sees it
+            val = (_bf16_bits(val) << 16).to(tl.float32, bitcast=True)
+        x = tl.load(out_ptr + (base + idx), mask=keep, other=0.0)
+        return tl.sum(tl.reshape(tl.where(keep, val * x, 0.0), [NB, B]), axis=1)
+
+
+@triton.jit
+def _blocks(raw_ptr, blk, base, lo, hi, ok, out_ptr, TYPE: tl.constexpr, MODE: tl.constexpr, BF16: tl.constexpr,
+            EDGES: tl.constexpr, NB: tl.constexpr):
+    """Decode the NB blocks at byte offsets `blk` [NB] (int64, always inside the bytes) and hand their values to
+    `_emit` with the block's output offset `base`, its kept value range [lo, hi) and `ok` (the block is real)."""
+    b = raw_ptr + blk
+    if TYPE == 12 or TYPE == 13:  # Q4_K: d dmin scales[12] qs[128]; Q5_K: d dmin scales[12] qh[32] qs[128]
+        c = tl.arange(0, 4)[None, :, None, None]
+        h = tl.arange(0, 2)[None, None, :, None]
+        l = tl.arange(0, 32)[None, None, None, :]
+        b4 = b[:, None, None, None]
+        if TYPE == 12:
+            q = (tl.load(b4 + 16 + 32 * c + l).to(tl.int32) >> (4 * h)) & 0xF  # [NB,4,2,32] from [NB,4,1,32] bytes
+        else:
+            q = (tl.load(b4 + 48 + 32 * c + l).to(tl.int32) >> (4 * h)) & 0xF
+            q = q | (((tl.load(b4 + 16 + l).to(tl.int32) >> (2 * c + h)) & 1) << 4)
+        sub = 2 * c + h  # [1,4,2,1]: the 6-bit scale/minimum pair of each 32-value sub-block
+        low = sub < 4
+        s_a = _u8(b4 + 4 + sub)
+        s_b = _u8(b4 + 8 + sub)
+        s_c = _u8(b4 + 4 + tl.where(low, sub, sub - 4))
+        sc = tl.where(low, s_a & 63, (s_b & 0xF) | ((s_c >> 6) << 4)).to(tl.float32)
+        mn = tl.where(low, s_b & 63, (s_b >> 4) | ((s_a >> 6) << 4)).to(tl.float32)
+        scale = _f16(b4) * sc
+        bias = -_f16(b4 + 2) * mn
+        val = q.to(tl.float32) * scale + bias
+        idx = 64 * c + 32 * h + l
+        return _emit(val, idx, base[:, None, None, None], lo[:, None, None, None], hi[:, None, None, None],
+                     ok[:, None, None, None], out_ptr, MODE, BF16, EDGES, NB, 256)
+    elif TYPE == 14:  # Q6_K: ql[128] qh[64] int8 scales[16] d
+        n = tl.arange(0, 2)[None, :, None, None, None]
+        a = tl.arange(0, 2)[None, None, :, None, None]
+        bb = tl.arange(0, 2)[None, None, None, :, None]
+        l = tl.arange(0, 32)[None, None, None, None, :]
+        b5 = b[:, None, None, None, None]
+        lo4 = (tl.load(b5 + 64 * n + 32 * bb + l).to(tl.int32) >> (4 * a)) & 0xF  # [NB,2,2,2,32]
+        hi2 = (tl.load(b5 + 128 + 32 * n + l).to(tl.int32) >> (2 * (2 * a + bb))) & 3
+        idx = 128 * n + 64 * a + 32 * bb + l
+        s16 = 8 * n + 4 * a + 2 * bb  # scale of values idx // 16: s16 for l < 16, s16 + 1 above
+        sc = tl.where(l < 16, tl.load(b5 + 192 + s16).to(tl.int8, bitcast=True),
+                      tl.load(b5 + 193 + s16).to(tl.int8, bitcast=True)).to(tl.float32)
+        scale = _f16(b5 + 208) * sc
+        val = ((lo4 | (hi2 << 4)) - 32).to(tl.float32) * scale
+        return _emit(val, idx, base[:, None, None, None, None], lo[:, None, None, None, None],
+                     hi[:, None, None, None, None], ok[:, None, None, None, None], out_ptr, MODE, BF16, EDGES, NB,
+                     256)
+    elif TYPE == 0 or TYPE == 1 or TYPE == 30:  # F32, F16, BF16: 256 columns a block, the row's end masked
+        s = tl.arange(0, 8)[None, :, None]
+        l = tl.arange(0, 32)[None, None, :]
+        idx = 32 * s + l
+        b3 = b[:, None, None]
+        inside = ok[:, None, None] & (idx < hi[:, None, None])
+        if TYPE == 0:
+            val = tl.load(b3.to(tl.pointer_type(tl.float32)) + idx, mask=inside, other=0.0)
+        elif TYPE == 1:
+            val = tl.load(b3.to(tl.pointer_type(tl.float16)) + idx, mask=inside, other=0.0).to(tl.float32)
+        else:
+            bits = tl.load(b3.to(tl.pointer_type(tl.int16)) + idx, mask=inside, other=0).to(tl.int32)
+            val = (bits << 16).to(tl.float32, bitcast=True)
+        return _emit(val, idx, base[:, None, None], lo[:, None, None], hi[:, None, None], ok[:, None, None],
+                     out_ptr, MODE, BF16, EDGES, NB, 256)
+    else:  # 32-value blocks: Q4_0 (d qs[16]), Q4_1 (d m qs[16]), Q5_0 (d qh[4] qs[16]), Q5_1 (d m qh[4] qs[16]), Q8_0
+        h = tl.arange(0, 2)[None, :, None]
+        l = tl.arange(0, 16)[None, None, :]
+        idx = 16 * h + l
+        b3 = b[:, None, None]
+        d = _f16(b3)
+        if TYPE == 8:  # d int8[32]
+            val = tl.load(b3 + 2 + idx).to(tl.int8, bitcast=True).to(tl.float32) * d
+        else:
+            if TYPE == 2:
+                qs = b3 + 2
+            elif TYPE == 3:
+                qs = b3 + 4
+            elif TYPE == 6:
+                qs = b3 + 6
+            else:
+                qs = b3 + 8
+            q = (tl.load(qs + l).to(tl.int32) >> (4 * h)) & 0xF  # [NB,2,16] from [NB,1,16] bytes
+            if TYPE == 6 or TYPE == 7:  # the fifth bit: bit idx of the little-endian uint32 before qs
+                qh = _u8(qs - 4) | (_u8(qs - 3) << 8) | (_u8(qs - 2) << 16) | (_u8(qs - 1) << 24)  # [NB,1,1]
+                q = q | (((qh >> idx) & 1) << 4)
+            if TYPE == 2:
+                val = (q - 8).to(tl.float32) * d
+            elif TYPE == 6:
+                val = (q - 16).to(tl.float32) * d
+            else:  # Q4_1, Q5_1: d·q + m
+                val = q.to(tl.float32) * d + _f16(b3 + 2)
+        return _emit(val, idx, base[:, None, None], lo[:, None, None], hi[:, None, None], ok[:, None, None],
+                     out_ptr, MODE, BF16, EDGES, NB, 32)
+
+
+@triton.jit
+def dequant_kernel(raw_ptr, out_ptr, row_units, row0, blk0, n_blk, n_out_rows, col0, col1, out_stride,
+                   TYPE: tl.constexpr, B: tl.constexpr, BLOCK_BYTES: tl.constexpr, RA: tl.constexpr,
+                   BF16: tl.constexpr, EDGES: tl.constexpr, NB: tl.constexpr):
+    """Write W[row0 : row0 + n_out_rows, col0:col1] into out (row stride `out_stride`, column col0 at 0). The
+    program takes NB consecutive blocks of the flattened (output row, block column) grid; block columns run from
+    blk0 for n_blk blocks. Bytes of a row: row_units · RA (RA: a power of two dividing it, so the compiler knows the
+    rows' alignment). EDGES: col0 or col1 cut a block (values outside [col0, col1) are decoded but not stored)."""
+    g = tl.program_id(0) * NB + tl.arange(0, NB)  # int32: a weight has fewer than 2^31 blocks
+    total = n_out_rows * n_blk
+    ok = g < total
+    g = tl.minimum(g, total - 1)  # past the end: decode the last block again (never stored), loads need no mask
+    r = g // n_blk
+    bc = blk0 + (g - r * n_blk)
+    blk = (row0 + r).to(tl.int64) * (row_units * RA) + bc * BLOCK_BYTES
+    first = bc * B  # absolute column of the block's first value
+    base = r.to(tl.int64) * out_stride + (first - col0)
+    lo = col0 - first
+    hi = col1 - first
+    _blocks(raw_ptr, blk, base, lo, hi, ok, out_ptr, TYPE, 0, BF16, EDGES, NB)
+
+
+@triton.jit
+def matvec_kernel(raw_ptr, x_ptr, y_ptr, n_rows, n_cols, n_blk, row_units, x_stride, y_stride,
+                  TYPE: tl.constexpr, B: tl.constexpr, BLOCK_BYTES: tl.constexpr, RA: tl.constexpr,
+                  ROUND_BF16: tl.constexpr, BN: tl.constexpr, KB: tl.constexpr):
+    """y[t, rows] = x[t] · W[rows]ᵀ for BN rows and one token t a program, KB blocks of each row a step, fp32."""
+    t = tl.program_id(1).to(tl.int64)
+    i = tl.arange(0, BN * KB)
+    rows = tl.program_id(0).to(tl.int64) * BN + i // KB
+    row_ok = rows < n_rows
+    rows_c = tl.minimum(rows, n_rows - 1)
+    acc = tl.zeros([BN * KB], dtype=tl.float32)
+    for k0 in range(0, n_blk, KB):
+        bc = k0 + (i % KB)
+        ok = row_ok & (bc < n_blk)
+        bcc = tl.minimum(bc, n_blk - 1).to(tl.int64)
+        blk = rows_c * (row_units * RA) + bcc * BLOCK_BYTES
+        first = bcc * B
+        hi = (n_cols - first).to(tl.int32)
+        acc += _blocks(raw_ptr, blk, t * x_stride + first, hi * 0, hi, ok, x_ptr, TYPE, 1, ROUND_BF16, True,
+                       BN * KB)
+    y = tl.sum(tl.reshape(acc, [BN, KB]), axis=1)
+    r = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
+    tl.store(y_ptr + t * y_stride + r, y, mask=r < n_rows)

@@ -15,8 +15,9 @@ decode through the torch codecs on the CPU, block by block.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
 import numpy as np
 import torch
@@ -44,8 +45,9 @@ COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 # Device path. Bytes of one dequantized tile (in the compute dtype): 64 MiB keeps the products large enough for
 # cuBLAS (an 8192-wide layer decodes 4096 rows at a time) and the transient small beside a step's activations.
 DEFAULT_DEVICE_SCRATCH_BYTES = 64 << 20
-# up to this many tokens the fused dequantize-matvec kernel replaces decode-then-multiply (playback decode)
-MATVEC_MAX_TOKENS = 8
+# up to this many tokens the fused dequantize-matvec kernel replaces decode-then-multiply (playback decode); measured
+# on the H200 by benchmarks/dequant_gpu.py: the matvec is 2-3x faster at 1 token, even at 4, 1.4-2x slower at 8
+MATVEC_MAX_TOKENS = 4
 # where the decoding runs: "auto" (Triton on CUDA for the types it has, else the torch codecs), "torch" (the
 # torch codecs only), "triton" (the Triton kernels on any device: CPU tests run them under TRITON_INTERPRET=1)
 DEQUANT_BACKENDS = ("auto", "torch", "triton")
@@ -256,6 +258,23 @@ class FrozenQuantLinear(nn.Module):
             self.weight_cache = self._dequantize_all(CACHE_DTYPES[cache])
         return self
 
+    @contextlib.contextmanager
+    def decoded(self) -> Iterator["FrozenQuantLinear"]:
+        """Inside the block W is decoded once, on the device path in the operands' dtype (`compute_dtype`), and every
+        product (forward and transpose) multiplies that copy instead of decoding tiles per call: the chunked loss
+        runs the output projection forward and backward once per chunk of positions, which would otherwise
+        decode the whole vocabulary's weight twice a chunk. Costs `n_out·n_in` values of memory while it lasts
+        (bf16: 1 GiB for a 128256×4096 output). The products are those of the tile path (each reduces over the
+        whole inner dimension in fp32). A layer that already keeps a cache, or streams on the CPU, is left as is."""
+        if self.weight_cache is not None or not self._on_device_path():
+            yield self
+            return
+        self.weight_cache = self.dequantize_rows(0, self._n_out, self.compute_dtype)
+        try:
+            yield self
+        finally:
+            self.weight_cache = None
+
     def _blocks(self, dtype: torch.dtype, exact: bool = False):
         """Yield `(start, stop, rows of W in dtype)` covering `[0, n_out)`, one block at a time.
 
@@ -331,19 +350,21 @@ class FrozenQuantLinear(nn.Module):
                                               round_bf16=op == torch.bfloat16).to(res)
         else:
             xc = x2.to(op)
-            step = self._device_step(self._n_in, xc.element_size())
+            step = _aligned_step(self._device_step(self._n_in, xc.element_size()), self._n_out)
             y = None
             for a in range(0, self._n_out, step):
                 b = min(a + step, self._n_out)
                 w = self.dequantize_rows(a, b, op)
-                part = mm_out(xc, w.t(), res)
-                del w
                 if b - a == self._n_out:
-                    y = part
+                    y = mm_out(xc, w.t(), res)
                 else:
                     if y is None:
                         y = torch.empty(tokens, self._n_out, dtype=res, device=x.device)
-                    y[:, a:b] = part
+                    if res == op:  # cuBLAS writes the column slice in place (ldc = n_out): no copy
+                        torch.mm(xc, w.t(), out=y[:, a:b])
+                    else:
+                        y[:, a:b] = mm_out(xc, w.t(), res)
+                del w
         return y.reshape(*x.shape[:-1], self._n_out)
 
     def _device_transpose(self, g: torch.Tensor) -> torch.Tensor:
@@ -358,19 +379,21 @@ class FrozenQuantLinear(nn.Module):
         if cache is not None:
             out = mm_out(gc, cache, res)
         else:
-            step = self._device_step(self._n_out, gc.element_size())
+            step = _aligned_step(self._device_step(self._n_out, gc.element_size()), self._n_in)
             out = None
             for c in range(0, self._n_in, step):
                 d = min(c + step, self._n_in)
                 w = self.dequantize_tile((0, self._n_out), (c, d), op)
-                part = mm_out(gc, w, res)
-                del w
                 if d - c == self._n_in:
-                    out = part
+                    out = mm_out(gc, w, res)
                 else:
                     if out is None:
                         out = torch.empty(g2.shape[0], self._n_in, dtype=res, device=g.device)
-                    out[:, c:d] = part
+                    if res == op:
+                        torch.mm(gc, w, out=out[:, c:d])
+                    else:
+                        out[:, c:d] = mm_out(gc, w, res)
+                del w
         return out.reshape(*g.shape[:-1], self._n_in)
 
     # ---- streaming matmuls (no autograd) --------------------------------------------------------------------
@@ -386,7 +409,9 @@ class FrozenQuantLinear(nn.Module):
             else:
                 out[:, a:b] = torch.mm(xc, w.t())  # bf16 products, widened to fp32
             del w
-        return out.reshape(*x.shape[:-1], self._n_out)
+        # no view where the shape is already right: the loss overwrites its logits in place, which autograd
+        # forbids on a view made inside a custom Function
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self._n_out)
 
     def _stream_transpose(self, g: torch.Tensor) -> torch.Tensor:
         """`g·W` for g `[..., n_out]` (the adjoint of `_stream_forward`), accumulated block by block in fp32."""
@@ -464,6 +489,13 @@ class FrozenQuantLinear(nn.Module):
     def __reduce_ex__(self, protocol):
         raise TypeError(f"FrozenQuantLinear {self.name!r} views a memory-mapped GGUF file and is never pickled or "
                         f"copied: save the adapters (their state_dict), and reload the base from its GGUF")
+
+
+def _aligned_step(step: int, n: int) -> int:
+    """A tile's rows (or columns) rounded down to a multiple of 256 when it is larger and does not cover all `n`: whole
+    blocks of every type (a K-quant super-block is 256 wide), and tile widths cuBLAS multiplies at full speed (an
+    odd width such as 1170, from 64 MiB over 28672 columns, made a 28672-wide layer 3× slower)."""
+    return step - step % 256 if 256 < step < n else step
 
 
 _MM_OUT_DTYPE = [True]  # whether torch.mm takes out_dtype here (checked on first use)

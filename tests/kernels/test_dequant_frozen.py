@@ -147,3 +147,71 @@ def test_dora_factored_norm_on_the_device_path():
     assert float(((ref - base) / base).abs().max()) > 1e-4  # the adapter moves the norms
     assert float(((got - ref).abs() / ref).max()) <= 1e-5
     assert float((got - ref).norm()) <= 1e-2 * float((ref - base).norm())
+
+
+def _count_decodes(monkeypatch) -> list:
+    """Record every Triton tile decode the frozen linear launches."""
+    from juno_py.kernels import dequant as device_dequant
+
+    calls, real = [], device_dequant.dequantize_tile
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(device_dequant, "dequantize_tile", counted)
+    return calls
+
+
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decoded_once_for_many_products(compute, monkeypatch):
+    """Inside `decoded()` W is decoded once for any number of forward and transpose products (each within the
+    bound over the same operands); after it the copy is gone and the layer decodes tiles per call again."""
+    dev, _, w = make(GGMLType.Q4_K, compute)
+    n_out, n_in = w.shape
+    gen = torch.Generator().manual_seed(7)
+    calls = _count_decodes(monkeypatch)
+    with dev.decoded():
+        assert dev.weight_cache is not None and dev.weight_cache.dtype == compute
+        for tokens in (MATVEC_MAX_TOKENS + 5, 20, 33):
+            x = torch.randn(tokens, n_in, generator=gen)
+            check(dev(x.to(DEVICE)), x, w, compute)
+            g = torch.randn(tokens, n_out, generator=gen)
+            check(dev.matmul_transposed(g.to(DEVICE)), g, w.T, compute)
+    assert len(calls) == 1
+    assert dev.weight_cache is None
+    dev(torch.randn(20, n_in, generator=gen).to(DEVICE))
+    assert len(calls) > 1  # tiles again
+
+
+def test_chunked_loss_decodes_the_output_once(tiny_gguf, monkeypatch):
+    """The training loss over many chunks of positions decodes a quantized output weight once (`hold=`), and gives
+    the loss and hidden-state gradient of the per-chunk path."""
+    from juno_py.models import load_model
+    from juno_py.models.loss import chunked_cross_entropy
+
+    path = tiny_gguf("llama", GGMLType.Q8_0)
+    if DEVICE == "cuda":
+        model = load_model(path, device="cuda", compute_dtype="bf16")
+    else:
+        model = load_model(path, compute_dtype="bf16")
+        for lin in model.frozen_linears():
+            lin.dequant = "triton"
+    out = model.output
+    assert isinstance(out, FrozenQuantLinear)
+    gen = torch.Generator().manual_seed(8)
+    hidden = torch.randn(48, out.in_features, generator=gen).to(DEVICE).bfloat16()
+    targets = torch.randint(0, out.out_features, (48,), generator=gen).to(DEVICE)
+    results = []
+    for hold in (None, model.output_decoded()):
+        h = hidden.clone().requires_grad_(True)
+        calls = _count_decodes(monkeypatch)
+        loss = chunked_cross_entropy(h, targets, model.project, chunk=16, reduction="sum", hold=hold)
+        loss.backward()
+        results.append((loss.detach().cpu().double(), h.grad.cpu().double(), len(calls)))
+        monkeypatch.undo()
+    (l0, g0, n0), (l1, g1, n1) = results
+    assert n0 >= 6 and n1 == 1  # 3 chunks, each forward and gradient, against one decode
+    assert out.weight_cache is None
+    assert float((l1 - l0).abs()) <= 1e-5 * float(l0.abs())
+    assert float((g1 - g0).norm()) <= 1e-3 * float(g0.norm())  # bf16 gradients of the same products

@@ -1,6 +1,7 @@
 """The Triton dequantization kernels against the torch codecs: bit-exact fp32 values, bf16 rounded to nearest even
 exactly as torch's cast rounds them, on any rectangle of rows and columns (one row, sizes and offsets that are not
-multiples of the kernel's 8 x 256 tiles, K-quant rows of 256·k columns); and the fused dequantize-matvec within
+multiples of the blocks a kernel program decodes (64 blocks of 32 values, 8 of 256, several programs a row and
+rows split between programs), K-quant rows of 256·k columns); and the fused dequantize-matvec within
 the fp32 accumulation bound of an fp64 product over the same (bf16-rounded) weights.
 
 Runs on the GPU at real sizes when there is one, else on the CPU under Triton's interpreter (tests/kernels/
@@ -26,15 +27,16 @@ K_QUANTS = (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
 
 
 def shapes(t: GGMLType) -> list[tuple[int, int]]:
-    """(rows, columns): one row; odd row counts; column counts that are and are not multiples of the 256-wide
-    tile (K-quant rows are always 256·k); real sizes on the GPU."""
+    """(rows, columns): one row; odd row counts; column counts that are and are not multiples of the 256 columns
+    of a float type's kernel block (K-quant rows are always 256·k); block counts that are not multiples of the
+    blocks of one program (8 K-quant blocks, 64 blocks of 32), over several programs; real sizes on the GPU."""
     block = GGML_BLOCK_SIZES[t][0]
     if t in K_QUANTS:
-        small = [(1, 256), (13, 768), (9, 512)]
+        small = [(1, 256), (13, 768), (9, 512), (37, 1280)]
     elif block == 32:
-        small = [(1, 32), (13, 96), (9, 288)]
+        small = [(1, 32), (13, 96), (9, 288), (67, 2080)]
     else:
-        small = [(1, 1), (1, 7), (13, 300)]
+        small = [(1, 1), (1, 7), (13, 300), (19, 1000)]
     return small + ([(3001, 4096), (64, 14336)] if DEVICE == "cuda" else [])
 
 
