@@ -2,17 +2,28 @@
 
 The output projection runs on `chunk` positions at a time. When the hidden states need a gradient, each
 chunk's gradient is computed right away (the logits of a chunk live only inside its iteration) and kept, the
-size of the hidden states; backward only scales it. The projection must hold no trainable parameters (the
+size of the hidden states; backward only scales it. The gradient with respect to a chunk's logits (softmax minus
+the one-hot target) is formed in place in the logits' own buffer, so a chunk costs one `[chunk, vocab]` buffer
+where log_softmax and its backward would hold three or four. The projection must hold no trainable parameters (the
 output layer and final norm are frozen): their gradients would not be computed.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+import math
+from typing import Callable, ContextManager, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from juno_py.weights.frozen import mm_out
+
+
+def _mm(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """`a @ b` as the frozen linear's own products are: on a CPU, bf16 operands give bf16 products, widened."""
+    return mm_out(a, b, out_dtype) if a.is_cuda or a.dtype == out_dtype else torch.mm(a, b).to(out_dtype)
 
 
 def _chunk_loss(project: Callable[[Tensor], Tensor], h: Tensor, t: Tensor, ignore_index: int) -> Tensor:
@@ -22,37 +33,172 @@ def _chunk_loss(project: Callable[[Tensor], Tensor], h: Tensor, t: Tensor, ignor
     return F.cross_entropy(logits, t, ignore_index=ignore_index, reduction="sum")
 
 
+def _chunk_loss_and_grad(project: Callable[[Tensor], Tensor], h: Tensor, t: Tensor,
+                         ignore_index: int) -> tuple[Tensor, Tensor]:
+    """The summed cross-entropy of one chunk and its gradient with respect to `h`.
+
+    With the logits z (fp32, or fp64 for fp64 inputs) and m = max z per row: the loss is m + log Σ exp(z − m) − z_t,
+    and ∂loss/∂z = softmax(z) − onehot(t), zero on ignored rows. Both come from z's buffer overwritten in place by
+    exp(z − m), then divided by the row sums; backward of `project` then maps that gradient to `h`."""
+    with torch.enable_grad():
+        h = h.detach().requires_grad_(True)
+        logits = project(h)
+        z = logits.detach()
+        if z.dtype not in (torch.float32, torch.float64):
+            z = z.float()  # a buffer of its own
+        elif logits._base is not None or (logits.grad_fn is not None and not _output_not_saved(logits)):
+            # overwrite the logits' buffer only where nothing else reads it: not a view of another tensor, and
+            # not kept by the op that made it for its backward (a tanh soft-cap keeps its output)
+            z = z.clone()
+        valid = t != ignore_index
+        rows = valid.nonzero().squeeze(1)
+        target = z[rows, t[rows]]
+        m = z.amax(dim=1, keepdim=True)
+        z.sub_(m).exp_()
+        total = z.sum(dim=1, keepdim=True)
+        loss = (m[rows, 0] + total[rows, 0].log() - target).sum()
+        z.div_(total)
+        z[rows, t[rows]] -= 1
+        z[~valid] = 0
+        (grad,) = torch.autograd.grad(logits, h, z.to(logits.dtype))
+    return loss.detach(), grad
+
+
+def _output_not_saved(out: Tensor) -> bool:
+    """Whether the op that made `out` keeps no reference to it for backward (it saved its inputs, or nothing)."""
+    fn = out.grad_fn
+    for name in dir(fn):
+        if name.startswith("_saved_") and not name.endswith("_raw"):
+            value = getattr(fn, name, None)
+            if isinstance(value, Tensor) and value.data_ptr() == out.data_ptr():
+                return False
+    return True
+
+
+class LinearHead:
+    """An output projection `logits = cap·tanh((x·Wᵀ + b)/cap)` (no cap when `cap` is 0) whose frozen W is read a
+    block of rows at a time (`layer._blocks`, a FrozenQuantLinear streaming on the CPU). The loss then never holds a
+    `[positions, vocab]` buffer, and W is decoded once per chunk of positions instead of twice (once for the
+    logits, once for their gradient)."""
+
+    def __init__(self, layer, cap: float = 0.0):
+        self.layer, self.cap = layer, float(cap)
+
+    @property
+    def block_rows(self) -> int:
+        return self.layer.chunk_rows
+
+    def blocks(self, dtype: torch.dtype):
+        """`(start, stop, W[start:stop] in dtype, bias slice or None)`, at most `block_rows` rows each."""
+        bias, step = self.layer.bias, self.block_rows
+        for a, b, w in self.layer._blocks(dtype):
+            for a2 in range(a, b, step):  # a resident cache comes as one block: cut it into pieces
+                b2 = min(a2 + step, b)
+                yield a2, b2, w[a2 - a:b2 - a], None if bias is None else bias[a2:b2]
+            del w
+
+
+def _head_chunk(head: LinearHead, x: Tensor, t: Tensor, ignore_index: int,
+                want_grad: bool) -> tuple[Tensor, Optional[Tensor]]:
+    """The summed cross-entropy of one chunk and its gradient with respect to x, in one pass over W's row blocks.
+
+    Online softmax: per position a running maximum m, a running sum s = Σ exp(c − m), the same sum o without the
+    target's term, and a running product acc = Σ_{j≠target} (exp(c_j − m) · c′_j)·W_j, all rescaled by
+    exp(m_old − m_new) whenever m grows (c: capped logits, c′ their derivative with respect to the uncapped ones,
+    1 without a cap). At the end loss = m + log s − c_target and ∂loss/∂x = acc / s − (o / s)·c′_target·W[target]
+    (the softmax minus the one-hot target, through the projection), zero on ignored positions. fp32 arithmetic (fp64 for fp64 x); the products in the layer's matmul dtype."""
+    layer = head.layer
+    out_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xc, _ = layer._operands(x.detach(), layer.in_features, 0, "hidden states")
+    n = x.shape[0]
+    valid = t != ignore_index
+    m = torch.full((n,), -math.inf, dtype=out_dtype, device=x.device)
+    s = torch.zeros(n, dtype=out_dtype, device=x.device)
+    other = torch.zeros(n, dtype=out_dtype, device=x.device)  # s without the target's term
+    target = torch.zeros(n, dtype=out_dtype, device=x.device)
+    acc = torch.zeros(n, layer.in_features, dtype=out_dtype, device=x.device) if want_grad else None
+    hit = torch.zeros(n, layer.in_features, dtype=out_dtype, device=x.device) if want_grad else None
+    for a, b, w, bias in head.blocks(xc.dtype):
+        c = _mm(xc, w.t(), out_dtype)
+        if bias is not None:
+            c += bias.to(out_dtype)
+        if head.cap > 0:
+            c.div_(head.cap).tanh_()
+            deriv = 1 - c.square() if want_grad else None  # d(cap·tanh(l/cap))/dl
+            c.mul_(head.cap)
+        inside = valid & (t >= a) & (t < b)
+        rows = inside.nonzero().squeeze(1)
+        cols = t[rows] - a
+        target[rows] = c[rows, cols]
+        m_new = torch.maximum(m, c.amax(dim=1))
+        rescale = torch.exp(m - m_new)  # 0 on the first block (m = −inf)
+        c.sub_(m_new[:, None]).exp_()
+        s.mul_(rescale)
+        other.mul_(rescale)
+        e_target = c[rows, cols]
+        s[rows] += e_target
+        c[rows, cols] = 0  # the target's term is kept apart: see the gradient below
+        s_other = c.sum(dim=1)
+        s.add_(s_other)
+        other.add_(s_other)
+        m = m_new
+        if want_grad:
+            if head.cap > 0:
+                c.mul_(deriv)
+            acc.mul_(rescale[:, None]).add_(_mm(c.to(w.dtype), w, out_dtype))
+            if rows.numel():
+                weight = w[cols].to(out_dtype)
+                hit[rows] += weight * (deriv[rows, cols, None] if head.cap > 0 else 1)
+        del c, w
+    loss = (m + s.log() - target)[valid].sum()
+    if not want_grad:
+        return loss, None
+    # softmax − onehot at the target is e_t/s − 1 = −(Σ of the other terms)/s: formed from that sum, not by
+    # subtracting 1 from a probability near 1, which would cancel digits when the model is confident
+    grad = acc.div_(s[:, None]).sub_(hit.mul_((other / s)[:, None]))
+    grad[~valid] = 0
+    return loss, grad.to(x.dtype)
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, targets: Tensor, project, chunk: int, ignore_index: int) -> Tensor:
+    def forward(ctx, hidden: Tensor, targets: Tensor, project, chunk: int, ignore_index: int,
+                head: Optional[LinearHead] = None) -> Tensor:
         total = torch.zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
         grad = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         for i in range(0, hidden.shape[0], chunk):
             h, t = hidden[i:i + chunk], targets[i:i + chunk]
+            if head is not None:
+                loss, g = _head_chunk(head, h, t, ignore_index, grad is not None)
+                if g is not None:
+                    grad[i:i + chunk] = g
+                total += loss
+                continue
             if grad is None:
                 total += _chunk_loss(project, h, t, ignore_index)
                 continue
-            with torch.enable_grad():
-                h = h.detach().requires_grad_(True)
-                loss = _chunk_loss(project, h, t, ignore_index)
-                (g,) = torch.autograd.grad(loss, h)
-            grad[i:i + chunk] = g
-            total += loss.detach()
+            loss, grad[i:i + chunk] = _chunk_loss_and_grad(project, h, t, ignore_index)
+            total += loss
         ctx.save_for_backward(grad if grad is not None else hidden.new_empty(0))
         return total
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
         (grad,) = ctx.saved_tensors
-        return grad * grad_output.to(grad.dtype), None, None, None, None
+        return grad * grad_output.to(grad.dtype), None, None, None, None, None
 
 
 def chunked_cross_entropy(hidden: Tensor, targets: Tensor, project: Callable[[Tensor], Tensor], chunk: int = 1024,
-                          ignore_index: int = -100, reduction: str = "mean") -> Tensor:
+                          ignore_index: int = -100, reduction: str = "mean",
+                          hold: Optional[ContextManager] = None, head: Optional[LinearHead] = None) -> Tensor:
     """Cross-entropy of `targets` under `project(hidden)` logits, `chunk` positions at a time.
 
     hidden `[..., D]`, targets `[...]` (positions equal to `ignore_index` carry no loss). `reduction`: "sum", or
-    "mean" over the supervised positions (0 when there are none).
+    "mean" over the supervised positions (0 when there are none). `hold`: a context entered around all chunks
+    (every chunk's forward and gradient run inside it), e.g. the model's `output_decoded()`, which decodes a
+    quantized output weight on the GPU once instead of twice per chunk. `head`: the same projection as a
+    LinearHead (the model's `loss_head()`), computed block by block in one pass (`_head_chunk`) instead of through
+    `project`.
     """
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction is {reduction!r}: expected 'sum' or 'mean'")
@@ -62,7 +208,8 @@ def chunked_cross_entropy(hidden: Tensor, targets: Tensor, project: Callable[[Te
     targets = targets.reshape(-1).to(hidden.device)
     if targets.shape[0] != hidden.shape[0]:
         raise ValueError(f"{targets.shape[0]} targets for {hidden.shape[0]} hidden states")
-    total = _ChunkedCrossEntropy.apply(hidden, targets, project, chunk, ignore_index)
+    with hold if hold is not None else contextlib.nullcontext():
+        total = _ChunkedCrossEntropy.apply(hidden, targets, project, chunk, ignore_index, head)
     if reduction == "sum":
         return total
     return total / (targets != ignore_index).sum().clamp(min=1)

@@ -8,6 +8,7 @@ computed in fp32); the frozen linears use `compute_dtype`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -16,16 +17,57 @@ from typing import Iterator, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from juno_py.errors import GGUFFormatError
 from juno_py.models.config import ArchSpec, ModelArgs, arch_spec
 from juno_py.models.layout import TARGETS, Layout, resolve_layout
-from juno_py.models.loss import chunked_cross_entropy
+from juno_py.models.loss import LinearHead, chunked_cross_entropy
 from juno_py.weights.frozen import FrozenQuantLinear
 
 WEIGHTS_CACHES = ("none", "bf16", "fp32")
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
+# d act(x) · grad: the ATen kernels autograd itself runs for these activations (the same bits)
+ACTIVATION_BACKWARDS = {F.silu: torch.ops.aten.silu_backward,
+                        ACTIVATIONS["gelu_tanh"]: partial(torch.ops.aten.gelu_backward, approximate="tanh")}
+
+
+class GatedActivation(torch.autograd.Function):
+    """`act(gate) · up` keeping only `gate` and `up` for backward, which recomputes `act(gate)`.
+
+    Autograd of the plain expression keeps three tensors of the MLP's width per layer (gate, up and act(gate));
+    this keeps two, a sixth of a step's saved activations on SmolLM2, for one activation recomputed per layer.
+    The gradients are the ones autograd computes for the plain expression (the same ops in the same order)."""
+
+    @staticmethod
+    def forward(ctx, gate: Tensor, up: Tensor, act) -> Tensor:
+        ctx.act = act
+        ctx.save_for_backward(gate, up)
+        return act(gate) * up
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy: Tensor):
+        gate, up = ctx.saved_tensors
+        d_up = dy * ctx.act(gate) if ctx.needs_input_grad[1] else None
+        d_gate = None
+        if ctx.needs_input_grad[0]:
+            backward = ACTIVATION_BACKWARDS.get(ctx.act)
+            if backward is not None:
+                d_gate = backward(dy * up, gate)
+            else:  # another activation: through autograd
+                with torch.enable_grad():
+                    g = gate.detach().requires_grad_(True)
+                    d_gate = torch.autograd.grad(ctx.act(g), g, dy * up)[0]
+        return d_gate, d_up, None
+
+
+def gated(act, gate: Tensor, up: Tensor) -> Tensor:
+    """`act(gate) · up`, through GatedActivation when a graph is being recorded."""
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return GatedActivation.apply(gate, up, act)
+    return act(gate) * up
 
 
 class RMSNorm(nn.Module):
@@ -201,7 +243,7 @@ class Block(nn.Module):
 
     def feed_forward(self, x: Tensor) -> Tensor:
         gate, up = self.linears["wgate"](x).to(self.act_dtype), self.linears["wup"](x).to(self.act_dtype)
-        return self.linears["wdown"](self.act(gate) * up).to(self.act_dtype)
+        return self.linears["wdown"](gated(self.act, gate, up)).to(self.act_dtype)
 
 
 @dataclass(frozen=True)
@@ -348,6 +390,22 @@ class Transformer(nn.Module):
         cap = self.args.final_logit_softcap
         return torch.tanh(logits / cap) * cap if cap > 0 else logits
 
+    def loss_head(self) -> Optional[LinearHead]:
+        """The output projection as a LinearHead for the chunked loss where it streams a quantized W on the CPU:
+        one decode of W per chunk instead of two, and no `[positions, vocab]` buffer. None elsewhere (the loss calls
+        `project`): on a GPU, and where a resident cache leaves nothing to decode."""
+        out = self.output
+        if (not isinstance(out, FrozenQuantLinear) or out._on_device_path() or out.weight_cache is not None
+                or self.act_dtype != torch.float32):
+            return None
+        return LinearHead(out, self.args.final_logit_softcap)
+
+    def output_decoded(self):
+        """Context for the chunked loss: a quantized output projection on the GPU is decoded once for all chunks
+        (`FrozenQuantLinear.decoded`) instead of twice per chunk; anything else is left as it is."""
+        out = self.output
+        return out.decoded() if isinstance(out, FrozenQuantLinear) else contextlib.nullcontext()
+
     def logits(self, token_ids) -> Tensor:
         """`[T, vocab]` fp32 logits for a sequence of token ids (`[B, T, vocab]` for a `[B, T]` batch)."""
         tokens = torch.as_tensor(token_ids, dtype=torch.long, device=self.embed.device)
@@ -361,7 +419,7 @@ class Transformer(nn.Module):
         """Cross-entropy of `targets` `[B, T]` (ignore_index: no loss), logits computed in chunks of positions."""
         hidden = self(tokens, positions, mask)
         return chunked_cross_entropy(hidden, targets, self.project, chunk=chunk, ignore_index=ignore_index,
-                                     reduction=reduction)
+                                     reduction=reduction, hold=self.output_decoded(), head=self.loss_head())
 
     # --- structure -------------------------------------------------------------------------------------------
     def targets(self, names: Sequence[str] = TARGETS) -> Iterator[TargetRef]:

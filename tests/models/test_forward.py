@@ -154,7 +154,9 @@ def test_bf16_compute_stays_close_to_fp32(tiny_gguf):
 def _plain_and_chunked(hidden, targets, project, chunk, reduction):
     h1 = hidden.clone().requires_grad_(True)
     h2 = hidden.clone().requires_grad_(True)
-    plain = F.cross_entropy(project(h1).float(), targets, ignore_index=-100, reduction=reduction)
+    logits = project(h1)
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    plain = F.cross_entropy(logits, targets, ignore_index=-100, reduction=reduction)
     chunked = chunked_cross_entropy(h2, targets, project, chunk=chunk, reduction=reduction)
     (plain * 1.7).backward()
     (chunked * 1.7).backward()
@@ -164,16 +166,27 @@ def _plain_and_chunked(hidden, targets, project, chunk, reduction):
 @pytest.mark.parametrize("chunk", [1, 3, 7, 64])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_chunked_cross_entropy_equals_plain_values_and_gradients(chunk, reduction):
+    """In float64 the chunked loss and its gradient equal F.cross_entropy's (the same function, computed in
+    another order: the gradient is formed as exp(z − m) / Σ rather than exp(log_softmax)); in float32 both stay
+    within float32 rounding of float64."""
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(50, 16, generator=g)
-    project = lambda h: h @ w.t()  # noqa: E731
+    w = torch.randn(50, 16, generator=g) * 2
     hidden = torch.randn(23, 16, generator=g)
     targets = torch.randint(0, 50, (23,), generator=g)
     targets[[0, 5, 6]] = -100
-    plain, chunked, g1, g2 = _plain_and_chunked(hidden, targets, project, chunk, reduction)
-    assert torch.allclose(plain, chunked, rtol=1e-5, atol=1e-5)
-    assert torch.allclose(g1, g2, rtol=1e-5, atol=1e-6)
-    assert torch.all(g2[[0, 5, 6]] == 0)
+    w64 = w.double()
+    plain, chunked, g1, g2 = _plain_and_chunked(hidden.double(), targets, lambda h: h @ w64.t(), chunk, reduction)
+    torch.testing.assert_close(chunked, plain, rtol=1e-12, atol=0)
+    torch.testing.assert_close(g2, g1, rtol=1e-12, atol=1e-15)
+    plain32, chunked32, g1_32, g2_32 = _plain_and_chunked(hidden, targets, lambda h: h @ w.t(), chunk, reduction)
+    # float32 rounding only, for ours as for F.cross_entropy: within 16 units in the last place of the largest value
+    eps = torch.finfo(torch.float32).eps
+    for value in (chunked32, plain32):
+        assert abs(value.double() - plain).item() <= 16 * eps * abs(plain).item()
+    bound = 16 * eps * g1.abs().max().item()
+    for grad in (g2_32, g1_32):
+        assert (grad.double() - g1).abs().max().item() <= bound
+    assert torch.all(g2_32[[0, 5, 6]] == 0)
 
 
 def test_chunked_cross_entropy_never_projects_more_than_a_chunk():
@@ -222,3 +235,102 @@ def test_gradient_flows_to_the_input_embeddings_through_every_block(tiny_gguf):
         grads.append(x.grad)
     assert grads[0].abs().sum() > 0
     assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_activation_gives_autograds_gradients_and_keeps_two_tensors(act, dtype):
+    """The MLP's `act(gate) · up` through GatedActivation: the same output and gradients, bit for bit, as autograd
+    of the plain expression, while backward keeps gate and up only (plain autograd also keeps act(gate))."""
+    from juno_py.models.model import ACTIVATIONS, gated
+
+    fn = ACTIVATIONS[act]
+    g = torch.Generator().manual_seed(3)
+    gate0, up0, dy = (torch.randn(5, 7, 48, generator=g).to(dtype) for _ in range(3))
+    results, kept = [], []
+    for fused in (False, True):
+        gate, up = gate0.clone().requires_grad_(True), up0.clone().requires_grad_(True)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = gated(fn, gate, up) if fused else fn(gate) * up
+        y.backward(dy)
+        results.append((y.detach(), gate.grad, up.grad))
+        kept.append({t.untyped_storage().data_ptr() for t in saved})
+    for plain, fused in zip(*results):
+        assert torch.equal(plain, fused)
+    assert len(kept[0]) == 3 and len(kept[1]) == 2
+
+
+@pytest.mark.parametrize("cap", [0.0, 3.0])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("cache", ["none", "fp32"])
+def test_streamed_head_loss_and_gradient_equal_the_projected_loss(cap, bias, cache):
+    """The block-by-block loss head (online softmax over W's row blocks, one pass) against F.cross_entropy of the
+    full logits in float64: uneven blocks (7 rows, 50-word vocabulary), chunks splitting the positions, ignored
+    positions, a soft cap and a bias. In float64 they agree to rounding; in float32 both stay within float32 rounding of float64."""
+    from juno_py.gguf import quants
+    from juno_py.models.loss import LinearHead
+    from juno_py.weights.frozen import FrozenQuantLinear
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(50, 32, generator=g)
+    raw = torch.from_numpy(quants.quantize(GGMLType.Q8_0, w))
+    b = torch.randn(50, generator=g) if bias else None
+    layer = FrozenQuantLinear(raw, GGMLType.Q8_0, 32, bias=b, chunk_rows=7, cache=cache)
+    w_exact = quants.dequantize(GGMLType.Q8_0, raw, 32).double()
+    hidden = torch.randn(23, 32, generator=g) * 2
+    targets = torch.randint(0, 50, (23,), generator=g)
+    targets[[0, 5, 6]] = -100
+
+    def project(h):
+        logits = h @ (w_exact if h.dtype == torch.float64 else w_exact.float()).t()
+        if b is not None:
+            logits = logits + b.to(h.dtype)
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    h64 = hidden.double().requires_grad_(True)
+    ref = F.cross_entropy(project(h64), targets, ignore_index=-100, reduction="sum")
+    ref.backward()
+    h32 = hidden.clone().requires_grad_(True)
+    plain = F.cross_entropy(project(h32), targets, ignore_index=-100, reduction="sum")
+    plain.backward()
+    for dtype in (torch.float64, torch.float32):
+        h = hidden.to(dtype).requires_grad_(True)
+        loss = chunked_cross_entropy(h, targets, project, chunk=9, reduction="sum", head=LinearHead(layer, cap))
+        loss.backward()
+        if dtype == torch.float64:
+            torch.testing.assert_close(loss, ref, rtol=1e-12, atol=0)
+            torch.testing.assert_close(h.grad, h64.grad, rtol=1e-10, atol=1e-13)
+        else:
+            # float32 rounding only: within 16 units in the last place of the largest value, as the plain float32
+            # loss is (a formula slip, a missed rescaling or a lost target term is off by orders of magnitude)
+            eps = torch.finfo(torch.float32).eps
+            assert abs(loss.item() - ref.item()) <= 16 * eps * ref.item()
+            assert abs(plain.item() - ref.item()) <= 16 * eps * ref.item()
+            bound = 16 * eps * h64.grad.abs().max().item()
+            assert (h.grad.double() - h64.grad).abs().max().item() <= bound
+            assert (h32.grad.double() - h64.grad).abs().max().item() <= bound
+        assert torch.all(h.grad[[0, 5, 6]] == 0)
+    with torch.no_grad():  # no gradient wanted: the loss alone
+        value = chunked_cross_entropy(hidden.double(), targets, project, chunk=9, reduction="sum",
+                                      head=LinearHead(layer, cap))
+    torch.testing.assert_close(value, ref.detach(), rtol=1e-12, atol=0)
+
+
+def test_model_loss_head_streams_the_quantized_output_on_the_cpu(tiny_gguf):
+    """A model whose output projection streams on the CPU computes its loss through the head: same value and
+    gradient as projecting the full logits."""
+    model = ours(tiny_gguf("llama", GGMLType.Q8_0))
+    assert model.loss_head() is not None
+    model.output.chunk_rows = 5  # several blocks
+    tokens = torch.tensor([sample_ids(12, seed=21)])
+    targets = torch.roll(tokens, -1, dims=1)
+    with torch.no_grad():
+        hidden = model(tokens).reshape(-1, model.args.n_embd)
+    h1, h2 = hidden.clone().requires_grad_(True), hidden.clone().requires_grad_(True)
+    plain = F.cross_entropy(model.project(h1).float(), targets.reshape(-1), reduction="sum")
+    plain.backward()
+    fused = chunked_cross_entropy(h2, targets, model.project, chunk=7, reduction="sum", head=model.loss_head())
+    fused.backward()
+    assert abs(fused.item() - plain.item()) <= 1e-5 * plain.item()
+    torch.testing.assert_close(h2.grad, h1.grad, rtol=1e-4, atol=1e-6)

@@ -270,3 +270,61 @@ def test_evaluate_is_token_weighted(tiny_model, mixed_data):
             n += b.n_supervised
     assert res["tokens"] == n and res["loss"] == pytest.approx(total / n, rel=1e-5)
     assert res["ppl"] == pytest.approx(math.exp(res["loss"]))
+
+
+def test_cpu_adamw_is_torchs_adamw_bit_for_bit():
+    """The trainer's CPU AdamW against torch.optim.AdamW(foreach=False): three groups (decay, a second rate, no
+    decay), a parameter without a gradient on some steps, 12 steps: the same parameters and moments, bit for bit."""
+    from juno_py.train.optim import AdamW
+
+    g = torch.Generator().manual_seed(5)
+    shapes = [(4, 6), (6,), (3, 5)]
+    start = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(12)]
+    runs = []
+    for cls in (torch.optim.AdamW, AdamW):
+        ps = [torch.nn.Parameter(t.clone()) for t in start]
+        groups = [{"params": [ps[0]], "lr": 3e-3, "weight_decay": 0.1},
+                  {"params": [ps[1]], "lr": 5e-2, "weight_decay": 0.0},
+                  {"params": [ps[2]], "lr": 1e-3, "weight_decay": 0.0}]
+        opt = cls(groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                  **({"foreach": False} if cls is torch.optim.AdamW else {}))
+        for k, step_grads in enumerate(grads):
+            for p, gr in zip(ps, step_grads):
+                p.grad = None if (p is ps[2] and k % 3 == 1) else gr.clone()
+            if k == 6:
+                opt.param_groups[0]["lr"] = 1e-2  # a schedule changing a rate
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        runs.append(([p.detach() for p in ps], [(opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"],
+                                                  float(opt.state[p]["step"])) for p in ps]))
+    for a, b in zip(runs[0][0], runs[1][0]):
+        assert torch.equal(a, b)
+    for (m1, v1, s1), (m2, v2, s2) in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(m1, m2) and torch.equal(v1, v2) and s1 == s2
+
+
+def test_cpu_training_does_not_import_dynamo(tiny_path, mixed_data):
+    """A training run on a CPU (DoRA, all targets, the trainer's AdamW, the loss head, the gated MLP) keeps
+    torch._dynamo and sympy out of the process: torch.optim.Optimizer and autograd.grad with explicit output
+    gradients would import them, 145 MiB of resident memory for nothing."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+from juno_py.lora import Mode, attach
+from juno_py.metrics import MetricsRecorder
+from juno_py.models import load_model
+from juno_py.train.data import load_dataset
+from juno_py.train.loop import TrainConfig, train
+model = load_model({str(tiny_path)!r})
+adapters = attach(model, "all", rank=4, alpha=8, mode=Mode.DORA)
+data, _, _ = load_dataset([{str(mixed_data)!r}], model.tokenizer, 256)
+train(model, adapters, data, TrainConfig(lr=1e-3, batch_size=2, max_steps=2, epochs=None, seed=0),
+      recorder=MetricsRecorder(), progress=False, log=lambda s: None)
+print("torch._dynamo" in sys.modules, "sympy" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["False", "False"]
