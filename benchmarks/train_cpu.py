@@ -35,7 +35,8 @@ from pathlib import Path
 CONFIGS = [("peft", "lora", "fp32", "-", False), ("peft", "dora", "fp32", "-", False),
            ("juno", "lora", "fp32", "none", False), ("juno", "lora", "fp32", "fp32", False),
            ("juno", "lora", "bf16", "bf16", False), ("juno", "dora", "fp32", "none", False),
-           ("juno", "dora", "bf16", "bf16", False),
+           ("juno", "dora", "bf16", "bf16", False), ("juno", "lora", "bf16", "none", False),
+           ("juno", "dora", "bf16", "none", False),
            ("juno", "lora", "fp32", "none", True), ("juno", "lora", "bf16", "bf16", True)]
 MODEL = "smollm2-135m"
 

@@ -215,8 +215,10 @@ class FrozenQuantLinear(nn.Module):
                 return device_dequant.dequantize_tile(self.raw, self._ggml_type, self._n_in, rows, cols, dtype)
             return device_dequant.dequantize_tile(self.raw, self._ggml_type, self._n_in, rows, cols).to(dtype)
         raw = self.raw[r0:r1]
+        # whole rows in bf16: the codec rounds on its last pass instead of a separate conversion over memory
+        direct = dtype if dtype == torch.bfloat16 and (c0, c1) == (0, self._n_in) else torch.float32
         w = quants.dequantize(self._ggml_type, raw.cpu() if raw.device.type != "cpu" else raw, self._n_in,
-                              what=self.name)
+                              what=self.name, dtype=direct)
         if (c0, c1) != (0, self._n_in):
             w = w[:, c0:c1]
         return w.to(self.raw.device, dtype) if (w.device, w.dtype) != (self.raw.device, dtype) else w
@@ -291,7 +293,8 @@ class FrozenQuantLinear(nn.Module):
         scratch = None
         for a in range(0, n_out, step):
             b = min(a + step, n_out)
-            w = cache[a:b] if cache is not None else self.dequantize_rows(a, b)
+            w = cache[a:b] if cache is not None else \
+                self.dequantize_rows(a, b, dtype if dtype == torch.bfloat16 else torch.float32)
             if w.dtype != dtype:
                 # fp32 decode needs no conversion: the codec's output is the block's buffer
                 if scratch is None:

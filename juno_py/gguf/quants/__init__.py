@@ -86,8 +86,15 @@ def _as_uint8_tensor(raw) -> torch.Tensor:
         return torch.from_numpy(arr)
 
 
-def dequantize(ggml_type: int, raw, n_cols: int, what: str = "") -> torch.Tensor:
-    """Decode rows of raw bytes (uint8 `[rows, bytes_per_row]`, numpy or torch) into float32 `[rows, n_cols]`."""
+# decoders that write a bfloat16 result themselves (their last float32 pass rounds): `dequantize_blocks(raw,
+# out_dtype=torch.bfloat16)`; others decode to float32, then convert
+NARROW_OUTPUT = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+
+
+def dequantize(ggml_type: int, raw, n_cols: int, what: str = "", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode rows of raw bytes (uint8 `[rows, bytes_per_row]`, numpy or torch) into float32 `[rows, n_cols]`;
+    `dtype=torch.bfloat16`: those float32 values rounded to nearest even (the same bits as `.to(torch.bfloat16)`
+    of the float32 result, without that extra pass over memory where the codec can)."""
     codec = get_codec(ggml_type, what)
     if n_cols % codec.block_size:
         raise UnsupportedQuantType(f"{codec.name}{' tensor ' + what if what else ''}: row length {n_cols} is not a "
@@ -95,7 +102,12 @@ def dequantize(ggml_type: int, raw, n_cols: int, what: str = "") -> torch.Tensor
     data = _as_uint8_tensor(raw)
     rows = data.numel() // codec.row_bytes(n_cols) if n_cols else 0
     blocks = data.reshape(-1, codec.type_size)
-    out = codec.dequantize_blocks(blocks)
+    if dtype == torch.float32:
+        out = codec.dequantize_blocks(blocks)
+    elif dtype == torch.bfloat16 and codec.name in NARROW_OUTPUT:
+        out = codec.dequantize_blocks(blocks, out_dtype=dtype)
+    else:
+        out = codec.dequantize_blocks(blocks).to(dtype)
     return out.reshape(rows, n_cols)
 
 

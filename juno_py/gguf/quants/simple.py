@@ -52,9 +52,16 @@ def aligned_blocks(raw: torch.Tensor) -> torch.Tensor:
 
 
 def decode_in_chunks(raw: torch.Tensor, block_size: int,
-                     decode_chunk: Callable[[torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
-    """Allocate the float32 result `[n_blocks, block_size]` and fill it chunk by chunk: `decode_chunk(raw, out)`."""
+                     decode_chunk: Callable[[torch.Tensor, torch.Tensor], None],
+                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Allocate the result `[n_blocks, block_size]` and fill it chunk by chunk: `decode_chunk(raw, out)`. A
+    narrower `out_dtype` (bf16) is written by the chunk's last float32 operation (`torch.mul(..., out=)`), one
+    rounding to nearest even of the float32 value."""
     raw = aligned_blocks(raw)
+    if out_dtype != torch.float32:
+        out = torch.empty(raw.shape[0], block_size, dtype=out_dtype)
+        for_each_chunk(raw.shape[0], block_size, lambda s: decode_chunk(raw[s], out[s]))
+        return out
     out = new_result((raw.shape[0], block_size), torch.float32)
     for_each_chunk(raw.shape[0], block_size, lambda s: decode_chunk(raw[s], out[s]))
     return out
@@ -245,7 +252,9 @@ class BlockLayout:
             return codes.sub_(self.code_offset).view(torch.int8)
         return codes
 
-    def dequantize_blocks(self, raw: torch.Tensor) -> torch.Tensor:
+    def dequantize_blocks(self, raw: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """float32 values `[n, block_size]`; `out_dtype=torch.bfloat16`: the float32 values rounded to nearest
+        even, written by the last pass of each chunk (its float32 values stay in cache, never in memory)."""
         raw = aligned_blocks(raw)
         n = raw.shape[0]
         # scales for all blocks at once: they are small, and per chunk their many little steps would cost more
@@ -254,13 +263,17 @@ class BlockLayout:
         # contiguous, so that the per-element passes can treat (block, sub-block) as one dimension
         scale = scale.contiguous().view(n, self.sub_blocks, 1)
         bias = None if bias is None else bias.contiguous().view(n, self.sub_blocks, 1)
-        out = new_result((n, self.block_size), torch.float32)
+        narrow = out_dtype != torch.float32
+        out = torch.empty(n, self.block_size, dtype=out_dtype) if narrow else new_result((n, self.block_size),
+                                                                                           torch.float32)
         sub_shape = (self.sub_blocks, self.block_size // self.sub_blocks)
+        tmp = torch.empty(min(n, max(1, CHUNK_ELEMENTS // self.block_size)), self.block_size) if narrow else None
 
         def decode_chunk(chunk: slice) -> None:
             codes = self.codes(raw[chunk])
-            scale_codes(codes.view(-1, *sub_shape), scale[chunk], out[chunk].view(-1, *sub_shape),
-                        None if bias is None else bias[chunk])
+            dest = out[chunk].view(-1, *sub_shape)
+            scale_codes(codes.view(-1, *sub_shape), scale[chunk], dest,
+                        None if bias is None else bias[chunk], tmp=None if tmp is None else tmp[:codes.shape[0]])
 
         for_each_chunk(n, self.block_size, decode_chunk)
         return out
@@ -275,13 +288,24 @@ F16_SCALE_OFFSETS: dict[GGMLType, tuple[int, ...]] = {}
 
 
 def scale_codes(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
-                bias: Optional[torch.Tensor] = None) -> None:
+                bias: Optional[torch.Tensor] = None, tmp: Optional[torch.Tensor] = None) -> None:
     """out = scale · codes (+ bias): codes `[n, S, L]` of an integer type, scale and bias `[n, S, 1]` float32.
 
     scale · code is exact in float32 for every GGML type (an f16, 11 significant bits, times integers whose
     product stays below 2^12), so only the addition rounds, as in gguf's `d * q + m`, and the order of the
     factors cannot matter. (Two passes: addcmul with two broadcast operands runs several times slower.)
     """
+    if tmp is not None and out.dtype != torch.float32:
+        # a narrower `out` (bf16): float32 arithmetic in `tmp` (as many values as codes), one rounding on the last
+        # pass, which writes `out`
+        work = tmp.view(codes.shape)
+        work.copy_(codes)
+        if bias is None:
+            torch.mul(work, scale, out=out)
+        else:
+            work.mul_(scale)
+            torch.add(work, bias, out=out)
+        return
     out.copy_(codes)
     out.mul_(scale)
     if bias is not None:
@@ -447,7 +471,8 @@ def _register() -> None:
     for layout in LEGACY_LAYOUTS.values():
         layout.register(_legacy_encoder(layout))
     F16_SCALE_OFFSETS[GGMLType.Q8_0] = (0,)
-    register(GGMLType.Q8_0, lambda raw: decode_in_chunks(raw, 32, _decode_q8_0_chunk),
+    register(GGMLType.Q8_0, lambda raw, out_dtype=torch.float32: decode_in_chunks(raw, 32, _decode_q8_0_chunk,
+                                                                                  out_dtype),
              lambda x: encode_in_chunks(x, 34, _encode_q8_0_chunk))
 
 
