@@ -351,6 +351,8 @@ class FrozenQuantLinear(nn.Module):
             # x in the compute dtype, as the tile path multiplies it (the kernel widens it to fp32 exactly)
             y = device_dequant.dequant_matvec(self.raw, self._ggml_type, self._n_in, x2.to(op),
                                               round_bf16=op == torch.bfloat16).to(res)
+        elif exact and op == torch.float32:
+            y = self._device_split_exact(x2)
         else:
             xc = x2.to(op)
             step = _aligned_step(self._device_step(self._n_in, xc.element_size()), self._n_out)
@@ -369,6 +371,31 @@ class FrozenQuantLinear(nn.Module):
                         y[:, a:b] = mm_out(xc, w.t(), res)
                 del w
         return y.reshape(*x.shape[:-1], self._n_out)
+
+    def _device_split_exact(self, x2: torch.Tensor) -> torch.Tensor:
+        """x·Wᵀ to fp32 accuracy on bf16 tensor cores (DoRA's U = W·Aᵀ, `matmul_exact`). Each operand is split into
+        two bf16 parts, v = v_hi + v_lo with v_hi = bf16(v) and v_lo = bf16(v − v_hi) (together within about 2⁻¹⁷
+        of v: a quantized weight needs up to 21 significant bits, a bf16 holds 8), and
+        x·Wᵀ ≈ [x_hi; x_lo]·W_hiᵀ (top and bottom halves added) + x_hi·W_loᵀ, leaving out x_lo·W_loᵀ (2⁻¹⁸ of the
+        product): two bf16 GEMMs with fp32 accumulation instead of one fp32 GEMM, which runs at about a fifteenth
+        of the bf16 rate on an H100/H200 (3.5 ms against 0.7 ms for U at 28672×8192, r = 384)."""
+        t = x2.shape[0]
+        xs = torch.empty(2 * t, self._n_in, dtype=torch.bfloat16, device=x2.device)
+        xs[:t].copy_(x2)
+        torch.sub(x2, xs[:t], out=xs[t:])
+        step = _aligned_step(self._device_step(self._n_in, 4), self._n_out)  # an fp32 tile, then its two halves
+        y = torch.empty(t, self._n_out, dtype=torch.float32, device=x2.device)
+        for a in range(0, self._n_out, step):
+            b = min(a + step, self._n_out)
+            w = self.dequantize_rows(a, b, torch.float32)
+            w_hi = w.to(torch.bfloat16)
+            w_lo = torch.sub(w, w_hi, out=torch.empty_like(w_hi))
+            del w
+            both = mm_out(xs, w_hi.t(), torch.float32)
+            torch.add(both[:t], both[t:], out=y[:, a:b])
+            y[:, a:b] += mm_out(xs[:t], w_lo.t(), torch.float32)
+            del w_hi, w_lo, both
+        return y
 
     def _device_transpose(self, g: torch.Tensor) -> torch.Tensor:
         """`g·W` by blocks of columns of W: every product reduces over all n_out rows at once (fp32 accumulation)."""
@@ -444,9 +471,11 @@ class FrozenQuantLinear(nn.Module):
         return self._apply_fn(x, None)
 
     def matmul_exact(self, x: torch.Tensor) -> torch.Tensor:
-        """`x·Wᵀ` with fp32 operands (fp64 for fp64 x) over W decoded exactly from the bytes, no autograd: DoRA's
-        factored norm takes `U = W·Aᵀ = layer.matmul_exact(A).T` for its r rows of A. bf16 operands would put
-        errors of about 1e-3 relative into U, and so about 3e-5 into a norm that an adapter moves by 1e-3."""
+        """`x·Wᵀ` to fp32 accuracy (fp64 for fp64 x) over W decoded exactly from the bytes, no autograd: DoRA's
+        factored norm takes `U = W·Aᵀ = layer.matmul_exact(A).T` for its r rows of A. Streaming on the CPU: fp32
+        operands; on the device path: both operands split into two bf16 parts (`_device_split_exact`, about 2⁻¹⁷
+        relative). Plain bf16 operands would put errors of about 1e-3 relative into U, and so about 3e-5 into a
+        norm that an adapter moves by 1e-3."""
         with torch.no_grad():
             return self._stream_forward(x, exact=True)
 

@@ -124,7 +124,7 @@ def test_row_norms_and_rows_on_the_device(ggml_type):
 
 
 def test_dora_factored_norm_on_the_device_path():
-    """‖W + sBA‖_row from U = W·Aᵀ run through the device path (`matmul_exact`: fp32 tiles and products) and the
+    """‖W + sBA‖_row from U = W·Aᵀ run through the device path (`matmul_exact`: W and A each split into two bf16 parts) and the
     fp32 row norms, against fp64 on the exact W, for an adapter the size of a trained one (‖sBA‖ = 5 % of ‖W‖,
     norms moved by about 1e-3): within 1e-5 relative (the DoRA norm target) and 1 % of the adapter's effect.
     (With bf16 operands for U this data gives 3.3e-5: that is why U is computed in fp32.)"""
