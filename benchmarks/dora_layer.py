@@ -355,7 +355,7 @@ def print_layer_table(res):
             print("juno-py quantized time / juno-py dense: " + "; ".join(quant))
         u = [f"{n}: {row['norm_U_ms']:.3f}" for n, row in by.items() if "norm_U_ms" in row]
         if u:
-            print("the norm's U = W·Aᵀ alone, ms (dense: bf16 products; quantized: fp32 over the exact W): "
+            print("the norm's U = W·Aᵀ alone, ms (dense: bf16 products; quantized: the frozen linear's matmul_exact, split bf16 on the GPU): "
                   + "; ".join(u))
     for k, v in res["agree"].items():
         print(f"check: ‖{k}‖ / ‖adapter effect‖ = {v:.2e} (both outputs bf16)")
