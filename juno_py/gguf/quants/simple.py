@@ -269,7 +269,13 @@ class BlockLayout:
         sub_shape = (self.sub_blocks, self.block_size // self.sub_blocks)
         tmp = torch.empty(min(n, max(1, CHUNK_ELEMENTS // self.block_size)), self.block_size) if narrow else None
 
+        nibbles = self._nibble_planes()
+
         def decode_chunk(chunk: slice) -> None:
+            if nibbles:
+                self._decode_nibbles(raw[chunk], scale[chunk], None if bias is None else bias[chunk], out[chunk],
+                                     tmp)
+                return
             codes = self.codes(raw[chunk])
             dest = out[chunk].view(-1, *sub_shape)
             scale_codes(codes.view(-1, *sub_shape), scale[chunk], dest,
@@ -277,6 +283,48 @@ class BlockLayout:
 
         for_each_chunk(n, self.block_size, decode_chunk)
         return out
+
+    def _nibble_planes(self) -> bool:
+        """Whether the codes are plain 4-bit nibbles, planar per group (low nibbles of a group's bytes, then their
+        high nibbles: Q4_0, Q4_1, Q4_K), with one scale per block or per half-group: then `_decode_nibbles`."""
+        low = self.low
+        return (low.bits == 4 and self.high is None and self.lookup is None and 2 * low.length == self.block_size
+                and low.length % low.group == 0
+                and (self.sub_blocks == 1 or self.block_size // self.sub_blocks == low.group))
+
+    def _decode_nibbles(self, blocks: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
+                        out: torch.Tensor, tmp: Optional[torch.Tensor]) -> None:
+        """Nibble layouts without the general unpacking: per half, mask or shift the code bytes in place of a
+        gather, and let the multiply read the uint8 codes and write the (strided) destination directly:
+        value = scale · code (+ bias), each product exact in float32 and the addition rounding once, as
+        `scale_codes` computes it (the same bits). `out` `[n, block_size]`; bf16 `out` goes through `tmp`."""
+        low = self.low
+        n, groups = blocks.shape[0], low.length // low.group
+        # the code bytes as the widest words their offsets allow: masking 4 or 2 bytes at once (an arithmetic
+        # shift's sign bits land in nibbles the mask clears)
+        for width, dtype, mask in ((4, torch.int32, 0x0F0F0F0F), (2, torch.int16, 0x0F0F), (1, torch.uint8, 0x0F)):
+            if low.offset % width == 0 and blocks.shape[1] % width == 0 and blocks.storage_offset() % width == 0:
+                break
+        words = blocks.view(dtype)[:, low.offset // width:(low.offset + low.length) // width]
+        halves = out.view(n, groups, 2, low.group)
+        per_half = self.sub_blocks != 1  # one scale per half-group (Q4_K) or one per block
+        for h in (0, 1):
+            codes = (words & mask if h == 0 else (words >> 4).bitwise_and_(mask)).view(torch.uint8)
+            codes = codes.view(n, groups, low.group)
+            if self.code_offset:  # exact in int8: wrapping uint8 arithmetic, reinterpreted
+                codes = codes.sub_(self.code_offset).view(torch.int8)
+            sc = scale.view(n, groups, 2, 1)[:, :, h] if per_half else scale.view(n, 1, 1)
+            b = None if bias is None else (bias.view(n, groups, 2, 1)[:, :, h] if per_half else bias.view(n, 1, 1))
+            dest = halves[:, :, h]
+            if b is None:
+                torch.mul(codes, sc, out=dest)  # a bf16 dest: the float32 product rounded once
+            elif out.dtype == torch.float32:
+                torch.mul(codes, sc, out=dest)
+                dest.add_(b)
+            else:
+                work = tmp.view(-1)[:codes.numel()].view(codes.shape)
+                torch.mul(codes, sc, out=work)
+                torch.add(work, b, out=dest)
 
     def register(self, quantize_blocks=None) -> None:
         F16_SCALE_OFFSETS[self.ggml_type] = self.f16_scales
