@@ -78,9 +78,7 @@ class DenseBase(nn.Module):
         x_lo = bf16(x − x_hi), together within about 2⁻¹⁷ of x): x_hi·Wᵀ with an fp32 result plus x_lo·Wᵀ,
         which is 2⁻⁹ of it and may carry bf16 rounding (2⁻¹⁸ of U); two bf16 GEMMs, fp32 accumulation."""
         r = x.shape[0]
-        xs = torch.empty(2 * r, x.shape[1], dtype=torch.bfloat16, device=x.device)
-        xs[:r].copy_(x)
-        torch.sub(x, xs[:r], out=xs[r:])
+        xs = kernels.split_bf16(x)
         if not x.is_cuda:
             return xs[:r].float() @ self.W.float().t() + xs[r:].float() @ self.W.float().t()
         u = torch.mm(xs[:r], self.W.t(), out_dtype=torch.float32)

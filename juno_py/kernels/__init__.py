@@ -35,6 +35,16 @@ class KernelUnavailable(RuntimeError):
     """JUNO_PY_KERNELS=fused was asked for where the fused kernels cannot run."""
 
 
+def split_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x `[n, k]` (fp32) as `[x_hi; x_lo]` `[2n, k]` bf16, x_hi = bf16(x), x_lo = bf16(x − x_hi): together within
+    about 2⁻¹⁷ of x, so that bf16 tensor-core products of the parts (fp32 accumulation) reach fp32 accuracy."""
+    n = x.shape[0]
+    parts = torch.empty(2 * n, x.shape[1], dtype=torch.bfloat16, device=x.device)
+    parts[:n].copy_(x)
+    torch.sub(x, parts[:n], out=parts[n:])
+    return parts
+
+
 def kernel_mode() -> str:
     mode = os.environ.get("JUNO_PY_KERNELS", "auto").strip().lower()
     if mode not in _MODES:

@@ -18,7 +18,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from juno_py import kernels
-from juno_py.kernels import dora_compose, norm_rows
+from juno_py.kernels import dora_compose, norm_rows, split_bf16
 from juno_py.lora.format import AdapterEntry, Fingerprint, Init, Mode, Scaling
 
 DORA_EPS = 1e-6
@@ -60,9 +60,7 @@ def gram(A: torch.Tensor) -> torch.Tensor:
     r, k = A.shape
     if not (A.is_cuda and A.dtype == torch.float32 and r * r * k >= SPLIT_GRAM_MIN_FMAS):
         return A @ A.T
-    X = torch.empty(2 * r, k, dtype=torch.bfloat16, device=A.device)
-    X[:r].copy_(A)
-    torch.sub(A, X[:r], out=X[r:])
+    X = split_bf16(A)
     return mm_fp32(X, X.T).view(2, r, 2, r).sum(dim=(0, 2))
 
 

@@ -27,6 +27,7 @@ from torch.autograd.function import once_differentiable
 from juno_py.errors import GGUFFormatError, UnsupportedQuantType
 from juno_py.gguf import quants
 from juno_py.kernels import dequant as device_dequant
+from juno_py.kernels import split_bf16
 
 # fp32 bytes of dequantized rows per chunk. 8 MiB holds every SmolLM2 projection in one chunk (one codec
 # call, one BLAS call: best at every T we measured, see docs/benchmarks.md) and keeps an 8192-wide layer
@@ -380,21 +381,17 @@ class FrozenQuantLinear(nn.Module):
         product): two bf16 GEMMs with fp32 accumulation instead of one fp32 GEMM, which runs at about a fifteenth
         of the bf16 rate on an H100/H200 (3.5 ms against 0.7 ms for U at 28672×8192, r = 384)."""
         t = x2.shape[0]
-        xs = torch.empty(2 * t, self._n_in, dtype=torch.bfloat16, device=x2.device)
-        xs[:t].copy_(x2)
-        torch.sub(x2, xs[:t], out=xs[t:])
+        xs = split_bf16(x2)
         step = _aligned_step(self._device_step(self._n_in, 4), self._n_out)  # an fp32 tile, then its two halves
         y = torch.empty(t, self._n_out, dtype=torch.float32, device=x2.device)
         for a in range(0, self._n_out, step):
             b = min(a + step, self._n_out)
-            w = self.dequantize_rows(a, b, torch.float32)
-            w_hi = w.to(torch.bfloat16)
-            w_lo = torch.sub(w, w_hi, out=torch.empty_like(w_hi))
-            del w
-            both = mm_out(xs, w_hi.t(), torch.float32)
+            ws = split_bf16(self.dequantize_rows(a, b, torch.float32))
+            rows = b - a
+            both = mm_out(xs, ws[:rows].t(), torch.float32)
             torch.add(both[:t], both[t:], out=y[:, a:b])
-            y[:, a:b] += mm_out(xs[:t], w_lo.t(), torch.float32)
-            del w_hi, w_lo, both
+            y[:, a:b] += mm_out(xs[:t], ws[rows:].t(), torch.float32)
+            del ws, both
         return y
 
     def _device_transpose(self, g: torch.Tensor) -> torch.Tensor:

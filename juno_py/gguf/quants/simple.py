@@ -279,7 +279,7 @@ class BlockLayout:
             codes = self.codes(raw[chunk])
             dest = out[chunk].view(-1, *sub_shape)
             scale_codes(codes.view(-1, *sub_shape), scale[chunk], dest,
-                        None if bias is None else bias[chunk], tmp=None if tmp is None else tmp[:codes.shape[0]])
+                        None if bias is None else bias[chunk], tmp)
 
         for_each_chunk(n, self.block_size, decode_chunk)
         return out
@@ -295,9 +295,7 @@ class BlockLayout:
     def _decode_nibbles(self, blocks: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
                         out: torch.Tensor, tmp: Optional[torch.Tensor]) -> None:
         """Nibble layouts without the general unpacking: per half, mask or shift the code bytes in place of a
-        gather, and let the multiply read the uint8 codes and write the (strided) destination directly:
-        value = scale · code (+ bias), each product exact in float32 and the addition rounding once, as
-        `scale_codes` computes it (the same bits). `out` `[n, block_size]`; bf16 `out` goes through `tmp`."""
+        gather; `scale_codes` then writes each half of `out` `[n, block_size]` in place."""
         low = self.low
         n, groups = blocks.shape[0], low.length // low.group
         # the code bytes as the widest words their offsets allow: masking 4 or 2 bytes at once (an arithmetic
@@ -315,16 +313,7 @@ class BlockLayout:
                 codes = codes.sub_(self.code_offset).view(torch.int8)
             sc = scale.view(n, groups, 2, 1)[:, :, h] if per_half else scale.view(n, 1, 1)
             b = None if bias is None else (bias.view(n, groups, 2, 1)[:, :, h] if per_half else bias.view(n, 1, 1))
-            dest = halves[:, :, h]
-            if b is None:
-                torch.mul(codes, sc, out=dest)  # a bf16 dest: the float32 product rounded once
-            elif out.dtype == torch.float32:
-                torch.mul(codes, sc, out=dest)
-                dest.add_(b)
-            else:
-                work = tmp.view(-1)[:codes.numel()].view(codes.shape)
-                torch.mul(codes, sc, out=work)
-                torch.add(work, b, out=dest)
+            scale_codes(codes, sc, halves[:, :, h], b, tmp)
 
     def register(self, quantize_blocks=None) -> None:
         F16_SCALE_OFFSETS[self.ggml_type] = self.f16_scales
@@ -342,22 +331,17 @@ def scale_codes(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
     scale · code is exact in float32 for every GGML type (an f16, 11 significant bits, times integers whose
     product stays below 2^12), so only the addition rounds, as in gguf's `d * q + m`, and the order of the
     factors cannot matter. (Two passes: addcmul with two broadcast operands runs several times slower.)
+
+    The multiply reads the integer codes and writes `out` (any strides) directly. A narrower `out` (bf16) with a
+    bias: the product goes to `tmp` (float32, at least as many values as codes) and the addition rounds once,
+    writing `out`; without a bias the product itself is rounded once.
     """
-    if tmp is not None and out.dtype != torch.float32:
-        # a narrower `out` (bf16): float32 arithmetic in `tmp` (as many values as codes), one rounding on the last
-        # pass, which writes `out`
-        work = tmp.view(codes.shape)
-        work.copy_(codes)
-        if bias is None:
-            torch.mul(work, scale, out=out)
-        else:
-            work.mul_(scale)
-            torch.add(work, bias, out=out)
+    if bias is None:
+        torch.mul(codes, scale, out=out)
         return
-    out.copy_(codes)
-    out.mul_(scale)
-    if bias is not None:
-        out.add_(bias)
+    work = out if out.dtype == torch.float32 else tmp.reshape(-1)[:codes.numel()].view(codes.shape)
+    torch.mul(codes, scale, out=work)
+    torch.add(work, bias, out=out)
 
 
 # ---- element types -----------------------------------------------------------------------------------------------
