@@ -2,8 +2,10 @@
 
 `dequantize_tile` decodes any rectangle of a quantized weight (rows and columns, no alignment needed) straight
 from its bytes into bf16 or fp32: the GPU frozen linear multiplies such tiles with cuBLAS at training token
-counts. `dequant_matvec` fuses decoding into a matrix-vector product for a few tokens (playback decode), where
-writing a dequantized tile would cost more than the product. The kernels live in `dequant_triton`, imported
+counts. `dequantize_split_tile` writes both bf16 halves of each value (w_hi = bf16(w), w_lo = bf16(w − w_hi)) in
+one pass, for products that need fp32 accuracy on bf16 tensor cores (DoRA's U = W·Aᵀ) beside the bf16 one.
+`dequant_matvec` fuses decoding into a matrix-vector product for a few tokens (playback decode), where writing a
+dequantized tile would cost more than the product. The kernels live in `dequant_triton`, imported
 only when one first runs (Triton is optional; `@triton.jit` reads TRITON_INTERPRET when a kernel is defined).
 
 Numerics: every block type decodes as `code · scale (+ bias)` where the products are exact in fp32 (an f16
@@ -11,7 +13,10 @@ scale of 11 significant bits times integers small enough that the product fits 2
 addition rounds, as in the torch codecs: the fp32 values are bit-identical to `juno_py.gguf.quants.dequantize`
 (a fused multiply-add changes nothing, since the product is exact). fp32 → bf16 rounds to nearest even with
 integer operations on the bit pattern (NaN → 0x7FC0, as torch), never with a float cast: Triton's interpreter
-truncates on that cast while the GPU rounds, and this way both give torch's `.to(torch.bfloat16)`.
+truncates on that cast while the GPU rounds, and this way both give torch's `.to(torch.bfloat16)`. The split
+halves are rounded the same way; w − w_hi is exact in fp32, so w_lo is `kernels.split_bf16`'s, bit for bit.
+Launches go through `dora_triton._launch` (the compiled kernel reused per specialization: a `kernel[grid]` call
+costs 0.15 to 0.3 ms of CPU on the H200's host, more than a small tile's decode).
 
 Types with a kernel: `TRITON_TYPES`. Every other type decodes through the torch codecs (on the CPU).
 """
@@ -29,6 +34,7 @@ import torch
 
 from juno_py.gguf import quants
 from juno_py.gguf.constants import GGML_BLOCK_SIZES, GGMLType
+from juno_py.kernels import split_bf16
 
 TRITON_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0,
                           GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
@@ -108,6 +114,37 @@ def _check(raw: torch.Tensor, ggml_type: int, n_cols: int) -> int:
     return row_bytes
 
 
+def _rectangle(raw: torch.Tensor, ggml_type: int, n_cols: int, rows: Optional[tuple[int, int]],
+               cols: Optional[tuple[int, int]], what: str) -> tuple[int, int, int, int, int]:
+    """(row_bytes, r0, r1, c0, c1) of a rectangle of W, checked against the bytes."""
+    row_bytes = _check(raw, ggml_type, n_cols)
+    r0, r1 = rows or (0, raw.shape[0])
+    c0, c1 = cols or (0, n_cols)
+    if not (0 <= r0 <= r1 <= raw.shape[0] and 0 <= c0 <= c1 <= n_cols):
+        raise ValueError(f"{what}: rows {r0}:{r1}, cols {c0}:{c1} outside [{raw.shape[0]}, {n_cols}]")
+    return row_bytes, r0, r1, c0, c1
+
+
+def _decode(raw: torch.Tensor, ggml_type: int, n_cols: int, row_bytes: int, r0: int, r1: int, c0: int, c1: int,
+            dst: torch.Tensor, lo_dst: Optional[torch.Tensor], stride: int, bf16: bool) -> None:
+    """Launch `dequant_kernel` over W[r0:r1, c0:c1] into `dst` (and its w_lo halves into `lo_dst`: the split
+    variant), both with row stride `stride`; bf16 outputs are int16 views."""
+    if r1 == r0 or c1 == c0:
+        return
+    raw = _aligned(raw, ggml_type)
+    B, block_bytes = _geometry(ggml_type)
+    blk0 = c0 // B
+    n_blk = _cdiv(c1, B) - blk0
+    nb, warps = KERNEL_CONFIG[ggml_type][:2]
+    ra = _row_alignment(row_bytes)
+    k = kernels()
+    with _on(raw):
+        k.launch(k.dequant_kernel, (_cdiv((r1 - r0) * n_blk, nb),),
+                 (raw, dst, dst if lo_dst is None else lo_dst, row_bytes // ra, r0, blk0, n_blk, r1 - r0, c0, c1,
+                  stride), num_warps=warps, TYPE=int(ggml_type), B=B, BLOCK_BYTES=block_bytes, RA=ra, BF16=bf16,
+                 EDGES=bool(c0 % B or c1 % B), NB=nb, SPLIT=lo_dst is not None)
+
+
 def dequantize_tile(raw: torch.Tensor, ggml_type: int, n_cols: int, rows: Optional[tuple[int, int]] = None,
                     cols: Optional[tuple[int, int]] = None, dtype: torch.dtype = torch.bfloat16,
                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -116,31 +153,35 @@ def dequantize_tile(raw: torch.Tensor, ggml_type: int, n_cols: int, rows: Option
     leading rows and columns; any row stride)."""
     if dtype not in OUT_DTYPES:
         raise ValueError(f"dequantize_tile: dtype {dtype}, expected torch.bfloat16 or torch.float32")
-    row_bytes = _check(raw, ggml_type, n_cols)
-    r0, r1 = rows or (0, raw.shape[0])
-    c0, c1 = cols or (0, n_cols)
-    if not (0 <= r0 <= r1 <= raw.shape[0] and 0 <= c0 <= c1 <= n_cols):
-        raise ValueError(f"dequantize_tile: rows {r0}:{r1}, cols {c0}:{c1} outside [{raw.shape[0]}, {n_cols}]")
+    row_bytes, r0, r1, c0, c1 = _rectangle(raw, ggml_type, n_cols, rows, cols, "dequantize_tile")
     shape = (r1 - r0, c1 - c0)
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=raw.device)
     elif out.dtype != dtype or out.shape[0] < shape[0] or out.shape[1] < shape[1] or out.stride(1) != 1:
         raise ValueError(f"dequantize_tile: out {tuple(out.shape)} {out.dtype} cannot hold {shape} {dtype}")
-    if shape[0] and shape[1]:
-        raw = _aligned(raw, ggml_type)
-        dst = out.view(torch.int16) if dtype == torch.bfloat16 else out  # bf16 is written as its bit pattern
-        B, block_bytes = _geometry(ggml_type)
-        blk0 = c0 // B
-        n_blk = _cdiv(c1, B) - blk0
-        nb, warps = KERNEL_CONFIG[ggml_type][:2]
-        ra = _row_alignment(row_bytes)
-        grid = (_cdiv(shape[0] * n_blk, nb),)
-        with _on(raw):
-            kernels().dequant_kernel[grid](raw, dst, row_bytes // ra, r0, blk0, n_blk, shape[0], c0, c1,
-                                           out.stride(0), TYPE=int(ggml_type), B=B, BLOCK_BYTES=block_bytes,
-                                           RA=ra, BF16=dtype == torch.bfloat16,
-                                           EDGES=bool(c0 % B or c1 % B), NB=nb, num_warps=warps)
+    bf16 = dtype == torch.bfloat16
+    _decode(raw, ggml_type, n_cols, row_bytes, r0, r1, c0, c1, out.view(torch.int16) if bf16 else out, None,
+            out.stride(0), bf16)
     return out[: shape[0], : shape[1]]
+
+
+def dequantize_split_tile(raw: torch.Tensor, ggml_type: int, n_cols: int, rows: Optional[tuple[int, int]] = None,
+                          cols: Optional[tuple[int, int]] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """W[r0:r1, c0:c1] decoded once into both bf16 halves of each value, `[2, r1 − r0, c1 − c0]` bf16: [0] is
+    w_hi = bf16(w) (bit-identical to `dequantize_tile(..., dtype=bf16)`), [1] is w_lo = bf16(w − w_hi), each rounded
+    to nearest even; w_hi + w_lo is within 2⁻¹⁶ of w (about 2⁻¹⁷ on average). The same values as
+    `kernels.split_bf16` of the fp32 tile, without writing the fp32 tile and reading it back. `out`: a bf16 buffer
+    `[2, ≥ rows, ≥ cols]` to write into (its leading rows and columns; any row stride)."""
+    row_bytes, r0, r1, c0, c1 = _rectangle(raw, ggml_type, n_cols, rows, cols, "dequantize_split_tile")
+    shape = (r1 - r0, c1 - c0)
+    if out is None:
+        out = torch.empty((2, *shape), dtype=torch.bfloat16, device=raw.device)
+    elif (out.dtype != torch.bfloat16 or out.dim() != 3 or out.shape[0] != 2 or out.shape[1] < shape[0]
+          or out.shape[2] < shape[1] or out.stride(2) != 1):
+        raise ValueError(f"dequantize_split_tile: out {tuple(out.shape)} {out.dtype} cannot hold 2×{shape} bf16")
+    bits = out.view(torch.int16)
+    _decode(raw, ggml_type, n_cols, row_bytes, r0, r1, c0, c1, bits[0], bits[1], out.stride(1), True)
+    return out[:, : shape[0], : shape[1]]
 
 
 def dequant_matvec(raw: torch.Tensor, ggml_type: int, n_cols: int, x: torch.Tensor,
@@ -160,10 +201,11 @@ def dequant_matvec(raw: torch.Tensor, ggml_type: int, n_cols: int, x: torch.Tens
         _, _, bn, kb = KERNEL_CONFIG[ggml_type]
         ra = _row_alignment(row_bytes)
         grid = (_cdiv(n_rows, bn), x.shape[0])
+        k = kernels()
         with _on(raw):
-            kernels().matvec_kernel[grid](raw, x, y, n_rows, n_cols, _cdiv(n_cols, B), row_bytes // ra, x.stride(0),
-                                          y.stride(0), TYPE=int(ggml_type), B=B, BLOCK_BYTES=block_bytes, RA=ra,
-                                          ROUND_BF16=round_bf16, BN=bn, KB=kb, num_warps=4)
+            k.launch(k.matvec_kernel, grid, (raw, x, y, n_rows, n_cols, _cdiv(n_cols, B), row_bytes // ra,
+                                             x.stride(0), y.stride(0)), num_warps=4, TYPE=int(ggml_type), B=B,
+                     BLOCK_BYTES=block_bytes, RA=ra, ROUND_BF16=round_bf16, BN=bn, KB=kb)
     return y
 
 
@@ -176,6 +218,13 @@ def dequantize_reference(raw: torch.Tensor, ggml_type: int, n_cols: int,
     return w if dtype == torch.float32 else w.to(dtype)
 
 
+def dequantize_split_reference(raw: torch.Tensor, ggml_type: int, n_cols: int) -> torch.Tensor:
+    """The torch codec's fp32 values (on the CPU) split into their bf16 halves by `kernels.split_bf16`,
+    `[2, n_rows, n_cols]`: [0] = bf16(w), [1] = bf16(w − [0])."""
+    w = quants.dequantize(ggml_type, raw.detach().cpu(), n_cols)
+    return split_bf16(w).view(2, *w.shape)
+
+
 def matvec_reference(raw: torch.Tensor, ggml_type: int, n_cols: int, x: torch.Tensor,
                      round_bf16: bool = True) -> torch.Tensor:
     """fp64 `x · Wᵀ` over the codec's values (rounded to bf16 first when `round_bf16`)."""
@@ -184,4 +233,5 @@ def matvec_reference(raw: torch.Tensor, ggml_type: int, n_cols: int, x: torch.Te
 
 
 __all__ = ["TRITON_TYPES", "OUT_DTYPES", "triton_ready", "has_kernel", "interpreting", "dequantize_tile",
-           "dequant_matvec", "dequantize_reference", "matvec_reference"]
+           "dequantize_split_tile", "dequant_matvec", "dequantize_reference", "dequantize_split_reference",
+           "matvec_reference"]

@@ -9,7 +9,9 @@ block are one contiguous vector load per run (as wide as the block's alignment a
 shared by the 2 or 4 values each byte holds through broadcasting; the float16 scales, minima and the K-quants'
 sub-block scales are read once per block or sub-block, never per value. Every value is then `code · scale
 (+ bias)` with the same fp32 operations as the torch codecs, rounded to bf16 with integer operations
-(`_bf16_bits`), and the output is written in runs of 16 or 32 contiguous values.
+(`_bf16_bits`), and the output is written in runs of 16 or 32 contiguous values. The split variant
+(`dequant_kernel` with SPLIT) writes both bf16 halves of each value in the same pass: w_hi = bf16(w) and
+w_lo = bf16(w − w_hi), for products that need fp32 accuracy on bf16 tensor cores (DoRA's U = W·Aᵀ).
 
 Axes of a block's value tensor (`v` is the value's index inside its block):
 - Q4_0/Q4_1/Q5_0/Q5_1/Q8_0: [NB, 2 (h), 16 (l)], v = 16h + l; a nibble code is byte qs[l] shifted by 4h;
@@ -23,6 +25,8 @@ import os
 
 import triton
 import triton.language as tl
+
+from juno_py.kernels.dora_triton import _launch as launch  # noqa: F401 - one direct-launch cache for every kernel
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
@@ -49,11 +53,14 @@ def _bf16_bits(v):
 
 
 @triton.jit
-def _emit(val, idx, base, lo, hi, ok, out_ptr, MODE: tl.constexpr, BF16: tl.constexpr, EDGES: tl.constexpr,
-          NB: tl.constexpr, B: tl.constexpr):
+def _emit(val, idx, base, lo, hi, ok, out_ptr, lo_out_ptr, MODE: tl.constexpr, BF16: tl.constexpr,
+          EDGES: tl.constexpr, NB: tl.constexpr, B: tl.constexpr):
     """MODE 0: store `val` at `out_ptr + base + idx` where `ok` (and lo <= idx < hi when EDGES), as bf16 bits or fp32;
-    returns nothing useful. MODE 1 (matvec): Σ over each block of val · x[base + idx] (x at `out_ptr`, fp32; the
-    weight rounded to bf16 first when BF16), one fp32 partial sum per block `[NB]`."""
+    returns nothing useful. MODE 2 (split): store both bf16 halves of `val`, w_hi = bf16(val) at `out_ptr` and
+    w_lo = bf16(val − w_hi) at `lo_out_ptr` (same offsets); val − w_hi is exact in fp32 (the rounding error of a
+    rounding to fewer bits), so each half is rounded once, to nearest even, with integer operations. MODE 1 (matvec):
+    Σ over each block of val · x[base + idx] (x at `out_ptr`, fp32; the weight rounded to bf16 first when BF16), one
+    fp32 partial sum per block `[NB]`."""
     keep = ok
     if EDGES:
         keep = keep & (idx >= lo) & (idx < hi)
@@ -63,6 +70,12 @@ def _emit(val, idx, base, lo, hi, ok, out_ptr, MODE: tl.constexpr, BF16: tl.cons
         else:
             tl.store(out_ptr + (base + idx), val, mask=keep)
         return tl.zeros([NB], dtype=tl.float32)
+    elif MODE == 2:
+        top = _bf16_bits(val)
+        rest = val - (top << 16).to(tl.float32, bitcast=True)
+        tl.store(out_ptr + (base + idx), top.to(tl.int16), mask=keep)
+        tl.store(lo_out_ptr + (base + idx), _bf16_bits(rest).to(tl.int16), mask=keep)
+        return tl.zeros([NB], dtype=tl.float32)
     else:
         if BF16:  # the weight as the bf16 tile path sees it
             val = (_bf16_bits(val) << 16).to(tl.float32, bitcast=True)
@@ -71,8 +84,8 @@ def _emit(val, idx, base, lo, hi, ok, out_ptr, MODE: tl.constexpr, BF16: tl.cons
 
 
 @triton.jit
-def _blocks(raw_ptr, blk, base, lo, hi, ok, out_ptr, TYPE: tl.constexpr, MODE: tl.constexpr, BF16: tl.constexpr,
-            EDGES: tl.constexpr, NB: tl.constexpr):
+def _blocks(raw_ptr, blk, base, lo, hi, ok, out_ptr, lo_out_ptr, TYPE: tl.constexpr, MODE: tl.constexpr,
+            BF16: tl.constexpr, EDGES: tl.constexpr, NB: tl.constexpr):
     """Decode the NB blocks at byte offsets `blk` [NB] (int64, always inside the bytes) and hand their values to
     `_emit` with the block's output offset `base`, its kept value range [lo, hi) and `ok` (the block is real)."""
     b = raw_ptr + blk
@@ -98,7 +111,7 @@ def _blocks(raw_ptr, blk, base, lo, hi, ok, out_ptr, TYPE: tl.constexpr, MODE: t
         val = q.to(tl.float32) * scale + bias
         idx = 64 * c + 32 * h + l
         return _emit(val, idx, base[:, None, None, None], lo[:, None, None, None], hi[:, None, None, None],
-                     ok[:, None, None, None], out_ptr, MODE, BF16, EDGES, NB, 256)
+                     ok[:, None, None, None], out_ptr, lo_out_ptr, MODE, BF16, EDGES, NB, 256)
     elif TYPE == 14:  # Q6_K: ql[128] qh[64] int8 scales[16] d
         n = tl.arange(0, 2)[None, :, None, None, None]
         a = tl.arange(0, 2)[None, None, :, None, None]
@@ -114,8 +127,8 @@ def _blocks(raw_ptr, blk, base, lo, hi, ok, out_ptr, TYPE: tl.constexpr, MODE: t
         scale = _f16(b5 + 208) * sc
         val = ((lo4 | (hi2 << 4)) - 32).to(tl.float32) * scale
         return _emit(val, idx, base[:, None, None, None, None], lo[:, None, None, None, None],
-                     hi[:, None, None, None, None], ok[:, None, None, None, None], out_ptr, MODE, BF16, EDGES, NB,
-                     256)
+                     hi[:, None, None, None, None], ok[:, None, None, None, None], out_ptr, lo_out_ptr, MODE, BF16,
+                     EDGES, NB, 256)
     elif TYPE == 0 or TYPE == 1 or TYPE == 30:  # F32, F16, BF16: 256 columns a block, the row's end masked
         s = tl.arange(0, 8)[None, :, None]
         l = tl.arange(0, 32)[None, None, :]
@@ -130,7 +143,7 @@ def _blocks(raw_ptr, blk, base, lo, hi, ok, out_ptr, TYPE: tl.constexpr, MODE: t
             bits = tl.load(b3.to(tl.pointer_type(tl.int16)) + idx, mask=inside, other=0).to(tl.int32)
             val = (bits << 16).to(tl.float32, bitcast=True)
         return _emit(val, idx, base[:, None, None], lo[:, None, None], hi[:, None, None], ok[:, None, None],
-                     out_ptr, MODE, BF16, EDGES, NB, 256)
+                     out_ptr, lo_out_ptr, MODE, BF16, EDGES, NB, 256)
     else:  # 32-value blocks: Q4_0 (d qs[16]), Q4_1 (d m qs[16]), Q5_0 (d qh[4] qs[16]), Q5_1 (d m qh[4] qs[16]), Q8_0
         h = tl.arange(0, 2)[None, :, None]
         l = tl.arange(0, 16)[None, None, :]
@@ -159,14 +172,15 @@ def _blocks(raw_ptr, blk, base, lo, hi, ok, out_ptr, TYPE: tl.constexpr, MODE: t
             else:  # Q4_1, Q5_1: d·q + m
                 val = q.to(tl.float32) * d + _f16(b3 + 2)
         return _emit(val, idx, base[:, None, None], lo[:, None, None], hi[:, None, None], ok[:, None, None],
-                     out_ptr, MODE, BF16, EDGES, NB, 32)
+                     out_ptr, lo_out_ptr, MODE, BF16, EDGES, NB, 32)
 
 
 @triton.jit
-def dequant_kernel(raw_ptr, out_ptr, row_units, row0, blk0, n_blk, n_out_rows, col0, col1, out_stride,
+def dequant_kernel(raw_ptr, out_ptr, lo_out_ptr, row_units, row0, blk0, n_blk, n_out_rows, col0, col1, out_stride,
                    TYPE: tl.constexpr, B: tl.constexpr, BLOCK_BYTES: tl.constexpr, RA: tl.constexpr,
-                   BF16: tl.constexpr, EDGES: tl.constexpr, NB: tl.constexpr):
-    """Write W[row0 : row0 + n_out_rows, col0:col1] into out (row stride `out_stride`, column col0 at 0). The
+                   BF16: tl.constexpr, EDGES: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr):
+    """Write W[row0 : row0 + n_out_rows, col0:col1] into out (row stride `out_stride`, column col0 at 0); SPLIT: its
+    bf16 halves w_hi into out and w_lo into lo_out (the same row stride; unused otherwise). The
     program takes NB consecutive blocks of the flattened (output row, block column) grid; block columns run from
     blk0 for n_blk blocks. Bytes of a row: row_units · RA (RA: a power of two dividing it, so the compiler knows the
     rows' alignment). EDGES: col0 or col1 cut a block (values outside [col0, col1) are decoded but not stored)."""
@@ -181,7 +195,10 @@ def dequant_kernel(raw_ptr, out_ptr, row_units, row0, blk0, n_blk, n_out_rows, c
     base = r.to(tl.int64) * out_stride + (first - col0)
     lo = col0 - first
     hi = col1 - first
-    _blocks(raw_ptr, blk, base, lo, hi, ok, out_ptr, TYPE, 0, BF16, EDGES, NB)
+    if SPLIT:
+        _blocks(raw_ptr, blk, base, lo, hi, ok, out_ptr, lo_out_ptr, TYPE, 2, True, EDGES, NB)
+    else:
+        _blocks(raw_ptr, blk, base, lo, hi, ok, out_ptr, out_ptr, TYPE, 0, BF16, EDGES, NB)
 
 
 @triton.jit
@@ -202,7 +219,7 @@ def matvec_kernel(raw_ptr, x_ptr, y_ptr, n_rows, n_cols, n_blk, row_units, x_str
         blk = rows_c * (row_units * RA) + bcc * BLOCK_BYTES
         first = bcc * B
         hi = (n_cols - first).to(tl.int32)
-        acc += _blocks(raw_ptr, blk, t * x_stride + first, hi * 0, hi, ok, x_ptr, TYPE, 1, ROUND_BF16, True,
+        acc += _blocks(raw_ptr, blk, t * x_stride + first, hi * 0, hi, ok, x_ptr, x_ptr, TYPE, 1, ROUND_BF16, True,
                        BN * KB)
     y = tl.sum(tl.reshape(acc, [BN, KB]), axis=1)
     r = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)

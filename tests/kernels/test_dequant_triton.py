@@ -1,5 +1,6 @@
 """The Triton dequantization kernels against the torch codecs: bit-exact fp32 values, bf16 rounded to nearest even
-exactly as torch's cast rounds them, on any rectangle of rows and columns (one row, sizes and offsets that are not
+exactly as torch's cast rounds them, both bf16 halves of the split decode exactly as `kernels.split_bf16` of the
+codec's values, on any rectangle of rows and columns (one row, sizes and offsets that are not
 multiples of the blocks a kernel program decodes (64 blocks of 32 values, 8 of 256, several programs a row and
 rows split between programs), K-quant rows of 256·k columns); and the fused dequantize-matvec within
 the fp32 accumulation bound of an fp64 product over the same (bf16-rounded) weights.
@@ -17,7 +18,8 @@ pytest.importorskip("triton")
 from juno_py.gguf import GGMLType  # noqa: E402
 from juno_py.gguf.constants import GGML_BLOCK_SIZES  # noqa: E402
 from juno_py.kernels.dequant import (TRITON_TYPES, dequant_matvec, dequantize_reference,  # noqa: E402
-                                     dequantize_tile, matvec_reference)
+                                     dequantize_split_reference, dequantize_split_tile, dequantize_tile,
+                                     matvec_reference)
 from tests.kernels.conftest import DEVICE  # noqa: E402
 from tests.weights.random_blocks import F16_FIELDS, random_rows  # noqa: E402
 
@@ -114,6 +116,55 @@ def test_bf16_rounds_to_nearest_even_not_truncates():
     want = x.reshape(1, -1).to(torch.bfloat16)
     assert torch.equal(bits(got), bits(want))
     assert not torch.equal(bits(got), (x.view(torch.int32) >> 16).to(torch.int16).reshape(1, -1))
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_split_decode_matches_codec_split_bit_exact(ggml_type):
+    """Both halves in one pass: w_hi bit-identical to the bf16 decode, w_lo = bf16(w − w_hi) as `split_bf16` of the
+    codec's fp32 values gives it; together within 2⁻¹⁶ of w."""
+    for i, (n_rows, n_cols) in enumerate(shapes(ggml_type)):
+        raw = torch.from_numpy(random_rows(ggml_type, n_rows, n_cols, seed=31 * i + int(ggml_type)))
+        ref = dequantize_split_reference(raw, ggml_type, n_cols)
+        got = dequantize_split_tile(raw.to(DEVICE), ggml_type, n_cols)
+        assert_same_values(got, ref)
+        assert_same_values(got[0], dequantize_reference(raw, ggml_type, n_cols, torch.bfloat16))
+        w = dequantize_reference(raw, ggml_type, n_cols, torch.float32).double()
+        assert bool(((got.cpu().double().sum(0) - w).abs() <= 2.0 ** -16 * w.abs()).all())
+
+
+@pytest.mark.parametrize("ggml_type", [GGMLType.F16, GGMLType.Q5_0, GGMLType.Q4_K, GGMLType.Q6_K],
+                         ids=lambda t: t.name)
+def test_split_decode_rectangles_at_any_offset(ggml_type):
+    """The split decode of rectangles cut anywhere, into a wider two-part buffer: nothing written outside."""
+    n_rows, n_cols = (21, 768) if ggml_type in K_QUANTS else (21, 320)
+    raw = torch.from_numpy(random_rows(ggml_type, n_rows, n_cols, seed=6)).to(DEVICE)
+    ref = dequantize_split_reference(raw, ggml_type, n_cols)
+    for (r0, r1), (c0, c1) in [((3, 20), (5, n_cols - 3)), ((20, 21), (257, 300)), ((0, 21), (0, n_cols)),
+                               ((4, 4), (0, 10))]:
+        out = torch.full((2, n_rows + 2, n_cols + 9), 7.0, dtype=torch.bfloat16, device=DEVICE)
+        tile = dequantize_split_tile(raw, ggml_type, n_cols, (r0, r1), (c0, c1), out=out)
+        assert tile.shape == (2, r1 - r0, c1 - c0)
+        assert_same_values(tile, ref[:, r0:r1, c0:c1])
+        rest = out.clone()
+        rest[:, : r1 - r0, : c1 - c0] = 7.0
+        assert bool((rest == 7.0).all())
+
+
+def test_split_decode_rounds_both_halves_to_nearest_even():
+    """fp32 values whose w_hi or w_lo sits at or just past a bf16 tie (truncation gets these wrong, and the
+    interpreter's float cast truncates), a negative w_lo, subnormals, the largest finite value (w_hi rounds to
+    infinity, w_lo to −infinity, as torch), infinities (w_lo NaN) and NaN; also Q8_0 and Q4_K at every float16 scale."""
+    patterns = [0x3F808000, 0x3F818000, 0x3F808001, 0x3F800101, 0x3F800103, 0x3F800107, 0x3F800203, 0xBF800103,
+                0x3F80C103, 0x7F7FFFFF, 0x00008000, 0x00018000, 0x00000001, 0x7F800000, 0xFF800000, 0x7FC00000]
+    x = torch.tensor(patterns, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    raw = x.view(torch.uint8).reshape(1, -1)
+    got = dequantize_split_tile(raw.to(DEVICE), GGMLType.F32, len(patterns)).cpu()
+    assert_same_values(got, dequantize_split_reference(raw, GGMLType.F32, len(patterns)))
+    truncated_lo = ((x - got[0, 0].float()).view(torch.int32) >> 16).to(torch.int16)
+    assert not torch.equal(bits(got[1, 0])[:9], truncated_lo[:9])
+    for t, n_cols in ((GGMLType.Q8_0, 256), (GGMLType.Q4_K, 512)):
+        raw = torch.from_numpy(wild_rows(t, 16, n_cols, seed=int(t)))
+        assert_same_values(dequantize_split_tile(raw.to(DEVICE), t, n_cols), dequantize_split_reference(raw, t, n_cols))
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
