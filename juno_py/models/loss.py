@@ -50,16 +50,18 @@ def _chunk_loss_and_grad(project: Callable[[Tensor], Tensor], h: Tensor, t: Tens
             # overwrite the logits' buffer only where nothing else reads it: not a view of another tensor, and
             # not kept by the op that made it for its backward (a tanh soft-cap keeps its output)
             z = z.clone()
-        valid = t != ignore_index
-        rows = valid.nonzero().squeeze(1)
-        target = z[rows, t[rows]]
+        # masked rows instead of indexing the valid ones: no data-dependent shape, so nothing waits for the device
+        # (and a CUDA graph can capture it); the gradient's arithmetic is the same, value for value
+        valid = (t != ignore_index).unsqueeze(1)
+        at = torch.where(valid, t.unsqueeze(1), 0)
+        target = z.gather(1, at)
         m = z.amax(dim=1, keepdim=True)
         z.sub_(m).exp_()
         total = z.sum(dim=1, keepdim=True)
-        loss = (m[rows, 0] + total[rows, 0].log() - target).sum()
+        loss = torch.where(valid, m + total.log() - target, 0).sum()
         z.div_(total)
-        z[rows, t[rows]] -= 1
-        z[~valid] = 0
+        z.scatter_add_(1, at, valid.to(z.dtype).neg_())
+        z.masked_fill_(~valid, 0)
         (grad,) = torch.autograd.grad(logits, h, z.to(logits.dtype))
     return loss.detach(), grad
 

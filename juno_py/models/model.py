@@ -362,20 +362,29 @@ class Transformer(nn.Module):
         windows always apply.
         """
         device = self.embed.device  # inputs may come from the CPU (data loaders): they follow the model
-        tokens = tokens.to(device)
         positions = positions.to(device) if positions is not None else None
         mask = mask.to(device) if mask is not None else None
-        b, t = tokens.shape
+        return self.hidden_states(self.embed_tokens(tokens), positions, mask, cache)
+
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        """The token embeddings `[B, T, n_embd]` in the activations' dtype, on the model's device (the frozen table's
+        rows of the tokens used, dequantized)."""
+        return self.embed(tokens.to(self.embed.device)).to(self.act_dtype)
+
+    def hidden_states(self, x: Tensor, positions: Optional[Tensor] = None, mask: Optional[Tensor] = None,
+                      cache: Optional[KVCache] = None) -> Tensor:
+        """`forward` from the embeddings `x` `[B, T, n_embd]` on: the blocks and the final norm. Every input is on
+        the model's device already; nothing here reads the host (a CUDA graph can capture it: `train.cuda_graph`)."""
+        b, t = x.shape[:2]
         plain = mask is None and cache is None and positions is None  # causal by index: SDPA builds the mask
         if positions is None:
             start = cache.length if cache is not None else 0
-            positions = torch.arange(start, start + t, device=tokens.device).expand(b, t)
+            positions = torch.arange(start, start + t, device=x.device).expand(b, t)
         k_pos = cache.extend(positions) if cache is not None else positions
         masks = {w: None if plain and not w else attention_mask(positions, k_pos, w, mask)
                  for w in {blk.window for blk in self.blocks}}
         ropes = [rope_cos_sin(positions, getattr(self, f"_inv_freq{i}"), self.args.rope_attn_factor, self.act_dtype)
                  for i in range(len(self._rope_keys))]
-        x = self.embed(tokens).to(self.act_dtype)
         for blk in self.blocks:
             rope, m = ropes[self._rope_of_layer[blk.layer]], masks[blk.window]
             if self.checkpoint_blocks and torch.is_grad_enabled() and cache is None:
