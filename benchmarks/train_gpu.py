@@ -169,7 +169,21 @@ def busy_fraction(step) -> float:
     return kernels / wall
 
 
-def run_juno(meta, tensors_spec, cfg: dict, cache: str, args, grad_checkpoint=False, batch=None, seq=None) -> dict:
+def kernel_table(step, label: str) -> None:
+    """torch.profiler's table of one call of `step` (CPU and CUDA), by device time: where a step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync("cuda")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        sync("cuda")
+    print(f"\n### kernels of one step: {label}\n", file=sys.stderr)
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70),
+          file=sys.stderr)
+
+
+def run_juno(meta, tensors_spec, cfg: dict, cache: str, args, grad_checkpoint=False, batch=None, seq=None,
+             graphs: str = "auto") -> dict:
     from juno_py.lora import Mode, attach
     from juno_py.metrics import MetricsRecorder
     from juno_py.train.data import Example
@@ -184,11 +198,12 @@ def run_juno(meta, tensors_spec, cfg: dict, cache: str, args, grad_checkpoint=Fa
     rows = token_rows(model.embed.n_vocab, batch, seq, n_steps)
     examples = [Example(r.tolist(), [True] * seq) for r in rows]
     tc = TrainConfig(lr=1e-4, batch_size=batch, max_steps=n_steps, epochs=None, schedule="constant", max_seq_len=seq,
-                     seed=0, grad_checkpoint=grad_checkpoint)
+                     seed=0, grad_checkpoint=grad_checkpoint, cuda_graphs=graphs)
     rec = MetricsRecorder()
     sync(dev)
     t0 = time.time()
-    train(model, adapters, examples, tc, recorder=rec, progress=False, log=lambda s: None)
+    train(model, adapters, examples, tc, recorder=rec, progress=False,
+          log=lambda s: print(f"  juno-py: {s}", file=sys.stderr) if "CUDA graph" in s else None)
     sync(dev)
     steps = [e for e in rec.events if e.kind == "train_step"]
     stamps = [t0] + [e.time for e in steps]
@@ -201,6 +216,12 @@ def run_juno(meta, tensors_spec, cfg: dict, cache: str, args, grad_checkpoint=Fa
         tc1 = TrainConfig(lr=1e-4, batch_size=batch, max_steps=1, epochs=None, schedule="constant", max_seq_len=seq,
                           grad_checkpoint=grad_checkpoint)
         row["busy"] = busy_fraction(lambda: train(model, adapters, one, tc1, progress=False, log=lambda s: None))
+    if args.kernels and dev.startswith("cuda"):
+        one = [Example(r.tolist(), [True] * seq) for r in rows[:batch]]
+        tc1 = TrainConfig(lr=1e-4, batch_size=batch, max_steps=1, epochs=None, schedule="constant", max_seq_len=seq,
+                          grad_checkpoint=grad_checkpoint)
+        kernel_table(lambda: train(model, adapters, one, tc1, progress=False, log=lambda s: None),
+                     f"juno-py {cfg['mode']} {cfg['targets']} r{cfg['rank']}, cache {cache}")
     del model, adapters
     return row
 
@@ -243,6 +264,8 @@ def run_peft(meta, tensors_spec, cfg: dict, args) -> dict:
                trainable=sum(p.numel() for p in params))
     if args.profile and dev.startswith("cuda"):
         row["busy"] = busy_fraction(step)
+    if args.kernels and dev.startswith("cuda"):
+        kernel_table(step, f"PEFT {cfg['mode']} {cfg['targets']} r{cfg['rank']}")
     del model, base, opt, params
     return row
 
@@ -303,13 +326,15 @@ def main() -> None:
     ap.add_argument("--models", nargs="*", default=["smollm2-135m", "gemma3-270m", "llama8b-4l"])
     ap.add_argument("--configs", nargs="*", default=list(CONFIGS))
     ap.add_argument("--impls", nargs="*", default=["peft", "juno-none"],
-                    help="peft, juno-none (quantized base on the GPU), juno-bf16 (resident bf16 copy)")
+                    help="peft, juno-none (quantized base on the GPU), juno-bf16 (resident bf16 copy); a suffix "
+                         "-eager turns CUDA graphs off (juno-none-eager)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                     help="profile one extra step for the GPU-busy share (small models only)")
+    ap.add_argument("--kernels", action="store_true", help="print torch.profiler's kernel table of one step per run")
     ap.add_argument("--scale-70b", action="store_true", help="one DoRA step of the 70B-shaped model instead")
     ap.add_argument("--device", default="cuda", help="cuda (the measurement); cpu only smoke-tests the script")
     ap.add_argument("--layers", type=int, default=0, help="keep only the first N blocks (smoke tests)")
@@ -331,10 +356,12 @@ def main() -> None:
                     if impl == "peft":
                         row = measured(run_peft, meta, spec, cfg, sub)
                     else:
-                        row = measured(run_juno, meta, spec, cfg, impl.split("-", 1)[1], sub)
+                        _, cache, *eager = impl.split("-")
+                        row = measured(run_juno, meta, spec, cfg, cache, sub, graphs="off" if eager else "auto")
                     row.update(model=name, config=cname, impl="transformers + PEFT" if impl == "peft" else "juno-py",
                                cache={"peft": "bf16 (dense)", "juno-none": "quantized on GPU",
-                                      "juno-bf16": "bf16 cache"}[impl])
+                                      "juno-bf16": "bf16 cache"}[impl.removesuffix("-eager")]
+                               + (", eager steps" if impl.endswith("-eager") else ""))
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
         print(compare_table(rows, args))

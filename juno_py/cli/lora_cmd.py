@@ -146,6 +146,10 @@ def load_training_data(o: dict, model) -> tuple[list, list]:
               help="Truncated backprop: windows of N tokens attend to earlier windows' cached K/V without "
                    "gradients (0: whole sequence, exact).")
 @click.option("--grad-checkpoint", is_flag=True, help="Recompute each block in backward: less memory, more time.")
+@click.option("--cuda-graphs", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="On a GPU, capture each training step (forward, loss, backward) as a CUDA graph once per batch "
+                   "shape and replay it: one launch instead of thousands (auto: where the run allows it; not with "
+                   "--grad-checkpoint, --bptt-window, dropout or several processes).")
 @click.option("--compute-dtype", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", show_default=True,
               help="Dtype of the frozen matmuls (auto: bf16 where the CPU has native bf16, and on a GPU, where "
                    "the activations run in bf16 too). Adapters and optimizer state stay fp32.")
@@ -215,7 +219,8 @@ def lora(**o) -> None:
         max_steps=o["max_steps"], epochs=o["epochs"], loss_target=o["lora_loss_target"],
         validation_every=o["validation_every"], patience=o["lora_validation_patience"],
         min_delta=o["lora_validation_min_delta"], overfit_ratio=o["lora_overfit_ratio"],
-        bptt_window=o["bptt_window"], grad_checkpoint=o["grad_checkpoint"], pack=o["pack"],
+        bptt_window=o["bptt_window"], grad_checkpoint=o["grad_checkpoint"], cuda_graphs=o["cuda_graphs"],
+        pack=o["pack"],
         max_seq_len=o["max_seq_len"], pad_id=model.tokenizer.pad_id or 0, seed=o["seed"],
         save_every=o["save_every"], lora_path=lora_path)
     try:

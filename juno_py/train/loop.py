@@ -25,6 +25,7 @@ from juno_py.errors import JunoError
 from juno_py.metrics import Identity, MetricsRecorder, format_bytes, peak_rss_bytes, rss_bytes
 from juno_py.models.loss import chunked_cross_entropy
 from juno_py.train import distributed
+from juno_py.train.cuda_graph import GraphedSteps, graph_blocker, resolve_graphs
 from juno_py.train.data import Batch, Example, pad_batch, plan_epoch
 from juno_py.train.optim import build_optimizer, lr_factor, set_learning_rates
 from juno_py.train.state import FORMAT, StateError, optimizer_tensors, restore_optimizer, save_state, state_path
@@ -56,6 +57,7 @@ class TrainConfig:
     overfit_ratio: float = 1.25  # stop at once when validation loss exceeds its best × this; 0: off
     bptt_window: int = 0  # 0: the whole sequence (exact)
     grad_checkpoint: bool = False
+    cuda_graphs: str = "auto"  # capture each step on a GPU: auto (where it can), on (or fail), off
     pack: bool = False
     max_seq_len: int = 512
     pad_id: int = 0
@@ -163,11 +165,13 @@ def _detach_cache(cache) -> None:
 
 
 def forward_backward(model, batch: Batch, denominator: float, window: int = 0, times: Optional[dict] = None,
-                     net=None, sync: bool = True) -> float:
+                     net=None, sync: bool = True, graphs: Optional[GraphedSteps] = None) -> float:
     """Forward and backward of one micro-batch; gradients of (summed token loss / denominator) accumulate in the
     adapters. `window` tokens at a time (0: the whole sequence), each window attending to the cached K/V of the
     earlier ones with gradients stopped there. Returns the summed token loss; raises TrainingDiverged on a
-    non-finite loss before any backward.
+    non-finite loss before any backward (under a CUDA graph: before its gradients reach the parameters).
+
+    `graphs`: CUDA graphs of whole micro-batches (`train.cuda_graph.GraphedSteps`), used where they apply.
 
     `net`: the model's DistributedDataParallel wrapper (data-parallel training). The blocks then run through it,
     and the gradients are all-reduced in the backward of the last window if `sync`. A non-finite loss does not
@@ -175,16 +179,26 @@ def forward_backward(model, batch: Batch, denominator: float, window: int = 0, t
     times = times if times is not None else {}
     T = batch.tokens.shape[1]
     window = T if not window or window >= T else window
+    if graphs is not None and window == T and net is None:
+        t0 = time.perf_counter()
+        value = graphs(batch, denominator, last=sync)
+        if value is not None:
+            times["forward_ms"] = times.get("forward_ms", 0.0) + 1e3 * (time.perf_counter() - t0)  # the whole replay
+            times.setdefault("backward_ms", 0.0)
+            if not math.isfinite(value):
+                raise TrainingDiverged(f"the loss is {value} (a micro-batch)")
+            return value
     cache = model.new_cache(batch.tokens.shape[0], T) if window < T else None
     total = 0.0
     for a in range(0, T, window):
         b = min(a + window, T)
         mask = batch.mask[:, a:b, :b] if batch.mask is not None else None
+        # rows of one unpadded example each are causal by index: no positions, so attention takes its causal kernels
+        positions = batch.positions[:, a:b] if mask is not None or cache is not None else None
         t0 = time.perf_counter()
         with distributed.sync_context(net, sync and b == T):
-            hidden = (net or model)(batch.tokens[:, a:b], batch.positions[:, a:b], mask, cache)
-        loss = chunked_cross_entropy(hidden, batch.targets[:, a:b], model.project, chunk=loss_chunk(model),
-                                     reduction="sum", hold=model.output_decoded(), head=model.loss_head())
+            hidden = (net or model)(batch.tokens[:, a:b], positions, mask, cache)
+        loss = model_loss(model, hidden, batch.targets[:, a:b])
         value = float(loss.detach())
         t1 = time.perf_counter()
         if not math.isfinite(value) and net is None:
@@ -196,6 +210,12 @@ def forward_backward(model, batch: Batch, denominator: float, window: int = 0, t
             _detach_cache(cache)
         total += value
     return total
+
+
+def model_loss(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed token cross-entropy of `hidden` under the model's output projection, chunked (see loss_chunk)."""
+    return chunked_cross_entropy(hidden, targets, model.project, chunk=loss_chunk(model), reduction="sum",
+                                 hold=model.output_decoded(), head=model.loss_head())
 
 
 def grad_norm(params: Sequence[torch.Tensor]) -> float:
@@ -314,6 +334,10 @@ def train(model, adapters, train_set: Sequence[Example], cfg: TrainConfig, val_s
     model.train()
     adapters.train()
     net = distributed.wrap(model, world, getattr(optimizer, "updates_in_backward", False))  # DDP, or None
+    graphs = None
+    if resolve_graphs(cfg.cuda_graphs, graph_blocker(model, cfg, net, optimizer, adapters)):
+        graphs = GraphedSteps(model, params, functools.partial(model_loss, model), log=say)
+    step_fn = functools.partial(forward_backward, graphs=graphs)
     bar = _progress_bar(total_steps, run.step, progress if world.is_main else False)
     started = time.perf_counter() - run.seconds
     stop_reason = None
@@ -333,13 +357,19 @@ def train(model, adapters, train_set: Sequence[Example], cfg: TrainConfig, val_s
                                                           min_ratio))
             times: dict = {}
             t0 = time.perf_counter()
-            n_dora = refresh_dora_norms(adapters)
-            if n_dora:
-                recorder.emit("norm_refresh", step=run.step, modules=n_dora, ms=1e3 * (time.perf_counter() - t0))
+            if graphs is not None and graphs.disabled is None:
+                # the norms are recomputed inside the captured step (or lazily by an eager one): not twice
+                n_dora = sum(1 for m in getattr(adapters, "modules", {}).values() if getattr(m, "dora", None))
+                if n_dora:
+                    recorder.emit("norm_refresh", step=run.step, modules=n_dora, ms=0.0, in_step=True)
+            else:
+                n_dora = refresh_dora_norms(adapters)
+                if n_dora:
+                    recorder.emit("norm_refresh", step=run.step, modules=n_dora, ms=1e3 * (time.perf_counter() - t0))
 
             # --- forward and backward; nothing is updated before every number is known to be finite
             try:
-                loss_sum = share.forward_backward(forward_backward, model, net, cfg.bptt_window, times)
+                loss_sum = share.forward_backward(step_fn, model, net, cfg.bptt_window, times)
                 if not math.isfinite(loss_sum):
                     raise TrainingDiverged(f"the loss is {loss_sum}")
                 norm = optimizer.grad_norm(params) if hasattr(optimizer, "grad_norm") else grad_norm(params)
