@@ -176,24 +176,33 @@ class AdaptedLinear(nn.Module):
     def base_row_norms_sq(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.base.row_norms_sq(dtype)  # frozen: computed once by the base and kept
 
-    def weight_row_norm(self, dtype: torch.dtype = torch.float32, eps: float = 0.0) -> torch.Tensor:
+    def weight_row_norm(self, dtype: torch.dtype = torch.float32, eps: float = 0.0,
+                        U: Optional[torch.Tensor] = None) -> torch.Tensor:
         """‖W + sBA‖_row of the DoRA adapter (then max(·, eps)), factored: U = W·Aᵀ runs A's rows through the
-        frozen linear."""
+        frozen linear, unless the caller already has it (`U` `[d_out, r]`, e.g. from `matmul_with_exact`)."""
         ad = self.dora
         with torch.no_grad():
             A = ad.lora_A.detach()
-            # fp32 products over the exact W (a bf16 W or A would cost the norm about 3e-5 relative)
-            matmul = getattr(self.base, "matmul_exact", self.base.matmul)
-            U = matmul(A.to(dtype)).T
+            if U is None:
+                # fp32 products over the exact W (a bf16 W or A would cost the norm about 3e-5 relative)
+                matmul = getattr(self.base, "matmul_exact", self.base.matmul)
+                U = matmul(A.to(dtype)).T
             return factored_row_norm(self.base_row_norms_sq(dtype), U, A, ad.lora_B.detach(), ad.scale, dtype, eps)
 
-    def dora_norm(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """max(‖W + sBA‖_row, 1e-6), detached; recomputed only when A or B changed (or `_g_cache` was cleared)."""
+    def _norm_key(self, dtype: torch.dtype) -> tuple:
         ad = self.dora
-        key = (ad.lora_A._version, ad.lora_B._version, id(ad.lora_A), id(ad.lora_B), dtype)
+        return ad.lora_A._version, ad.lora_B._version, id(ad.lora_A), id(ad.lora_B), dtype
+
+    def norm_is_cached(self, dtype: torch.dtype = torch.float32) -> bool:
+        """Whether `dora_norm(dtype)` would return the cached norm (A and B unchanged, or the norm held)."""
         held = self.norm_held and self._g_cache is not None and self._g_cache[0][-1] == dtype
-        if not held and (self._g_cache is None or self._g_cache[0] != key):
-            self._g_cache = (key, self.weight_row_norm(dtype, eps=DORA_EPS))
+        return held or (self._g_cache is not None and self._g_cache[0] == self._norm_key(dtype))
+
+    def dora_norm(self, dtype: torch.dtype = torch.float32, U: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """max(‖W + sBA‖_row, 1e-6), detached; recomputed only when A or B changed (or `_g_cache` was cleared), from
+        `U` = W·Aᵀ `[d_out, r]` when the caller has it (`DoraLinearFn`: the base product's decode gave it)."""
+        if not self.norm_is_cached(dtype):
+            self._g_cache = (self._norm_key(dtype), self.weight_row_norm(dtype, eps=DORA_EPS, U=U))
         return self._g_cache[1]
 
     def dora_scale(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -232,7 +241,9 @@ class DoraLinearFn(torch.autograd.Function):
 
     - forward: the base GEMM first (the GPU runs it while the CPU issues the rest), the adapter's two small
       GEMMs, the norm (recomputed when A or B changed: `AdaptedLinear.dora_norm`), g, then the fused composition
-      (`compose_forward`, writing inner = base + s·lora when m trains);
+      (`compose_forward`, writing inner = base + s·lora when m trains). When the norm is recomputed and the base
+      has `matmul_with_exact`, the base product and the norm's U = W·Aᵀ come from that one call (a quantized W is
+      decoded once for both);
     - backward: the fused kernel for d_base = g·dy, d_lora = g·s·dy and Σ_tokens inner·dy, then at once the
       input gradient's big GEMM `d_base·W` (`base.matmul_transposed`; autograd would run it last), then the
       adapter's GEMMs while it runs, `dx += d_xa·A` accumulated in place, `d_m = d_g / norm`.
@@ -248,13 +259,20 @@ class DoraLinearFn(torch.autograd.Function):
         ad = layer.dora
         s = float(ad.scale)
         x2 = x.reshape(-1, x.shape[-1])
-        base_out = layer.base.matmul(x2)  # first: the big GEMM
+        combined = getattr(layer.base, "matmul_with_exact", None)
+        U = None
+        if combined is not None and not layer.norm_is_cached(torch.float32):
+            # the norm needs U = W·Aᵀ: one pass over W gives it with the base product (a quantized W decoded once)
+            base_out, U = combined(x2, A.detach().to(torch.float32))
+            U = U.T
+        else:
+            base_out = layer.base.matmul(x2)  # first: the big GEMM
         dt = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32  # as `LoraAdapter.delta_input`
         xc = x2.to(dt)
         Ac, Bc = A.detach().to(dt), B.detach().to(dt)
         xa = torch.mm(xc, Ac.T)
         lora = torch.mm(xa, Bc.T)
-        norm = layer.dora_norm(torch.float32)
+        norm = layer.dora_norm(torch.float32, U=U)
         g = torch.div(m.detach(), norm)
         y, inner = tk.compose_forward(base_out, lora, g, s, write_inner=ctx.needs_input_grad[3])
         ctx.save_for_backward(xc, Ac, Bc, xa, g, norm, inner)

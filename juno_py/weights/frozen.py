@@ -9,8 +9,9 @@ streaming transpose; the weight is not a Parameter and has no gradient.
 On a GPU (`.to("cuda")` moves the bytes there, still quantized) the same layer decodes tiles with Triton
 (`juno_py.kernels.dequant_triton`) into bf16 (or fp32) and multiplies them with cuBLAS: forward by blocks of
 rows, transpose by blocks of columns, each product reducing over the whole inner dimension in fp32. For a few
-tokens (playback decode) a fused dequantize-matvec kernel reads the bytes once instead. Types without a kernel
-decode through the torch codecs on the CPU, block by block.
+tokens (playback decode) a fused dequantize-matvec kernel reads the bytes once instead. DoRA's training step gets
+the base product and U = W·Aᵀ from one decode of each tile (`matmul_with_exact`). Types without a kernel decode
+through the torch codecs on the CPU, block by block.
 """
 
 from __future__ import annotations
@@ -356,22 +357,32 @@ class FrozenQuantLinear(nn.Module):
             y = self._device_split_exact(x2)
         else:
             xc = x2.to(op)
-            step = _aligned_step(self._device_step(self._n_in, xc.element_size()), self._n_out)
+            step = self._forward_step(xc)
             y = None
             for a in range(0, self._n_out, step):
                 b = min(a + step, self._n_out)
                 w = self.dequantize_rows(a, b, op)
-                if b - a == self._n_out:
-                    y = mm_out(xc, w.t(), res)
-                else:
-                    if y is None:
-                        y = torch.empty(tokens, self._n_out, dtype=res, device=x.device)
-                    if res == op:  # cuBLAS writes the column slice in place (ldc = n_out): no copy
-                        torch.mm(xc, w.t(), out=y[:, a:b])
-                    else:
-                        y[:, a:b] = mm_out(xc, w.t(), res)
+                y = self._rows_product(xc, w, y, a, b, res)
                 del w
         return y.reshape(*x.shape[:-1], self._n_out)
+
+    def _forward_step(self, xc: torch.Tensor) -> int:
+        """Rows of W a forward tile decodes: `device_scratch_bytes` of W in the operands' dtype, in whole 256 rows."""
+        return _aligned_step(self._device_step(self._n_in, xc.element_size()), self._n_out)
+
+    def _rows_product(self, xc: torch.Tensor, w: torch.Tensor, y: Optional[torch.Tensor], a: int, b: int,
+                      res: torch.dtype) -> torch.Tensor:
+        """The forward tile's product x·W[a:b]ᵀ into y's columns a:b (y `[tokens, n_out]` in `res`, made at the first
+        tile; the whole product when the tile is all of W). Returns y."""
+        if b - a == self._n_out:
+            return mm_out(xc, w.t(), res)
+        if y is None:
+            y = torch.empty(xc.shape[0], self._n_out, dtype=res, device=xc.device)
+        if res == xc.dtype:  # cuBLAS writes the column slice in place (ldc = n_out): no copy
+            torch.mm(xc, w.t(), out=y[:, a:b])
+        else:
+            y[:, a:b] = mm_out(xc, w.t(), res)
+        return y
 
     def _device_split_exact(self, x2: torch.Tensor) -> torch.Tensor:
         """x·Wᵀ to fp32 accuracy on bf16 tensor cores (DoRA's U = W·Aᵀ, `matmul_exact`). Each operand is split into
@@ -393,6 +404,43 @@ class FrozenQuantLinear(nn.Module):
             y[:, a:b] += mm_out(xs[:t], ws[rows:].t(), torch.float32)
             del ws, both
         return y
+
+    def _fuses_exact(self, x: torch.Tensor, A: torch.Tensor) -> bool:
+        """Whether `matmul_with_exact` decodes each tile once for both products: on the Triton device path with bf16
+        operands for the base product (compute_dtype bf16, no resident cache), beyond the matvec's token counts,
+        and fp32 rows of A. Elsewhere the two products run as `matmul` and `matmul_exact` run them."""
+        return (x.dtype != torch.float64 and A.dtype == torch.float32 and A.dim() == 2 and A.shape[0] > 0
+                and self.weight_cache is None and self.compute_dtype == torch.bfloat16
+                and x.numel() // max(x.shape[-1], 1) > MATVEC_MAX_TOKENS and self._use_triton())
+
+    def _device_forward_with_exact(self, x: torch.Tensor, A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x·Wᵀ (bf16 operands, as `_device_forward`) and A·Wᵀ to fp32 accuracy from one split decode per tile:
+        `dequantize_split_tile` writes W_hi = bf16(W) and W_lo = bf16(W − W_hi) of the tile's rows in one pass, and
+        x·W_hiᵀ is the forward's own tile product (same tiles, same GEMMs: bit-identical), while
+        U = [A_hi; A_lo]·W_hiᵀ (halves added) + A_hi·W_loᵀ (A split by `split_bf16`; A_lo·W_loᵀ, 2⁻¹⁸ of U, left
+        out) as in `_device_split_exact`, without its fp32 tile, its split and its second decode of W. Transient: the
+        two bf16 halves of one forward tile (2 × `device_scratch_bytes`, what `_device_split_exact` holds too)."""
+        if x.shape[-1] != self._n_in or A.shape[-1] != self._n_in:
+            raise ValueError(f"{self.name or 'frozen linear'}: inputs have {x.shape[-1]} and {A.shape[-1]} features, "
+                             f"expected {self._n_in}")
+        x2 = x.reshape(-1, self._n_in)
+        op, res = self._device_dtypes(x)
+        xc = x2.to(op)
+        r = A.shape[0]
+        As = split_bf16(A)
+        step = self._forward_step(xc)
+        halves = torch.empty(2, min(step, self._n_out), self._n_in, dtype=torch.bfloat16, device=x.device)
+        u = torch.empty(r, self._n_out, dtype=torch.float32, device=x.device)
+        y = None
+        for a in range(0, self._n_out, step):
+            b = min(a + step, self._n_out)
+            hi, lo = device_dequant.dequantize_split_tile(self.raw, self._ggml_type, self._n_in, (a, b), out=halves)
+            y = self._rows_product(xc, hi, y, a, b, res)
+            both = mm_out(As, hi.t(), torch.float32)
+            torch.add(both[:r], both[r:], out=u[:, a:b])
+            u[:, a:b] += mm_out(As[:r], lo.t(), torch.float32)
+            del hi, lo, both
+        return y.reshape(*x.shape[:-1], self._n_out), u
 
     def _device_transpose(self, g: torch.Tensor) -> torch.Tensor:
         """`g·W` by blocks of columns of W: every product reduces over all n_out rows at once (fp32 accumulation)."""
@@ -475,6 +523,16 @@ class FrozenQuantLinear(nn.Module):
         norm that an adapter moves by 1e-3."""
         with torch.no_grad():
             return self._stream_forward(x, exact=True)
+
+    def matmul_with_exact(self, x: torch.Tensor, A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(x·Wᵀ, A·Wᵀ)`, no bias, no autograd: the base product as `matmul` gives it and A's rows to fp32 accuracy as
+        `matmul_exact` gives them. DoRA's training step needs both every step (U = W·Aᵀ for the norm); on the device
+        path with bf16 compute each tile of W is decoded once for both (`_device_forward_with_exact`: the base
+        product bit-identical to `matmul`'s, U about 2⁻¹⁷ relative), elsewhere the two run one after the other."""
+        with torch.no_grad():
+            if self._fuses_exact(x, A):
+                return self._device_forward_with_exact(x, A)
+            return self._stream_forward(x), self._stream_forward(A, exact=True)
 
     def _apply_fn(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if torch.is_grad_enabled() and x.requires_grad:

@@ -163,6 +163,111 @@ def _count_decodes(monkeypatch) -> list:
     return calls
 
 
+def _count_split_decodes(monkeypatch) -> tuple[list, list]:
+    """Record the frozen linear's plain and split tile decodes."""
+    from juno_py.kernels import dequant as device_dequant
+
+    plain, split = [], []
+    real_plain, real_split = device_dequant.dequantize_tile, device_dequant.dequantize_split_tile
+
+    def counted_plain(*a, **kw):
+        plain.append(1)
+        return real_plain(*a, **kw)
+
+    def counted_split(*a, **kw):
+        split.append(1)
+        return real_split(*a, **kw)
+
+    monkeypatch.setattr(device_dequant, "dequantize_tile", counted_plain)
+    monkeypatch.setattr(device_dequant, "dequantize_split_tile", counted_split)
+    return plain, split
+
+
+def _rel_fp64(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.detach().cpu().double() - ref).norm() / ref.norm())
+
+
+COMBINED_TYPES = [GGMLType.Q4_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
+
+
+@pytest.mark.parametrize("ggml_type", COMBINED_TYPES, ids=lambda t: t.name)
+def test_matmul_with_exact_decodes_each_tile_once(ggml_type, monkeypatch):
+    """`matmul_with_exact(x, A)`: one split decode per forward tile and no other decode; the base product
+    bit-identical to `matmul` (fp32 and bf16 activations, 3-D x) and U = A·Wᵀ equal to `matmul_exact`'s or within
+    2⁻¹⁶ relative of fp64 (and the fp32 accumulation bound of every element)."""
+    dev, _, w = make(ggml_type, torch.bfloat16)
+    n_out, n_in = w.shape
+    if DEVICE == "cpu":  # several ragged tiles at the interpreter's sizes (37 rows: 8, 8, 8, 8, 5)
+        dev.device_scratch_bytes = 2 * n_in * 8
+    gen = torch.Generator().manual_seed(9)
+    A = ((torch.rand(6, n_in, generator=gen) * 2 - 1) / n_in ** 0.5).to(DEVICE)
+    ref_u = A.cpu().double() @ w.double().T
+    today = dev.matmul_exact(A)
+    xs = (torch.randn(MATVEC_MAX_TOKENS + 7, n_in, generator=gen), torch.randn(2, 5, n_in, generator=gen).bfloat16())
+    for x in xs:
+        x = x.to(DEVICE)
+        plain, split = _count_split_decodes(monkeypatch)
+        y, U = dev.matmul_with_exact(x, A)
+        tiles = -(-n_out // dev._forward_step(x.to(torch.bfloat16)))
+        assert (len(plain), len(split)) == (0, tiles)
+        monkeypatch.undo()
+        assert tiles > 1 or DEVICE == "cuda"
+        want = dev.matmul(x)
+        assert y.dtype == want.dtype and y.shape == want.shape and torch.equal(y, want)
+        assert U.dtype == torch.float32 and U.shape == (6, n_out)
+        assert torch.equal(U, today) or _rel_fp64(U, ref_u) <= max(2.0 ** -16, _rel_fp64(today, ref_u))
+        check(U, A.cpu(), w, torch.float32)
+
+
+def test_matmul_with_exact_elsewhere_runs_the_two_products():
+    """Where one decode cannot serve both (fp32 compute, a resident bf16 cache, matvec token counts, a type without
+    a kernel, fp64) the pair is exactly `matmul` and `matmul_exact`."""
+    gen = torch.Generator().manual_seed(10)
+    for t, compute, cache, tokens in ((GGMLType.Q4_K, torch.float32, "none", 9),
+                                      (GGMLType.Q8_0, torch.bfloat16, "bf16", 9),
+                                      (GGMLType.Q6_K, torch.bfloat16, "none", MATVEC_MAX_TOKENS),
+                                      (FALLBACK, torch.bfloat16, "none", 9)):
+        dev, _, w = make(t, compute)
+        dev.set_weights_cache(cache)
+        x = torch.randn(tokens, w.shape[1], generator=gen).to(DEVICE)
+        A = torch.randn(3, w.shape[1], generator=gen).to(DEVICE)
+        assert not dev._fuses_exact(x, A)
+        y, U = dev.matmul_with_exact(x, A)
+        assert torch.equal(y, dev.matmul(x)) and torch.equal(U, dev.matmul_exact(A))
+    dev, _, w = make(GGMLType.Q4_K, torch.bfloat16)
+    x64, A64 = torch.randn(9, w.shape[1], dtype=torch.float64), torch.randn(2, w.shape[1], dtype=torch.float64)
+    y, U = dev.matmul_with_exact(x64.to(DEVICE), A64.to(DEVICE))
+    assert y.dtype == U.dtype == torch.float64
+
+
+def test_dora_norm_from_the_combined_product_meets_the_target():
+    """The DoRA norm built from `matmul_with_exact`'s U (what a training step computes when A or B changed) within
+    1e-5 relative of fp64 over the exact W and 1 % of the adapter's effect, as the norm from `matmul_exact`'s U."""
+    from juno_py.lora.adapters import AdaptedLinear, AdapterConfig, LoraAdapter, Mode
+
+    dev, _, w = make(GGMLType.Q4_K, torch.bfloat16)
+    n_out, n_in = w.shape
+    if DEVICE == "cpu":
+        dev.device_scratch_bytes = 2 * n_in * 8
+    gen = torch.Generator().manual_seed(5)
+    ad = LoraAdapter(n_in, n_out, AdapterConfig(rank=8, alpha=8.0, mode=Mode.DORA), generator=gen,
+                     magnitude=torch.ones(n_out))
+    B = torch.randn(n_out, 8, generator=gen, dtype=torch.float64)
+    B *= 0.05 * w.double().norm() / (ad.scale * B @ ad.lora_A.detach().double()).norm()
+    with torch.no_grad():
+        ad.lora_B.copy_(B)
+    lin = AdaptedLinear(dev, [ad.to(DEVICE)])
+    x = torch.randn(MATVEC_MAX_TOKENS + 3, n_in, generator=gen).to(DEVICE, torch.bfloat16)
+    _, U = dev.matmul_with_exact(x, ad.lora_A.detach())
+    got = lin.weight_row_norm(U=U.T).cpu().double()
+    base = w.double().norm(dim=1)
+    ref = (w.double() + ad.scale * B @ ad.lora_A.detach().cpu().double()).norm(dim=1)
+    assert float(((ref - base) / base).abs().max()) > 1e-4
+    assert float(((got - ref).abs() / ref).max()) <= 1e-5
+    assert float((got - ref).norm()) <= 1e-2 * float((ref - base).norm())
+
+
+
 @pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_decoded_once_for_many_products(compute, monkeypatch):
     """Inside `decoded()` W is decoded once for any number of forward and transpose products (each within the

@@ -165,6 +165,95 @@ def test_frozen_parts_get_no_gradient(fused):
     assert ad.magnitude.grad is not None and _rel(ad.lora_A.grad, ref[1]) <= 1e-5
 
 
+# ------------------------------------------------------------------------------------------- quantized base
+QUANT_STEP_SIZES = [(37, 512, 96, 8, 2 * 512 * 32)] + ([(2048, 4096, 4096, 64, 8 << 20)] if DEVICE == "cuda" else [])
+
+
+def _quant_layer(T, n_in, n_out, r, scratch):
+    """A DoRA layer on a Q4_K frozen linear (bf16 compute, forward tiles of `scratch` bytes) and the problem of
+    `_problem` moved onto its exact W (B rescaled so that ‖sBA‖ ≈ 0.3·‖W‖ per row, m from the new norms)."""
+    from juno_py.gguf import GGMLType
+    from juno_py.kernels.dequant import dequantize_reference
+    from juno_py.weights import FrozenQuantLinear
+    from tests.weights.random_blocks import random_rows
+
+    raw = torch.from_numpy(random_rows(GGMLType.Q4_K, n_out, n_in, seed=11))
+    base = FrozenQuantLinear(raw, GGMLType.Q4_K, n_in, compute_dtype=torch.bfloat16, device_scratch_bytes=scratch,
+                             dequant="triton" if DEVICE == "cpu" else "auto").to(DEVICE)
+    base.row_norms_sq()  # frozen: once, at load
+    p = _problem(T, n_in, n_out, r)
+    W = dequantize_reference(raw, GGMLType.Q4_K, n_in, torch.float32)
+    p["B"] = p["B"] * (W.norm(dim=1).mean() / p["W"].norm(dim=1).mean())
+    p["W"] = W
+    norm = (W.double() + p["s"] * p["B"].double() @ p["A"].double()).norm(dim=1)
+    p["m"] = (norm * (1 + 0.2 * torch.randn(n_out, generator=torch.Generator().manual_seed(3),
+                                            dtype=torch.float64))).float()
+    ad = LoraAdapter(n_in, n_out, AdapterConfig(rank=r, alpha=p["s"] * r, mode=Mode.DORA), magnitude=p["m"])
+    with torch.no_grad():
+        ad.lora_A.copy_(p["A"])
+        ad.lora_B.copy_(p["B"])
+    return p, AdaptedLinear(base, [ad]).to(DEVICE)
+
+
+def _counted_step(layer, p, x_dtype):
+    """A training step with a fresh norm: (y, gradients, norm, {decoder: tile decodes it ran})."""
+    from juno_py.kernels import dequant as device_dequant
+
+    counts = {"dequantize_tile": 0, "dequantize_split_tile": 0}
+    with pytest.MonkeyPatch.context() as mp:
+        for name in counts:
+            def counted(*a, real=getattr(device_dequant, name), name=name, **kw):
+                counts[name] += 1
+                return real(*a, **kw)
+
+            mp.setattr(device_dequant, name, counted)
+        layer._g_cache = None
+        for t in layer.parameters():
+            t.grad = None
+        y, grads = _fused_step(layer, dict(p, x=p["x"].clone()), x_dtype)  # a new x: its gradient starts at None
+    assert type(y.grad_fn).__name__ == "DoraLinearFnBackward"
+    return y.detach(), [g.clone() for g in grads], layer._g_cache[1].clone(), counts
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T,n_in,n_out,r,scratch", QUANT_STEP_SIZES)
+def test_quantized_step_decodes_w_once_for_base_and_norm(fused, x_dtype, T, n_in, n_out, r, scratch):
+    """A DoRA step on a quantized W whose norm must be recomputed takes the base product and U = W·Aᵀ from one split
+    decode per forward tile (`matmul_with_exact`), and gives the output, gradients and norm of the step that decodes
+    W for each product separately (the base without `matmul_with_exact`); the norm within 1e-5 of fp64 over the
+    exact W. With the norm cached (A, B unchanged) the step computes no U."""
+    from juno_py.weights import FrozenQuantLinear
+
+    p, layer = _quant_layer(T, n_in, n_out, r, scratch)
+    y1, g1, norm1, n1 = _counted_step(layer, p, x_dtype)
+    tiles = -(-n_out // layer.base._forward_step(torch.empty(0, dtype=torch.bfloat16)))
+    assert n1["dequantize_split_tile"] == tiles and tiles > 1
+    ref = (p["W"].double() + p["s"] * p["B"].double() @ p["A"].double()).norm(dim=1)
+    assert ((norm1.double().cpu() - ref).abs() / ref).max().item() <= 1e-5
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delattr(FrozenQuantLinear, "matmul_with_exact")
+        y0, g0, norm0, n0 = _counted_step(layer, p, x_dtype)
+    # the separate products decode the forward's bf16 tiles and at least one fp32 tile of W for U besides
+    assert n0["dequantize_split_tile"] == 0 and n0["dequantize_tile"] - n1["dequantize_tile"] >= tiles + 1
+    assert ((norm1 - norm0).abs() / norm0).max().item() <= 1e-6
+    with torch.no_grad():
+        base = layer.base.matmul(p["x"].to(DEVICE, x_dtype)).double().cpu()
+    tol = 1e-5 if x_dtype == torch.float32 else 1e-3  # a bf16 output may round the other way where g moved by 1 ulp
+    assert ((y1 - y0).double().norm().cpu() / (y0.double().cpu() - base).norm()).item() <= tol
+    for name, a, b in zip(("x", "A", "B", "m"), g1, g0):
+        assert _rel(a, b.double().cpu()) <= tol, name
+
+    splits = []
+    from juno_py.kernels import dequant as device_dequant
+
+    real = device_dequant.dequantize_split_tile
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(device_dequant, "dequantize_split_tile", lambda *a, **kw: splits.append(1) or real(*a, **kw))
+        y = layer(p["x"].to(DEVICE, x_dtype))  # the norm is cached now: no U to compute
+    assert type(y.grad_fn).__name__ == "DoraLinearFnBackward" and splits == []
+
+
 # ------------------------------------------------------------------------------------------- norm pieces
 @pytest.mark.skipif(DEVICE != "cuda", reason="the split-bf16 product runs on CUDA only")
 def test_gram_split_removes_the_bf16_rounding_of_A():
