@@ -11,8 +11,9 @@ row), m = ‖W + sBA‖_row·(1 + 1.5e-3·N(0, 1)) so g ≈ 1 with a spread of a
 juno-py computes base = x·Wᵀ (dense bf16 W, or the quantized frozen linear), lora = (x·Aᵀ)·Bᵀ in bf16 from fp32
 adapters, then the fused composition (a training step is one autograd Function, `DoraLinearFn`); at inference g
 is cached (frozen adapter). Training steps recompute the norm every call for both (after an optimizer step it
-would be stale); juno-py's U = W·Aᵀ is fp32-accurate on the dense stand-in as on the quantized frozen linear
-(`DenseBase.matmul_exact`: A split into two bf16 parts). PEFT's layer is called directly (no
+would be stale), and take the base product and U = W·Aᵀ from one `matmul_with_exact` call: fp32-accurate U on the
+dense stand-in (`DenseBase`: A split into two bf16 parts) as on the quantized frozen linear (W decoded once per
+tile into both bf16 halves). PEFT's layer is called directly (no
 PeftModel wrapper), in train() for training and eval() for inference, lora_dropout 0. Timings: CUDA events around
 each call, started on an idle GPU (so a call's time is its GPU time or, where launching is slower than the GPU,
 its launch time), implementations interleaved call by call, median of --reps calls after warm-up; TF32 off. Memory:
@@ -41,6 +42,7 @@ from juno_py import kernels  # noqa: E402
 from juno_py.kernels.reference import compose_eager  # noqa: E402
 from juno_py.lora.adapters import AdaptedLinear, AdapterConfig, LoraAdapter  # noqa: E402
 from juno_py.lora.format import Mode  # noqa: E402
+from juno_py.weights.frozen import mm_out  # noqa: E402
 
 # (tokens, d_in, d_out, rank): DESIGN.md §6 and issue 8
 SHAPES = [(4096, 8192, 8192, 384), (4096, 28672, 8192, 384), (8192, 4096, 4096, 16), (8192, 4096, 4096, 64),
@@ -51,12 +53,24 @@ G_SPREAD = 1.5e-3
 
 
 class DenseBase(nn.Module):
-    """A frozen dense bf16 W with the frozen-linear interface AdaptedLinear uses (matmul, row_norms_sq)."""
+    """A frozen dense bf16 W with the frozen-linear interface AdaptedLinear uses (matmul, matmul_exact,
+    matmul_with_exact, matmul_transposed, row_norms_sq).
 
-    def __init__(self, W: torch.Tensor):
+    `matmul_with_exact(x, A)` is the stand-in for the quantized frozen linear's method of that name, which a DoRA
+    training step calls when its norm must be recomputed: the base product x·Wᵀ and U = A·Wᵀ to fp32 accuracy,
+    the same numbers by the same kind of products, so that dense against quantized stays a fair comparison. W is
+    exactly bf16 here (its W_lo is 0), so U = [A_hi; A_lo]·Wᵀ (halves added) is the quantized layer's
+    [A_hi; A_lo]·W_hiᵀ + A_hi·W_loᵀ without the term a bf16 W does not have: 2r rows of products instead of 3r, and
+    no decode. `stacked` picks how: False, the base GEMM (as `matmul`) and one GEMM of the 2r rows of A; True, one
+    GEMM of [x; A_hi; A_lo]·Wᵀ with an fp32 result (x copied into the stack, the base rows rounded to bf16 after).
+    `bench_shape` times both and keeps the faster for the layer's rows.
+    """
+
+    def __init__(self, W: torch.Tensor, stacked: bool = False):
         super().__init__()
         self.register_buffer("W", W, persistent=False)
         self.bias = None
+        self.stacked = stacked
         self._row_norms_sq = W.double().square().sum(1)  # frozen: once, at load
         self._row_norms_sq32 = self._row_norms_sq.float()
 
@@ -66,23 +80,25 @@ class DenseBase(nn.Module):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.bfloat16:
             return F.linear(x, self.W)
-        # fp32 rows: bf16 operands, fp32 accumulation and result
-        xb = x.to(torch.bfloat16)
-        if xb.is_cuda:
-            return torch.mm(xb, self.W.t(), out_dtype=torch.float32)
-        return xb.float() @ self.W.float().t()
+        return mm_out(x.to(torch.bfloat16), self.W.t(), torch.float32)  # fp32 rows: bf16 operands, fp32 result
 
     def matmul_exact(self, x: torch.Tensor) -> torch.Tensor:
         """x·Wᵀ for fp32 rows (DoRA's U = W·Aᵀ) as the frozen linear's `matmul_exact` gives it: to fp32 accuracy
-        over the exact W. W is exactly bf16 here, so x = x_hi + x_lo in two bf16 parts (x_hi = bf16(x),
-        x_lo = bf16(x − x_hi), together within about 2⁻¹⁷ of x): x_hi·Wᵀ with an fp32 result plus x_lo·Wᵀ,
-        which is 2⁻⁹ of it and may carry bf16 rounding (2⁻¹⁸ of U); two bf16 GEMMs, fp32 accumulation."""
+        over the exact W. W is exactly bf16, so x = x_hi + x_lo in two bf16 parts (`kernels.split_bf16`, within
+        about 2⁻¹⁷ of x) and U = [x_hi; x_lo]·Wᵀ, one bf16 GEMM of 2r rows with fp32 accumulation, halves added."""
         r = x.shape[0]
-        xs = kernels.split_bf16(x)
-        if not x.is_cuda:
-            return xs[:r].float() @ self.W.float().t() + xs[r:].float() @ self.W.float().t()
-        u = torch.mm(xs[:r], self.W.t(), out_dtype=torch.float32)
-        return u.add_(torch.mm(xs[r:], self.W.t()))
+        both = mm_out(kernels.split_bf16(x), self.W.t(), torch.float32)
+        return both[:r].add_(both[r:])
+
+    def matmul_with_exact(self, x: torch.Tensor, A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x·Wᵀ, A·Wᵀ) as `matmul` and `matmul_exact` give them (see the class docstring for `stacked`)."""
+        if not self.stacked:
+            return self.matmul(x), self.matmul_exact(A)
+        t, r = x.shape[0], A.shape[0]
+        X = torch.cat([x.to(torch.bfloat16), kernels.split_bf16(A)])
+        out = mm_out(X, self.W.t(), torch.float32)
+        base = out[:t].to(torch.bfloat16) if x.dtype == torch.bfloat16 else out[:t]
+        return base, out[t:t + r].add_(out[t + r:])
 
     def matmul_transposed(self, g: torch.Tensor) -> torch.Tensor:
         """g·W (the input gradient, no autograd)."""
@@ -272,7 +288,16 @@ def bench_shape(T, d_in, d_out, r, device, reps, warmup, with_quant, peers=True)
             notes[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
             resident.pop(name, None)
 
-    build("juno-py dense", lambda: juno_layer(DenseBase(d["W"]), d))
+    dense_choice = {}
+    if with_quant:  # the dense stand-in's combined product: whichever of its two forms is faster here
+        probe = DenseBase(d["W"])
+        A32 = d["A"].float()
+        forms = {f"stacked={v}": (lambda v=v: (setattr(probe, "stacked", v), probe.matmul_with_exact(d["x"], A32)))
+                 for v in (False, True)}
+        dense_choice = interleaved(forms, reps, warmup, device)
+        del probe, forms
+    stacked = bool(dense_choice) and dense_choice["stacked=True"] < dense_choice["stacked=False"]
+    build("juno-py dense", lambda: juno_layer(DenseBase(d["W"], stacked=stacked), d))
     if peers:
         build("PEFT LoRA bf16", lambda: peft_layer(d, False, torch.bfloat16))
         build("PEFT DoRA bf16", lambda: peft_layer(d, True, torch.bfloat16))
@@ -310,17 +335,20 @@ def bench_shape(T, d_in, d_out, r, device, reps, warmup, with_quant, peers=True)
     mem_infer = {n: peak_mib(f, device) for n, f in infer.items()}
     rows = [dict(impl=n, train_ms=t_train[n], infer_ms=t_infer[n], train_peak_mib=mem_train[n],
                  infer_peak_mib=mem_infer[n], resident_mib=resident[n]) for n in layers]
-    if with_quant:  # the norm's U = W·Aᵀ alone (a training step recomputes it): bf16 products on the dense
-        # stand-in, fp32 products over the exact W (`matmul_exact`) on the quantized frozen linear
+    if with_quant:  # the norm's U = W·Aᵀ alone (`matmul_exact`), and with the base product (`matmul_with_exact`,
+        # what a training step with a fresh norm calls): fp32-accurate U from split bf16 products on both
         A = d["A"].float()
-        u_calls = {n: (lambda b=lay.base: getattr(b, "matmul_exact", b.matmul)(A)) for n, lay in layers.items()
-                   if isinstance(lay, AdaptedLinear)}
-        t_u = interleaved(u_calls, reps, warmup, device)
+        bases = {n: lay.base for n, lay in layers.items() if isinstance(lay, AdaptedLinear)}
+        t_u = interleaved({n: (lambda b=b: b.matmul_exact(A)) for n, b in bases.items()}, reps, warmup, device)
+        t_both = interleaved({n: (lambda b=b: b.matmul_with_exact(d["x"], A)) for n, b in bases.items()}, reps,
+                             warmup, device)
+        t_base = interleaved({n: (lambda b=b: b.matmul(d["x"])) for n, b in bases.items()}, reps, warmup, device)
         for row in rows:
             if row["impl"] in t_u:
-                row["norm_U_ms"] = t_u[row["impl"]]
+                row.update(norm_U_ms=t_u[row["impl"]], base_and_U_ms=t_both[row["impl"]],
+                           base_ms=t_base[row["impl"]])
     del layers, train, infer
-    return dict(T=T, d_in=d_in, d_out=d_out, r=r, rows=rows, notes=notes, agree=agree)
+    return dict(T=T, d_in=d_in, d_out=d_out, r=r, rows=rows, notes=notes, agree=agree, dense_forms=dense_choice)
 
 
 def print_layer_table(res):
@@ -351,10 +379,16 @@ def print_layer_table(res):
                  f"{by[f'juno-py {t}']['infer_ms'] / j['infer_ms']:.2f}×" for t in QUANT_TYPES if f"juno-py {t}" in by]
         if quant:
             print("juno-py quantized time / juno-py dense: " + "; ".join(quant))
-        u = [f"{n}: {row['norm_U_ms']:.3f}" for n, row in by.items() if "norm_U_ms" in row]
+        u = [f"{n}: {row['norm_U_ms']:.3f} / {row['base_ms']:.3f} / {row['base_and_U_ms']:.3f}"
+             for n, row in by.items() if "norm_U_ms" in row]
         if u:
-            print("the norm's U = W·Aᵀ alone, ms (dense: bf16 products; quantized: the frozen linear's matmul_exact, split bf16 on the GPU): "
-                  + "; ".join(u))
+            print("ms of U = W·Aᵀ alone (matmul_exact) / the base product alone (matmul) / both in one call "
+                  "(matmul_with_exact, what a step with a fresh norm runs): " + "; ".join(u))
+    forms = res.get("dense_forms")
+    if forms:
+        print(f"dense stand-in's matmul_with_exact: base GEMM + one GEMM of [A_hi; A_lo] "
+              f"{forms['stacked=False']:.3f} ms, one GEMM of [x; A_hi; A_lo] {forms['stacked=True']:.3f} ms "
+              f"(the layer rows use the faster)")
     for k, v in res["agree"].items():
         print(f"check: ‖{k}‖ / ‖adapter effect‖ = {v:.2e} (both outputs bf16)")
 

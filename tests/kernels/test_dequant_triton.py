@@ -119,6 +119,21 @@ def test_bf16_rounds_to_nearest_even_not_truncates():
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("round_bf16", [True, False], ids=["bf16-weights", "fp32-weights"])
+def test_matvec_within_fp32_accumulation_bound(ggml_type, round_bf16):
+    n_rows, n_cols = shapes(ggml_type)[-1] if DEVICE == "cuda" else ((37, 512) if ggml_type in K_QUANTS else (37, 96))
+    raw = torch.from_numpy(random_rows(ggml_type, n_rows, n_cols, seed=3))
+    w = dequantize_reference(raw, ggml_type, n_cols, torch.bfloat16 if round_bf16 else torch.float32).double()
+    for tokens in (1, 3, 8):
+        x = torch.randn(tokens, n_cols, generator=torch.Generator().manual_seed(tokens))
+        y = dequant_matvec(raw.to(DEVICE), ggml_type, n_cols, x.to(DEVICE), round_bf16=round_bf16).cpu().double()
+        ref = matvec_reference(raw, ggml_type, n_cols, x, round_bf16)
+        bound = n_cols * U32 * (x.double().abs() @ w.abs().T)  # fp32 summation of n_cols products
+        assert y.shape == (tokens, n_rows)
+        assert bool(((y - ref).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_split_decode_matches_codec_split_bit_exact(ggml_type):
     """Both halves in one pass: w_hi bit-identical to the bf16 decode, w_lo = bf16(w − w_hi) as `split_bf16` of the
     codec's fp32 values gives it; together within 2⁻¹⁶ of w."""
@@ -165,18 +180,3 @@ def test_split_decode_rounds_both_halves_to_nearest_even():
     for t, n_cols in ((GGMLType.Q8_0, 256), (GGMLType.Q4_K, 512)):
         raw = torch.from_numpy(wild_rows(t, 16, n_cols, seed=int(t)))
         assert_same_values(dequantize_split_tile(raw.to(DEVICE), t, n_cols), dequantize_split_reference(raw, t, n_cols))
-
-
-@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("round_bf16", [True, False], ids=["bf16-weights", "fp32-weights"])
-def test_matvec_within_fp32_accumulation_bound(ggml_type, round_bf16):
-    n_rows, n_cols = shapes(ggml_type)[-1] if DEVICE == "cuda" else ((37, 512) if ggml_type in K_QUANTS else (37, 96))
-    raw = torch.from_numpy(random_rows(ggml_type, n_rows, n_cols, seed=3))
-    w = dequantize_reference(raw, ggml_type, n_cols, torch.bfloat16 if round_bf16 else torch.float32).double()
-    for tokens in (1, 3, 8):
-        x = torch.randn(tokens, n_cols, generator=torch.Generator().manual_seed(tokens))
-        y = dequant_matvec(raw.to(DEVICE), ggml_type, n_cols, x.to(DEVICE), round_bf16=round_bf16).cpu().double()
-        ref = matvec_reference(raw, ggml_type, n_cols, x, round_bf16)
-        bound = n_cols * U32 * (x.double().abs() @ w.abs().T)  # fp32 summation of n_cols products
-        assert y.shape == (tokens, n_rows)
-        assert bool(((y - ref).abs() <= bound).all())
