@@ -1,4 +1,4 @@
-"""DoRA composition kernels and the dispatch that picks fused or eager.
+"""DoRA composition kernels, the loss chunk's cross-entropy kernel, and the dispatch that picks fused or eager.
 
 `dora_compose(base, lora, g, s)` computes `g·(base + s·lora)` on one of three paths (DESIGN.md §3):
 the fused training kernels (`DoraComposeFn`: forward writes y and inner, one-pass backward) when a gradient
@@ -6,7 +6,10 @@ is wanted on CUDA and the problem is at least `FUSED_TRAIN_MIN_ELEMENTS`; the fu
 gradient is wanted on CUDA; the eager torch reference on CPU, without Triton, below the crossover, or for
 dtypes the kernels do not take (fp64 exactness checks, fp16). `JUNO_PY_KERNELS=fused|eager|auto` forces a
 path; fused on CPU tensors needs `TRITON_INTERPRET=1` (Triton runs CPU tensors only in its interpreter).
-Triton is optional: it is imported only when a fused path runs. `docs/kernels.md` has the measurements.
+`cross_entropy_grad_(z, targets, ignore_index, in_place)` gives a loss chunk's summed cross-entropy and its gradient
+with respect to the logits: the fused kernel for fp32/bf16 logits on CUDA, else the eager reference (the same
+JUNO_PY_KERNELS rules). Triton is optional: it is imported only when a fused path runs. `docs/kernels.md` has the
+measurements.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from juno_py.kernels.reference import compose_eager, norm_assemble_eager, norm_rows_eager
+from juno_py.kernels.reference import compose_eager, cross_entropy_grad_eager, norm_assemble_eager, norm_rows_eager
 
 _MODES = ("auto", "eager", "fused")
 
@@ -26,7 +29,7 @@ _MODES = ("auto", "eager", "fused")
 # docs/kernels.md for the sweep.
 FUSED_TRAIN_MIN_ELEMENTS = 1 << 24
 
-EAGER, FUSED_INFERENCE, FUSED_TRAINING = "eager", "fused-inference", "fused-training"
+EAGER, FUSED_INFERENCE, FUSED_TRAINING, FUSED = "eager", "fused-inference", "fused-training", "fused"
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -163,6 +166,30 @@ def norm_rows(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, V: torch.
     return kernels.norm_rows(base_sq, B, U, V, s, eps)
 
 
+def cross_entropy_path(z: torch.Tensor) -> str:
+    """Which path `cross_entropy_grad_` takes for logits z now: FUSED (fp32/bf16 `[n, V]` on CUDA, or anywhere under
+    JUNO_PY_KERNELS=fused) or EAGER (CPU in auto mode, fp64 and other dtypes in every mode, JUNO_PY_KERNELS=eager,
+    no triton). Raises KernelUnavailable like `compose_path`."""
+    mode = kernel_mode()
+    if mode == "eager" or z.dtype not in _FUSED_DTYPES or z.dim() != 2 or _fused_kernels(z.device, mode) is None:
+        return EAGER
+    return FUSED
+
+
+def cross_entropy_grad_(z: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                        in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed cross-entropy, its gradient softmax(z) − onehot(t) in z's dtype) of logits z `[n, V]` and int64
+    targets `[n]`; rows whose target is `ignore_index` carry no loss and a zero gradient. `in_place`: the gradient
+    is written into z's buffer (z's values are lost); else z is left as it is. fp32 arithmetic (fp64 for fp64 z, on
+    the eager path); the loss is an fp32 (fp64) 0-dim tensor. Nothing waits for the device: CUDA graphs capture it."""
+    if cross_entropy_path(z) == EAGER:
+        return cross_entropy_grad_eager(z, targets, ignore_index, in_place)
+    fused = importlib.import_module("juno_py.kernels.cross_entropy_triton")
+    losses, grad = fused.cross_entropy_grad(z, targets, ignore_index, in_place)
+    return losses.sum(), grad
+
+
 __all__ = ["dora_compose", "norm_assemble", "norm_rows", "compose_path", "layer_training_fused", "compose_eager",
-           "norm_assemble_eager", "norm_rows_eager", "kernel_mode", "triton_kernels", "KernelUnavailable",
-           "FUSED_TRAIN_MIN_ELEMENTS", "EAGER", "FUSED_INFERENCE", "FUSED_TRAINING"]
+           "norm_assemble_eager", "norm_rows_eager", "cross_entropy_grad_", "cross_entropy_path",
+           "cross_entropy_grad_eager", "kernel_mode", "triton_kernels", "KernelUnavailable",
+           "FUSED_TRAIN_MIN_ELEMENTS", "EAGER", "FUSED_INFERENCE", "FUSED_TRAINING", "FUSED"]

@@ -1,4 +1,5 @@
-"""Eager torch references for the DoRA kernels: the fused Triton kernels (GPU issue) are checked against these."""
+"""Eager torch references for the fused Triton kernels (DoRA composition and norm, the loss chunk's cross-entropy):
+the kernels are checked against these, and these run where the kernels do not (CPU, fp64, no triton)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,31 @@ def norm_rows_eager(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, V: 
     dt = torch.promote_types(base_sq.dtype, torch.float32)
     total = base_sq.to(dt) + (B.to(dt) * ((2.0 * s) * U.to(dt) + (s * s) * V.to(dt))).sum(dim=1)
     return torch.sqrt(torch.clamp(total, min=0.0)).clamp_min(eps)
+
+
+def cross_entropy_grad_eager(z: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                             in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed loss, ∂loss/∂z in z's dtype) of logits z `[n, V]` and int64 targets `[n]` (ignore_index: no loss).
+
+    With m = max z per row: loss = Σ_rows m + log Σ exp(z − m) − z_t, ∂loss/∂z = softmax(z) − onehot(t), zero on
+    ignored rows. Arithmetic in fp32 (fp64 for fp64 z). `in_place`: the gradient is written into z's buffer (fp32 and
+    fp64 z are worked on in place; other dtypes in an fp32 copy, copied back); else z is left as it is."""
+    if z.dtype in (torch.float32, torch.float64):
+        work = z if in_place else z.clone()
+    else:
+        work = z.float()  # a buffer of its own
+    # masked rows instead of indexing the valid ones: no data-dependent shape, so nothing waits for the device
+    # (and a CUDA graph can capture it); the gradient's arithmetic is the same, value for value
+    valid = (targets != ignore_index).unsqueeze(1)
+    at = torch.where(valid, targets.unsqueeze(1), 0)
+    target = work.gather(1, at)
+    m = work.amax(dim=1, keepdim=True)
+    work.sub_(m).exp_()
+    total = work.sum(dim=1, keepdim=True)
+    loss = torch.where(valid, m + total.log() - target, 0).sum()
+    work.div_(total)
+    work.scatter_add_(1, at, valid.to(work.dtype).neg_())
+    work.masked_fill_(~valid, 0)
+    if work.dtype == z.dtype:
+        return loss, work
+    return loss, z.copy_(work) if in_place else work.to(z.dtype)

@@ -1,0 +1,99 @@
+"""Fused Triton kernel for a chunk of the training loss: per-row cross-entropy of logits z `[n, V]` and its gradient
+softmax(z) − onehot(target), written in z's dtype (into z's own buffer when the caller allows it).
+
+Its eager reference is `juno_py.kernels.reference.cross_entropy_grad_eager`; `docs/kernels.md` states the numerics.
+One program per row reads the row twice: an online maximum and sum of exponentials over blocks of the vocabulary,
+then the gradient. fp32 arithmetic for bf16 and fp32 logits; a bf16 gradient is rounded to nearest even with
+integer operations (`dora_triton._store`), so Triton's interpreter writes the bits the GPU writes. No atomics and no
+host synchronisation: the loss sum is torch's sum of the per-row buffer, and a CUDA graph can capture the launch.
+
+Imported only when a fused path runs (it imports triton; `@triton.jit` reads TRITON_INTERPRET when it runs).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from juno_py.kernels.dora_triton import FUSED_DTYPES, INTERPRETED, _launch, _out_arg, _store
+
+# Columns a program step and warps a program. Not swept on the H200 yet: 4096 columns over 8 warps is 16 values a
+# thread per block, little register pressure, and 1046 rows × 128256 columns make 1046 programs of 32 blocks.
+BLOCK = 4096
+NUM_WARPS = 8
+
+
+@triton.jit
+def _cross_entropy_kernel(z_ptr, t_ptr, loss_ptr, g_ptr, V, stride_zr, stride_zc, stride_gr, stride_gc, ignore_index,
+                          G_BF16: tl.constexpr, BLOCK: tl.constexpr, BLOCKS: tl.constexpr):
+    """Row `program_id`: loss = M + log S − z_t with M = max z, S = Σ exp(z − M) (0 on an ignored row, NaN for a
+    target outside [0, V)), and g = exp(z − M)/S − [col == t] (0 on an ignored row). BLOCKS (constexpr) blocks of
+    BLOCK columns: a compile-time loop bound, as Triton 3.6's interpreter needs."""
+    row = tl.program_id(0)
+    t = tl.load(t_ptr + row)
+    valid = t != ignore_index
+    z_row = z_ptr + row.to(tl.int64) * stride_zr
+    lanes = tl.arange(0, BLOCK)
+    read_to = tl.where(valid, V, 0)  # the columns read: none on an ignored row (its loads are masked off)
+    # pass 1: each lane keeps its own running maximum m and sum s = Σ exp(x − m), with one exponential per value and
+    # no reduction inside the loop: a value above the lane's maximum rescales its sum by exp(m − x) and adds 1, any
+    # other adds exp(x − m); either way the exponential is exp(−|x − m|). m starts at the lowest finite fp32 value,
+    # so a -inf value (masked lanes, ignored rows, a masked vocabulary) adds exp(-inf) = 0 instead of a NaN.
+    m = tl.full([BLOCK], -3.4028234663852886e38, tl.float32)
+    s = tl.zeros([BLOCK], dtype=tl.float32)
+    for b in range(BLOCKS):
+        cols = b * BLOCK + lanes
+        x = tl.load(z_row + cols * stride_zc, mask=cols < read_to, other=float("-inf")).to(tl.float32)
+        e = tl.exp(-tl.abs(x - m))
+        up = x > m
+        s = tl.where(up, s * e + 1.0, s + e)
+        m = tl.maximum(m, x)
+    M = tl.max(m, axis=0)
+    S = tl.sum(s * tl.exp(m - M), axis=0)  # a lane that saw no finite value has s = 0
+    S = tl.where(valid, S, 1.0)  # an ignored row's S is 0: keep log and 1/S finite (they are not used)
+    in_range = (t >= 0) & (t < V)
+    z_t = tl.load(z_row + tl.where(in_range, t, 0) * stride_zc, mask=valid & in_range, other=0.0).to(tl.float32)
+    loss = tl.where(in_range, M + tl.log(S) - z_t, float("nan"))
+    tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
+    # pass 2: the gradient, written over the row (possibly z's own: each value is read before it is written). An
+    # ignored row reads -inf everywhere and has 1/S = 0: its p is 0, and no column is its target.
+    inv = tl.where(valid, tl.math.div_rn(1.0, S), 0.0)
+    hit = tl.where(valid, t, -1)
+    g_row = g_ptr + row.to(tl.int64) * stride_gr
+    for b in range(BLOCKS):
+        cols = b * BLOCK + lanes
+        x = tl.load(z_row + cols * stride_zc, mask=cols < read_to, other=float("-inf")).to(tl.float32)
+        p = tl.exp(x - M) * inv
+        _store(g_row + cols * stride_gc, tl.where(cols == hit, p - 1.0, p), cols < V, G_BF16)
+
+
+def cross_entropy_grad(z: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, in_place: bool = False,
+                       block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-row loss fp32 `[n]`, gradient in z's dtype `[n, V]`) of logits z `[n, V]` (bf16 or fp32, any strides)
+    and int64 targets `[n]`. `in_place`: the gradient overwrites z (and is z); else it goes to a new buffer.
+    `block`: columns a program step (a power of two; tests use small ones to exercise many blocks)."""
+    if z.dim() != 2 or z.dtype not in FUSED_DTYPES:
+        raise ValueError(f"fused cross-entropy: logits are {tuple(z.shape)} {z.dtype}, expected a 2-D float32 or "
+                         f"bfloat16 tensor")
+    n, V = z.shape
+    if targets.shape != (n,):
+        raise ValueError(f"fused cross-entropy: {tuple(targets.shape)} targets for {n} rows of logits")
+    if not INTERPRETED and z.device.type != "cuda":
+        raise ValueError("fused cross-entropy: CPU tensors run only under TRITON_INTERPRET=1")
+    targets = targets.to(device=z.device, dtype=torch.int64).contiguous()
+    grad = z if in_place else torch.empty(n, V, dtype=z.dtype, device=z.device)
+    loss = torch.empty(n, dtype=torch.float32, device=z.device)
+    if V == 0:
+        raise ValueError("fused cross-entropy: logits over an empty vocabulary")
+    if n == 0:
+        return loss, grad
+    block = min(block, triton.next_power_of_2(V))
+    _launch(_cross_entropy_kernel, (n,), (z, targets, loss, _out_arg(grad), V, *z.stride(), *grad.stride(),
+                                          int(ignore_index)),
+            NUM_WARPS if block >= 1024 else 4, G_BF16=grad.dtype == torch.bfloat16, BLOCK=block,
+            BLOCKS=triton.cdiv(V, block))
+    return loss, grad
+
+
+__all__ = ["cross_entropy_grad", "BLOCK", "NUM_WARPS"]
