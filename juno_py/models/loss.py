@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from juno_py.kernels import cross_entropy_grad_
 from juno_py.weights.frozen import mm_out
 
 
@@ -37,32 +38,18 @@ def _chunk_loss_and_grad(project: Callable[[Tensor], Tensor], h: Tensor, t: Tens
                          ignore_index: int) -> tuple[Tensor, Tensor]:
     """The summed cross-entropy of one chunk and its gradient with respect to `h`.
 
-    With the logits z (fp32, or fp64 for fp64 inputs) and m = max z per row: the loss is m + log Σ exp(z − m) − z_t,
-    and ∂loss/∂z = softmax(z) − onehot(t), zero on ignored rows. Both come from z's buffer overwritten in place by
-    exp(z − m), then divided by the row sums; backward of `project` then maps that gradient to `h`."""
+    With the logits z and m = max z per row: the loss is m + log Σ exp(z − m) − z_t, and ∂loss/∂z = softmax(z) −
+    onehot(t), zero on ignored rows (`kernels.cross_entropy_grad_`: the fused kernel for fp32/bf16 logits on a GPU,
+    the eager reference elsewhere; fp32 arithmetic, fp64 for fp64 logits). The gradient overwrites the logits'
+    buffer where nothing else reads it; backward of `project` then maps it to `h`."""
     with torch.enable_grad():
         h = h.detach().requires_grad_(True)
         logits = project(h)
-        z = logits.detach()
-        if z.dtype not in (torch.float32, torch.float64):
-            z = z.float()  # a buffer of its own
-        elif logits._base is not None or (logits.grad_fn is not None and not _output_not_saved(logits)):
-            # overwrite the logits' buffer only where nothing else reads it: not a view of another tensor, and
-            # not kept by the op that made it for its backward (a tanh soft-cap keeps its output)
-            z = z.clone()
-        # masked rows instead of indexing the valid ones: no data-dependent shape, so nothing waits for the device
-        # (and a CUDA graph can capture it); the gradient's arithmetic is the same, value for value
-        valid = (t != ignore_index).unsqueeze(1)
-        at = torch.where(valid, t.unsqueeze(1), 0)
-        target = z.gather(1, at)
-        m = z.amax(dim=1, keepdim=True)
-        z.sub_(m).exp_()
-        total = z.sum(dim=1, keepdim=True)
-        loss = torch.where(valid, m + total.log() - target, 0).sum()
-        z.div_(total)
-        z.scatter_add_(1, at, valid.to(z.dtype).neg_())
-        z.masked_fill_(~valid, 0)
-        (grad,) = torch.autograd.grad(logits, h, z.to(logits.dtype))
+        # overwrite the logits' buffer only where nothing else reads it: not a view of another tensor, and not kept by
+        # the op that made it for its backward (a tanh soft-cap keeps its output)
+        in_place = logits._base is None and (logits.grad_fn is None or _output_not_saved(logits))
+        loss, dz = cross_entropy_grad_(logits.detach(), t, ignore_index, in_place)
+        (grad,) = torch.autograd.grad(logits, h, dz)
     return loss.detach(), grad
 
 
