@@ -532,7 +532,10 @@ def tiles(device, reps, warmup):
     g = 1 + 1e-3 * torch.randn(N, generator=gen, device=device)
     configs = [tk.TileConfig(16, 256, 4), tk.TileConfig(32, 256, 8), tk.TileConfig(8, 512, 4),
                tk.TileConfig(16, 512, 8), tk.TileConfig(32, 128, 4), tk.TileConfig(64, 256, 8),
-               tk.TileConfig(16, 256, 4, 2048), tk.TileConfig(16, 256, 4, 512), tk.TileConfig(32, 256, 8, 4096)]
+               tk.TileConfig(16, 256, 4, 2048), tk.TileConfig(16, 256, 4, 512), tk.TileConfig(32, 256, 8, 4096),
+               # more programs in the backward (fewer row tiles each: more bytes in flight per SM)
+               tk.TileConfig(32, 128, 4, 4096), tk.TileConfig(32, 128, 8, 4096), tk.TileConfig(64, 128, 8, 4096),
+               tk.TileConfig(16, 128, 4, 4096), tk.TileConfig(32, 128, 4, 8192), tk.TileConfig(64, 64, 4, 8192)]
     calls = {"copy": lambda: base.clone()}
     for c in configs:
         calls[f"fwd {c}"] = (lambda c=c: tk.compose_forward(base, lora, g, 0.5, cfg=c))
