@@ -59,7 +59,7 @@ def _cross_entropy_kernel(z_ptr, t_ptr, loss_ptr, g_ptr, V, stride_zr, stride_zc
     # pass 2: the gradient, written over the row (possibly z's own: each value is read before it is written). An
     # ignored row reads -inf everywhere and has 1/S = 0: its p is 0, and no column is its target.
     inv = tl.where(valid, tl.math.div_rn(1.0, S), 0.0)
-    hit = tl.where(valid, t, -1)
+    hit = tl.where(valid & in_range, t, -1).to(tl.int32)  # the target column (32-bit: cols are), -1 for none
     g_row = g_ptr + row.to(tl.int64) * stride_gr
     for b in range(BLOCKS):
         cols = b * BLOCK + lanes
