@@ -15,8 +15,6 @@ addition rounds, as in the torch codecs: the fp32 values are bit-identical to `j
 integer operations on the bit pattern (NaN → 0x7FC0, as torch), never with a float cast: Triton's interpreter
 truncates on that cast while the GPU rounds, and this way both give torch's `.to(torch.bfloat16)`. The split
 halves are rounded the same way; w − w_hi is exact in fp32, so w_lo is `kernels.split_bf16`'s, bit for bit.
-Launches go through `dora_triton._launch` (the compiled kernel reused per specialization: a `kernel[grid]` call
-costs 0.15 to 0.3 ms of CPU on the H200's host, more than a small tile's decode).
 
 Types with a kernel: `TRITON_TYPES`. Every other type decodes through the torch codecs (on the CPU).
 """
@@ -137,12 +135,11 @@ def _decode(raw: torch.Tensor, ggml_type: int, n_cols: int, row_bytes: int, r0: 
     n_blk = _cdiv(c1, B) - blk0
     nb, warps = KERNEL_CONFIG[ggml_type][:2]
     ra = _row_alignment(row_bytes)
-    k = kernels()
     with _on(raw):
-        k.launch(k.dequant_kernel, (_cdiv((r1 - r0) * n_blk, nb),),
-                 (raw, dst, dst if lo_dst is None else lo_dst, row_bytes // ra, r0, blk0, n_blk, r1 - r0, c0, c1,
-                  stride), num_warps=warps, TYPE=int(ggml_type), B=B, BLOCK_BYTES=block_bytes, RA=ra, BF16=bf16,
-                 EDGES=bool(c0 % B or c1 % B), NB=nb, SPLIT=lo_dst is not None)
+        kernels().dequant_kernel[(_cdiv((r1 - r0) * n_blk, nb),)](
+            raw, dst, dst if lo_dst is None else lo_dst, row_bytes // ra, r0, blk0, n_blk, r1 - r0, c0, c1, stride,
+            TYPE=int(ggml_type), B=B, BLOCK_BYTES=block_bytes, RA=ra, BF16=bf16, EDGES=bool(c0 % B or c1 % B), NB=nb,
+            SPLIT=lo_dst is not None, num_warps=warps)
 
 
 def dequantize_tile(raw: torch.Tensor, ggml_type: int, n_cols: int, rows: Optional[tuple[int, int]] = None,
@@ -201,11 +198,10 @@ def dequant_matvec(raw: torch.Tensor, ggml_type: int, n_cols: int, x: torch.Tens
         _, _, bn, kb = KERNEL_CONFIG[ggml_type]
         ra = _row_alignment(row_bytes)
         grid = (_cdiv(n_rows, bn), x.shape[0])
-        k = kernels()
         with _on(raw):
-            k.launch(k.matvec_kernel, grid, (raw, x, y, n_rows, n_cols, _cdiv(n_cols, B), row_bytes // ra,
-                                             x.stride(0), y.stride(0)), num_warps=4, TYPE=int(ggml_type), B=B,
-                     BLOCK_BYTES=block_bytes, RA=ra, ROUND_BF16=round_bf16, BN=bn, KB=kb)
+            kernels().matvec_kernel[grid](raw, x, y, n_rows, n_cols, _cdiv(n_cols, B), row_bytes // ra, x.stride(0),
+                                          y.stride(0), TYPE=int(ggml_type), B=B, BLOCK_BYTES=block_bytes, RA=ra,
+                                          ROUND_BF16=round_bf16, BN=bn, KB=kb, num_warps=4)
     return y
 
 

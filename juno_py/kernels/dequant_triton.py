@@ -26,8 +26,6 @@ import os
 import triton
 import triton.language as tl
 
-from juno_py.kernels.dora_triton import _launch as launch  # noqa: F401 - one direct-launch cache for every kernel
-
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 # TYPE is the GGML type number: F32 0, F16 1, Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14, BF16 30
