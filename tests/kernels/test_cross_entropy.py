@@ -339,32 +339,3 @@ def test_chunked_loss_on_the_gpu_takes_the_kernel_and_equals_eager(monkeypatch):
     loss_e, grad_e = _loss_and_hidden_grad(hidden, targets, project, chunk=1046)
     assert abs(float(loss_f) - float(loss_e)) <= 1e-5 * abs(float(loss_e))
     assert float((grad_f.double() - grad_e.double()).norm() / grad_e.double().norm()) <= 1e-2
-
-
-@needs_cuda
-def test_kernel_is_faster_than_eager_on_a_loss_chunk():
-    """The premise: one kernel reading the bf16 logits twice and writing them once against eager's fp32 copy and
-    ~10 passes over it. Printed (pytest -s) for docs/kernels.md; asserted only loosely."""
-    z, t = make_logits((1046, 128256), torch.bfloat16)
-    work = z.clone()
-
-    def timed(fn, reps=20):
-        for _ in range(3):
-            work.copy_(z)
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        total = 0.0
-        for _ in range(reps):
-            work.copy_(z)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            total += start.elapsed_time(end)
-        return total / reps
-
-    eager_ms = timed(lambda: cross_entropy_grad_eager(work, t, -100, in_place=True))
-    fused_ms = timed(lambda: cross_entropy_grad(work, t, -100, in_place=True))
-    print(f"\nloss chunk 1046 x 128256 bf16: eager {eager_ms:.3f} ms, fused {fused_ms:.3f} ms "
-          f"({eager_ms / fused_ms:.1f}x); fused moves {3 * z.numel() * 2 / fused_ms / 1e9:.0f} GB/s")
-    assert fused_ms < eager_ms / 2
