@@ -338,6 +338,7 @@ def train(model, adapters, train_set: Sequence[Example], cfg: TrainConfig, val_s
     if resolve_graphs(cfg.cuda_graphs, graph_blocker(model, cfg, net, optimizer, adapters)):
         graphs = GraphedSteps(model, params, functools.partial(model_loss, model), log=say)
     step_fn = functools.partial(forward_backward, graphs=graphs)
+    lazy_norms = model.embed.device.type != "cpu" or graphs is not None
     bar = _progress_bar(total_steps, run.step, progress if world.is_main else False)
     started = time.perf_counter() - run.seconds
     stop_reason = None
@@ -357,8 +358,9 @@ def train(model, adapters, train_set: Sequence[Example], cfg: TrainConfig, val_s
                                                           min_ratio))
             times: dict = {}
             t0 = time.perf_counter()
-            if graphs is not None and graphs.disabled is None:
-                # the norms are recomputed inside the captured step (or lazily by an eager one): not twice
+            if lazy_norms:
+                # each stale norm is recomputed by the step's own forward (inside a CUDA graph, or eagerly), from the
+                # tiles it decodes for its base product anyway (`FrozenQuantLinear.matmul_with_exact`): not twice
                 n_dora = sum(1 for m in getattr(adapters, "modules", {}).values() if getattr(m, "dora", None))
                 if n_dora:
                     recorder.emit("norm_refresh", step=run.step, modules=n_dora, ms=0.0, in_step=True)
