@@ -160,11 +160,11 @@ class GraphedSteps:
                 loss = self._forward_backward(s)
             grads = [p.grad for p in self.params]
             keep = [m._g_cache[1] for m in dora if m._g_cache is not None]
-            for m in dora:
-                m._g_cache = None  # eager calls recompute it (the graph keeps writing its own copy)
         finally:
             for p, g in zip(self.params, held):
                 p.grad = g
+            for m in dora:
+                m._g_cache = None  # eager calls recompute it (the graph writes its own copy; a failed capture, none)
         self.log(f"captured a CUDA graph of the training step for batches of {tuple(batch.tokens.shape)} tokens"
                  + (" (masked)" if batch.mask is not None else ""))
         return _Captured(graph, s["x"], s["targets"], s["positions"], s["mask"], s["inv_denominator"], loss, grads,

@@ -129,10 +129,12 @@ def test_graphed_accumulation_padding_and_several_shapes(tiny_gguf):
 
 
 @needs_cuda
-def test_a_failing_capture_falls_back_to_eager_steps(tiny_gguf, monkeypatch):
+@pytest.mark.parametrize("mode", [Mode.LORA, Mode.DORA], ids=["lora", "dora"])
+def test_a_failing_capture_falls_back_to_eager_steps(tiny_gguf, monkeypatch, mode):
+    """The failed capture leaves nothing behind: gradients, and DoRA norms cached during it, are dropped."""
     path = tiny_gguf("llama", GGMLType.Q4_K, config=KQ_CONFIG)
     examples = _examples([32] * 16)
-    eager = _run(path, Mode.LORA, "off", examples, max_steps=6)
+    eager = _run(path, mode, "off", examples, max_steps=6)
     real = GraphedSteps._forward_backward
 
     def syncing(self, s):
@@ -141,7 +143,7 @@ def test_a_failing_capture_falls_back_to_eager_steps(tiny_gguf, monkeypatch):
         return loss
 
     monkeypatch.setattr(GraphedSteps, "_forward_backward", syncing)
-    graphed = _run(path, Mode.LORA, "on", examples, max_steps=6)
+    graphed = _run(path, mode, "on", examples, max_steps=6)
     assert any("CUDA graphs off for this run: capture failed" in m for m in graphed[2]), graphed[2]
     _close_runs(eager, graphed)
 
