@@ -105,6 +105,13 @@ class AdapterSet:
                 if ad.magnitude is not None:
                     ad.magnitude.copy_(torch.from_numpy(e.magnitude))
 
+    def weights_changed(self) -> None:
+        """Drop every cached DoRA norm: A or B changed in a way their version counters may not show. A DoRA layer
+        caches ‖W + sBA‖ keyed by A's and B's `_version`, which in-place ops bump but torch's fused AdamW (the GPU
+        optimizer) does not: without this call after such a step, every later step would reuse the first norm."""
+        for m in self.modules.values():
+            m._g_cache = None
+
     def train(self, mode: bool = True) -> "AdapterSet":
         for ad in self.adapters.values():
             ad.train(mode)

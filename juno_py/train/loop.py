@@ -393,6 +393,8 @@ def train(model, adapters, train_set: Sequence[Example], cfg: TrainConfig, val_s
                         p.grad.mul_(scale)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if hasattr(adapters, "weights_changed"):  # DoRA's cached norms go: a fused optimizer bumps no versions
+                adapters.weights_changed()
             times["optimizer_ms"] = 1e3 * (time.perf_counter() - t_opt)
 
             # --- bookkeeping

@@ -150,8 +150,8 @@ def _setup(tiny_gguf, mode):
 
 
 def _move(adapters, seed):
-    """An optimizer step's worth of change, in place: B (and A, m) moved so that ‖s·BA‖ is a third of ‖W‖ per row
-    (DoRA's norms, and so g, change by per cents)."""
+    """An optimizer step's worth of change, in place: B (and A, m) moved so that ‖s·BA‖ is a third of ‖W‖ per
+    row (DoRA's norms, and so g, change by per cents)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for ad in adapters.adapters.values():

@@ -328,3 +328,39 @@ print("torch._dynamo" in sys.modules, "sympy" in sys.modules)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-2:] == ["False", "False"]
+
+
+def test_dora_norms_follow_a_fused_optimizer(tiny_model, mixed_data):
+    """torch's fused AdamW (the GPU optimizer; it runs on the CPU too) updates A and B without bumping their version
+    counters, which key DoRA's cached norm: the loop drops the cache after every step, so each step uses the norm of
+    the adapter as it is then, and so does playback after training."""
+    train_set, _ = dataset(tiny_model, mixed_data, qa_variants_n=1)
+    adapters = attached(tiny_model, Mode.DORA)
+    nudge(adapters)
+    mods = list(adapters.modules.values())
+    A = mods[0].dora.lora_A
+    groups = [{"params": list(adapters.parameters()), "lr": 5e-2, "base_lr": 5e-2, "name": "all"}]
+    opt = torch.optim.AdamW(groups, lr=5e-2, fused=True)
+    version = A._version
+    cfg = TrainConfig(lr=5e-2, batch_size=2, max_steps=3, epochs=None, schedule="constant", seed=3)
+    used = []
+    real = type(mods[0]).dora_norm
+
+    def recording(self, *a, **kw):
+        norm = real(self, *a, **kw)
+        if self is mods[0] and self.training:
+            used.append((norm.clone(), self.weight_row_norm(eps=1e-6)))  # the norm used, and the adapter's own
+        return norm
+
+    type(mods[0]).dora_norm = recording
+    try:
+        train(tiny_model, adapters, train_set, cfg, optimizer=opt, progress=False, log=lambda s: None)
+    finally:
+        type(mods[0]).dora_norm = real
+    assert A._version == version  # the premise: three steps of the fused optimizer left the counter alone
+    assert len(used) >= 3
+    for got, fresh in used:
+        assert torch.allclose(got, fresh, rtol=1e-6, atol=0)
+    assert not torch.allclose(used[0][1], used[-1][1], rtol=1e-4)  # the adapter moved: a stale norm would show
+    tiny_model.eval()
+    assert torch.allclose(mods[0].dora_norm(), mods[0].weight_row_norm(eps=1e-6), rtol=1e-6, atol=0)
