@@ -338,7 +338,7 @@ def train(model, adapters, train_set: Sequence[Example], cfg: TrainConfig, val_s
     if resolve_graphs(cfg.cuda_graphs, graph_blocker(model, cfg, net, optimizer, adapters)):
         graphs = GraphedSteps(model, params, functools.partial(model_loss, model), log=say)
     step_fn = functools.partial(forward_backward, graphs=graphs)
-    lazy_norms = model.embed.device.type != "cpu" or graphs is not None
+    lazy_norms = model.embed.device.type != "cpu"  # see the norm refresh below
     bar = _progress_bar(total_steps, run.step, progress if world.is_main else False)
     started = time.perf_counter() - run.seconds
     stop_reason = None
