@@ -240,6 +240,17 @@ def test_processes_building_the_cache_at_once_both_succeed(lib, tmp_path):
     assert native.open_library(files[0]).juno_native_abi() == native.ABI
 
 
+def test_a_damaged_cached_library_is_built_again(lib, monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("JUNO_PY_HOME", str(tmp_path))
+    path = native.library_path(native.find_compiler())
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a shared library")
+    rebuilt = native.library()
+    assert rebuilt is not None and rebuilt.juno_native_abi() == native.ABI
+    assert path.read_bytes()[:4] == b"\x7fELF" or platform.system() != "Linux"
+
+
 def test_library_is_keyed_by_source_compiler_and_cpu(monkeypatch, tmp_path):
     compiler = native.find_compiler()
     if compiler is None:

@@ -147,8 +147,12 @@ def _load() -> Optional[ctypes.CDLL]:
         if compiler is None:
             raise OSError("no C compiler (cc, gcc or $CC) on PATH")
         path = library_path(compiler)
-        if not path.is_file():
-            build(compiler, path)
+        if path.is_file():
+            try:
+                return open_library(path)
+            except OSError:  # a cached file that does not load (damaged, another ABI): build it again
+                pass
+        build(compiler, path)
         return open_library(path)
     except (OSError, subprocess.SubprocessError) as e:
         _log.debug("native block decoder unavailable, using the torch codecs: %s", e)
