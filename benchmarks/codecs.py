@@ -4,7 +4,9 @@
                                 [--clock wall|thread]
 
 Prints a markdown table: decode and encode speed per type in MB/s of quantized data and M elements/s, for
-juno-py and for gguf, and their ratio. Each figure is the best of `--repeat` alternating runs, which keeps a
+juno-py and for gguf, and their ratio. juno-py's decode is `quants.dequantize`: the native decoder for the block
+types it covers (where it is built; `JUNO_PY_NATIVE=0` measures without it), the torch codecs otherwise; the
+torch codecs' own decode speed is shown beside it. Each figure is the best of `--repeat` alternating runs, which keeps a
 noisy, shared machine from favouring either side. gguf runs on one core; torch uses its default thread count
 unless `--threads` says otherwise (on a machine busy with other work, torch's threads wait on each other at
 every step, so compare on an idle machine, or with `--threads 1`).
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 
 from juno_py.gguf import quants
+from juno_py.gguf.quants import native
 from juno_py.gguf.constants import GGML_BLOCK_SIZES, GGMLType, parse_type_name
 from juno_py.gguf.quants.simple import F16_SCALE_OFFSETS
 
@@ -73,7 +76,10 @@ def measure(ggml_type: GGMLType, rows: int, cols: int, repeat: int, rng: np.rand
     gtype = gguf.GGMLQuantizationType(int(ggml_type))
     x_torch = torch.from_numpy(x)
     result = {"type": ggml_type.name, "bytes": raw.nbytes, "elements": x.size}
+    codec = quants.get_codec(ggml_type)
+    blocks = torch.from_numpy(raw).view(-1, codec.type_size)
     decode = best_times({"juno": lambda: quants.dequantize(int(ggml_type), raw, cols),
+                         "torch": lambda: codec.dequantize_blocks(blocks),
                          "gguf": lambda: gguf.quants.dequantize(raw, gtype)}, repeat)
     result["decode"] = decode
     if ggml_type.name in quants.quantizable_types() and has_gguf_encoder(gtype):
@@ -82,22 +88,25 @@ def measure(ggml_type: GGMLType, rows: int, cols: int, repeat: int, rng: np.rand
     return result
 
 
-def _cells(times: dict[str, float] | None, n_bytes: int, n_elements: int) -> list[str]:
+def _cells(times: dict[str, float] | None, n_bytes: int, n_elements: int, torch_column: bool = False) -> list[str]:
     if times is None:
         return ["", "", "", ""]
     juno, ref = times["juno"], times.get("gguf")
     cells = [f"{n_bytes / juno / 1e6:,.0f}", f"{n_elements / juno / 1e6:,.0f}"]
+    if torch_column:
+        cells.append(f"{n_elements / times['torch'] / 1e6:,.0f}")
     if ref is None:
         return cells + ["", ""]
     return cells + [f"{n_elements / ref / 1e6:,.0f}", f"**{ref / juno:.2f}×**"]
 
 
 def markdown_table(results: list[dict]) -> str:
-    header = ("| type | decode MB/s | decode M el/s | gguf M el/s | ratio | encode MB/s | encode M el/s | "
-              "gguf M el/s | ratio |")
-    lines = [header, "|" + "---|" * 9]
+    header = ("| type | decode MB/s | decode M el/s | torch codecs M el/s | gguf M el/s | ratio | encode MB/s | "
+              "encode M el/s | gguf M el/s | ratio |")
+    lines = [header, "|" + "---|" * 10]
     for r in results:
-        cells = _cells(r["decode"], r["bytes"], r["elements"]) + _cells(r.get("encode"), r["bytes"], r["elements"])
+        cells = _cells(r["decode"], r["bytes"], r["elements"], torch_column=True) + \
+            _cells(r.get("encode"), r["bytes"], r["elements"])
         lines.append(f"| {r['type']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -130,7 +139,8 @@ def main() -> None:
     print(f"{args.rows} × {args.cols} elements per type, best of {args.repeat} ({args.clock} clock); "
           f"torch {torch.__version__} with "
           f"{torch.get_num_threads()} threads, gguf {importlib.metadata.version('gguf')}, "
-          f"numpy {np.__version__}, {platform.processor() or platform.machine()}\n")
+          f"numpy {np.__version__}, {platform.processor() or platform.machine()}; native decoder "
+          f"{'built: ' + ', '.join(GGMLType(t).name for t in sorted(native.TYPES)) if native.library() else 'off'}\n")
     print(markdown_table(results))
 
 

@@ -1,6 +1,8 @@
 """Quant codecs against the `gguf` package: dequantization bit for bit, quantization of the simple types byte for
 byte, and typed errors for the types we do not support."""
 
+import contextlib
+import os
 import warnings
 
 import gguf
@@ -43,8 +45,27 @@ def reference_quantize(ggml_type: GGMLType, x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(out).view(np.uint8).reshape(x.shape[0], -1)
 
 
-def juno_dequantize(ggml_type: GGMLType, raw: np.ndarray, n_cols: int) -> np.ndarray:
-    out = quants.dequantize(int(ggml_type), raw, n_cols)
+# `quants.dequantize` decodes the block types with the native decoder where it is built; "torch" runs the torch
+# codecs alone (the fallback), so both are checked against gguf
+BACKENDS = ["native", "torch"]
+
+
+@contextlib.contextmanager
+def backend_of(backend: str):
+    saved = os.environ.get("JUNO_PY_NATIVE")
+    os.environ["JUNO_PY_NATIVE"] = "0" if backend == "torch" else "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["JUNO_PY_NATIVE"]
+        else:
+            os.environ["JUNO_PY_NATIVE"] = saved
+
+
+def juno_dequantize(ggml_type: GGMLType, raw: np.ndarray, n_cols: int, backend: str = "native") -> np.ndarray:
+    with backend_of(backend):
+        out = quants.dequantize(int(ggml_type), raw, n_cols)
     assert out.dtype == torch.float32 and tuple(out.shape) == (raw.shape[0], n_cols)
     return out.numpy()
 
@@ -93,19 +114,21 @@ def with_finite_scales(raw: np.ndarray, ggml_type: GGMLType) -> np.ndarray:
 
 # ---- dequantize ----------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ggml_type", ELEMENT_TYPES + BLOCK_TYPES, ids=lambda t: t.name)
 @SETTINGS
 @given(data=st.data())
-def test_dequantize_matches_gguf_bit_for_bit(ggml_type, data):
+def test_dequantize_matches_gguf_bit_for_bit(ggml_type, backend, data):
     raw, n_cols = random_rows(data, ggml_type)
     raw = with_finite_scales(raw, ggml_type)
-    assert_bits_equal(reference_dequantize(ggml_type, raw), juno_dequantize(ggml_type, raw, n_cols))
+    assert_bits_equal(reference_dequantize(ggml_type, raw), juno_dequantize(ggml_type, raw, n_cols, backend))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ggml_type", BLOCK_TYPES, ids=lambda t: t.name)
 @SETTINGS
 @given(data=st.data())
-def test_dequantize_non_finite_scales_match_gguf(ggml_type, data):
+def test_dequantize_non_finite_scales_match_gguf(ggml_type, backend, data):
     raw, n_cols = random_rows(data, ggml_type)
     blocks = raw.reshape(-1, GGML_BLOCK_SIZES[ggml_type][1])
     offsets = F16_SCALE_OFFSETS[ggml_type]
@@ -116,7 +139,7 @@ def test_dequantize_non_finite_scales_match_gguf(ggml_type, data):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         expected = reference_dequantize(ggml_type, raw)
-    actual = juno_dequantize(ggml_type, raw, n_cols)
+    actual = juno_dequantize(ggml_type, raw, n_cols, backend)
     assert np.isnan(actual).any() or np.isinf(actual).any()
     assert_nan_aware_equal(expected, actual)
 
@@ -140,27 +163,30 @@ def test_dequantize_accepts_torch_rows_and_returns_an_owned_tensor():
                       quants.dequantize(int(GGMLType.Q8_0), torch.from_numpy(q8), 64).numpy())
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ggml_type", ELEMENT_TYPES + BLOCK_TYPES, ids=lambda t: t.name)
-def test_dequantize_empty_and_unaligned_buffers(ggml_type):
+def test_dequantize_empty_and_unaligned_buffers(ggml_type, backend):
     block_size, type_size = GGML_BLOCK_SIZES[ggml_type]
-    assert quants.dequantize(int(ggml_type), np.zeros((0, 2 * type_size), np.uint8), 2 * block_size).shape == \
+    assert juno_dequantize(ggml_type, np.zeros((0, 2 * type_size), np.uint8), 2 * block_size, backend).shape == \
         (0, 2 * block_size)
     rng = np.random.default_rng(int(ggml_type))
     raw = with_finite_scales(rng.integers(0, 256, (3, 2 * type_size), dtype=np.uint8), ggml_type)
     shifted = torch.zeros(1 + raw.size, dtype=torch.uint8)
     shifted[1:] = torch.from_numpy(raw.ravel())
-    actual = quants.dequantize(int(ggml_type), shifted[1:].view(3, -1), 2 * block_size).numpy()
+    actual = juno_dequantize(ggml_type, shifted[1:].view(3, -1), 2 * block_size, backend)
     assert_bits_equal(reference_dequantize(ggml_type, raw), actual)
 
 
-def test_dequantize_many_chunks_matches_gguf():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dequantize_many_chunks_matches_gguf(backend):
     """More blocks than one chunk holds, with a ragged last chunk."""
     rng = np.random.default_rng(7)
     for ggml_type in (GGMLType.Q4_K, GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.BF16):
         block_size, type_size = GGML_BLOCK_SIZES[ggml_type]
         n_blocks = CHUNK_ELEMENTS // block_size * 2 + 3
         raw = with_finite_scales(rng.integers(0, 256, (1, n_blocks * type_size), dtype=np.uint8), ggml_type)
-        assert_bits_equal(reference_dequantize(ggml_type, raw), juno_dequantize(ggml_type, raw, n_blocks * block_size))
+        assert_bits_equal(reference_dequantize(ggml_type, raw),
+                          juno_dequantize(ggml_type, raw, n_blocks * block_size, backend))
 
 
 # ---- quantize ------------------------------------------------------------------------------------------------

@@ -94,7 +94,9 @@ NARROW_OUTPUT = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
 def dequantize(ggml_type: int, raw, n_cols: int, what: str = "", dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Decode rows of raw bytes (uint8 `[rows, bytes_per_row]`, numpy or torch) into float32 `[rows, n_cols]`;
     `dtype=torch.bfloat16`: those float32 values rounded to nearest even (the same bits as `.to(torch.bfloat16)`
-    of the float32 result, without that extra pass over memory where the codec can)."""
+    of the float32 result, without that extra pass over memory where the codec can). The block types of
+    `native.TYPES` decode through the native decoder where it is built (the same bits; `JUNO_PY_NATIVE=0` turns it
+    off), everything else through the torch codecs."""
     codec = get_codec(ggml_type, what)
     if n_cols % codec.block_size:
         raise UnsupportedQuantType(f"{codec.name}{' tensor ' + what if what else ''}: row length {n_cols} is not a "
@@ -102,6 +104,9 @@ def dequantize(ggml_type: int, raw, n_cols: int, what: str = "", dtype: torch.dt
     data = _as_uint8_tensor(raw)
     rows = data.numel() // codec.row_bytes(n_cols) if n_cols else 0
     blocks = data.reshape(-1, codec.type_size)
+    out = native.decode(ggml_type, blocks, dtype)  # the same bits, from the C decoder where it is built
+    if out is not None:
+        return out.reshape(rows, n_cols)
     if dtype == torch.float32:
         out = codec.dequantize_blocks(blocks)
     elif dtype == torch.bfloat16 and codec.name in NARROW_OUTPUT:
@@ -132,6 +137,7 @@ def quantize(ggml_type: int, x, what: str = "") -> np.ndarray:
 
 
 # codec modules register themselves on import
+from juno_py.gguf.quants import native  # noqa: E402
 from juno_py.gguf.quants import simple as _simple  # noqa: E402,F401
 from juno_py.gguf.quants import kquants as _kquants  # noqa: E402,F401
 from juno_py.gguf.quants import iquants as _iquants  # noqa: E402,F401
