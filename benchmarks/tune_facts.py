@@ -23,7 +23,7 @@ from pathlib import Path
 
 # (label, extra flags for `juno-py lora`); the first row is the defaults
 SETTINGS = [
-    ("defaults (lora, r 16, all targets, lr 2e-3, 8 epochs, 4 question variants)", []),
+    ("defaults (lora, r 32, all targets, lr 2e-3, 8 epochs, 4 question variants)", []),
     ("--lora-mode dora", ["--lora-mode", "dora"]),
     ("--lora-targets qv", ["--lora-targets", "qv"]),
     ("--lora-rank 8 --lora-alpha 16", ["--lora-rank", "8", "--lora-alpha", "16"]),
@@ -31,8 +31,9 @@ SETTINGS = [
     ("--epochs 4", ["--epochs", "4"]),
     ("--qa-variants 1", ["--qa-variants", "1"]),
     ("--epochs 12", ["--epochs", "12"]),
-    ("--lora-rank 32 --lora-alpha 64", ["--lora-rank", "32", "--lora-alpha", "64"]),
+    ("--lora-rank 16 --lora-alpha 32 (the default until session 4)", ["--lora-rank", "16", "--lora-alpha", "32"]),
     ("--lora-lr 3e-3", ["--lora-lr", "3e-3"]),
+    ("--lora-rank 64 --lora-alpha 128", ["--lora-rank", "64", "--lora-alpha", "128"]),
 ]
 
 

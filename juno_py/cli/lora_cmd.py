@@ -11,7 +11,7 @@ import click
 from juno_py.cli.main import cli, one_line_errors
 from juno_py.store import DEFAULT_MODEL
 
-DEFAULTS = dict(rank=16, alpha=32.0, targets="all", lr=2e-3, epochs=8, batch_size=4, qa_variants=4)
+DEFAULTS = dict(rank=32, alpha=64.0, targets="all", lr=2e-3, epochs=8, batch_size=4, qa_variants=4)
 
 
 _quiet = False  # under torchrun, ranks other than 0 keep quiet (errors still reach stderr)
