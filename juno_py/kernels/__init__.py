@@ -20,7 +20,8 @@ from typing import Optional
 
 import torch
 
-from juno_py.kernels.reference import compose_eager, cross_entropy_grad_eager, norm_assemble_eager, norm_rows_eager
+from juno_py.kernels.reference import (compose_eager, cross_entropy_grad_eager, norm_assemble_eager, norm_rows_eager,
+                                       norm_rows_gram_eager)
 
 _MODES = ("auto", "eager", "fused")
 
@@ -166,6 +167,19 @@ def norm_rows(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, V: torch.
     return kernels.norm_rows(base_sq, B, U, V, s, eps)
 
 
+def norm_rows_gram(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, G: torch.Tensor, s: float,
+                   eps: float = 0.0, split: bool = False) -> torch.Tensor:
+    """`norm_rows` with V = B·G formed inside one fused kernel on CUDA: G = A·Aᵀ fp32 `[r, r]`, or with `split` the
+    fp32 Gram matrix `[2r, 2r]` of the split A (`split_bf16`), whose four r×r blocks add up to G. Else the eager
+    reference (fp64 stays fp64). Same JUNO_PY_KERNELS rules as `norm_assemble`."""
+    mode = kernel_mode()
+    narrow = all(t.dtype in _FUSED_DTYPES for t in (base_sq, B, U)) and G.dtype == torch.float32
+    kernels = _fused_kernels(B.device, mode) if mode != "eager" and narrow else None
+    if kernels is None:
+        return norm_rows_gram_eager(base_sq, B, U, G, s, eps, split)
+    return kernels.norm_rows_gram(base_sq, B, U, G, s, eps, split)
+
+
 def cross_entropy_path(z: torch.Tensor) -> str:
     """Which path `cross_entropy_grad_` takes for logits z now: FUSED (fp32/bf16 `[n, V]` on CUDA, or anywhere under
     JUNO_PY_KERNELS=fused) or EAGER (CPU in auto mode, fp64 and other dtypes in every mode, JUNO_PY_KERNELS=eager,
@@ -189,7 +203,7 @@ def cross_entropy_grad_(z: torch.Tensor, targets: torch.Tensor, ignore_index: in
     return losses.sum(), grad
 
 
-__all__ = ["dora_compose", "norm_assemble", "norm_rows", "compose_path", "layer_training_fused", "compose_eager",
-           "norm_assemble_eager", "norm_rows_eager", "cross_entropy_grad_", "cross_entropy_path",
-           "cross_entropy_grad_eager", "kernel_mode", "triton_kernels", "KernelUnavailable",
+__all__ = ["dora_compose", "norm_assemble", "norm_rows", "norm_rows_gram", "compose_path", "layer_training_fused",
+           "compose_eager", "norm_assemble_eager", "norm_rows_eager", "norm_rows_gram_eager", "cross_entropy_grad_",
+           "cross_entropy_path", "cross_entropy_grad_eager", "kernel_mode", "triton_kernels", "KernelUnavailable",
            "FUSED_TRAIN_MIN_ELEMENTS", "EAGER", "FUSED_INFERENCE", "FUSED_TRAINING", "FUSED"]

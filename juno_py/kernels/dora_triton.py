@@ -124,6 +124,47 @@ def _norm_rows_kernel(base_sq_ptr, b_ptr, u_ptr, v_ptr, out_ptr, n, r, sb0, sb1,
     tl.store(out_ptr + rows, norm, mask=row_ok)
 
 
+@triton.jit
+def _norm_rows_gram_kernel(base_sq_ptr, b_ptr, u_ptr, g_ptr, out_ptr, n, r, sb0, sb1, su0, su1, sg0, sg1, two_s,
+                           s_sq, eps, SPLIT: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+                           R_TILES: tl.constexpr):
+    """Rows [pid·BLOCK_D, +BLOCK_D) of ‖W + sBA‖ as `_norm_rows_kernel` computes them, with V = B·G formed here,
+    one tile of rank columns at a time (tensor-core dots in 3×TF32: fp32 accuracy), from G = A·Aᵀ `[r, r]` or,
+    with SPLIT, from the Gram matrix of the split A `[2r, 2r]` (G = the sum of its four r×r blocks)."""
+    rows = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    row_ok = rows < n
+    rows64 = rows.to(tl.int64)
+    acc = tl.zeros([BLOCK_D, BLOCK_R], dtype=tl.float32)
+    for j in range(R_TILES):
+        cj = j * BLOCK_R + tl.arange(0, BLOCK_R)
+        cj_ok = cj < r
+        cj64 = cj.to(tl.int64)
+        v = tl.zeros([BLOCK_D, BLOCK_R], dtype=tl.float32)
+        for k in range(R_TILES):
+            ck = k * BLOCK_R + tl.arange(0, BLOCK_R)
+            ck_ok = ck < r
+            ck64 = ck.to(tl.int64)
+            b_k = tl.load(b_ptr + rows64[:, None] * sb0 + ck64[None, :] * sb1,
+                          mask=row_ok[:, None] & ck_ok[None, :], other=0.0).to(tl.float32)
+            g_mask = ck_ok[:, None] & cj_ok[None, :]
+            g_offs = ck64[:, None] * sg0 + cj64[None, :] * sg1
+            g = tl.load(g_ptr + g_offs, mask=g_mask, other=0.0)
+            if SPLIT:  # G = G_hh + G_hl + G_lh + G_ll of the split A's Gram matrix
+                g += tl.load(g_ptr + g_offs + r * sg0, mask=g_mask, other=0.0)
+                g += tl.load(g_ptr + g_offs + r * sg1, mask=g_mask, other=0.0)
+                g += tl.load(g_ptr + g_offs + r * (sg0 + sg1), mask=g_mask, other=0.0)
+            v = tl.dot(b_k, g.to(tl.float32), acc=v, input_precision="tf32x3")
+        mask = row_ok[:, None] & cj_ok[None, :]
+        b = tl.load(b_ptr + rows64[:, None] * sb0 + cj64[None, :] * sb1, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + rows64[:, None] * su0 + cj64[None, :] * su1, mask=mask, other=0.0).to(tl.float32)
+        acc += b * (two_s * u + s_sq * v)
+    total = tl.load(base_sq_ptr + rows, mask=row_ok, other=0.0).to(tl.float32) + tl.sum(acc, axis=1)
+    total = tl.where(total < 0.0, 0.0, total)  # rounding can push a zero row slightly negative; NaN passes through
+    norm = tl.sqrt_rn(total)
+    norm = tl.where(norm < eps, eps, norm)
+    tl.store(out_ptr + rows, norm, mask=row_ok)
+
+
 # ---- launching --------------------------------------------------------------------------------------------------
 # `kernel[grid](...)` spends most of a DoRA step's CPU time on the H200's host (about 0.15 ms a launch, against
 # 0.03 ms for a torch op; benchmarks/dora_step_profile.py): it binds and specializes every argument and builds a
@@ -158,7 +199,8 @@ def _launch(kernel, grid, args, num_warps=4, **constexprs):
     if hit is not None:
         compiled, names = hit
         try:
-            compiled[grid](*args, *(constexprs[n] for n in names))
+            # the compiled kernel's runner reads three grid dimensions (triton's binder pads them; this does too)
+            compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *(constexprs[n] for n in names))
             return
         except Exception:  # noqa: BLE001 - a triton whose internals differ: launch the usual way from now on
             _direct = False
@@ -187,6 +229,7 @@ FORWARD_CONFIG = TileConfig()
 BACKWARD_CONFIG = TileConfig(block_m=32, block_n=128, num_warps=4)
 NORM_BLOCK = 1024
 NORM_ROWS_ELEMENTS = 4096  # rows × rank columns per step of `_norm_rows_kernel`
+NORM_GRAM_BLOCK_D = 64  # rows per program of `_norm_rows_gram_kernel` (8192 rows: 128 programs, about one per SM)
 
 
 def _tile(cfg: TileConfig, M: int, N: int) -> tuple[int, int]:
@@ -301,6 +344,27 @@ def norm_rows(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, V: torch.
     return out
 
 
+def norm_rows_gram(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, G: torch.Tensor, s: float,
+                   eps: float = 0.0, split: bool = False) -> torch.Tensor:
+    """`norm_rows` with V = B·G formed inside the kernel: G = A·Aᵀ fp32 `[r, r]`, or with `split` the fp32 Gram
+    matrix `[2r, 2r]` of the split A (`split_bf16`), whose four r×r blocks add up to G. One launch instead of a
+    GEMM for V (fp32, without tensor cores) and a row kernel."""
+    n, r = B.shape
+    k = 2 * r if split else r
+    if U.shape != (n, r) or G.shape != (k, k) or base_sq.numel() != n or G.dtype != torch.float32:
+        raise ValueError(f"fused DoRA norm: base_sq {tuple(base_sq.shape)}, B {tuple(B.shape)}, U {tuple(U.shape)}, "
+                         f"G {tuple(G.shape)} {G.dtype}: expected [n], two [n, r] and a float32 [{k}, {k}]")
+    out = torch.empty(n, dtype=torch.float32, device=B.device)
+    if n == 0:
+        return out
+    block_r = max(16, min(64, triton.next_power_of_2(max(r, 1))))  # tl.dot takes tiles of 16 and more
+    block_d = max(16, min(NORM_GRAM_BLOCK_D, triton.next_power_of_2(n)))
+    _launch(_norm_rows_gram_kernel, (triton.cdiv(n, block_d),), (
+        base_sq.reshape(-1).contiguous(), B, U, G, out, n, r, *B.stride(), *U.stride(), *G.stride(), 2.0 * s, s * s,
+        float(eps)), 4, SPLIT=bool(split), BLOCK_D=block_d, BLOCK_R=block_r, R_TILES=triton.cdiv(r, block_r))
+    return out
+
+
 class DoraComposeFn(torch.autograd.Function):
     """Training composition: the forward writes y (and inner when g needs a gradient), the backward is one pass.
 
@@ -332,5 +396,5 @@ class DoraComposeFn(torch.autograd.Function):
                 d_lora.reshape(lora_shape) if d_lora is not None else None, d_g, None)
 
 
-__all__ = ["DoraComposeFn", "compose_forward", "compose_backward", "norm_assemble", "norm_rows", "TileConfig",
+__all__ = ["DoraComposeFn", "compose_forward", "compose_backward", "norm_assemble", "norm_rows", "norm_rows_gram", "TileConfig",
            "INTERPRETED", "FUSED_DTYPES"]

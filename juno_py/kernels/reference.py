@@ -33,6 +33,18 @@ def norm_rows_eager(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, V: 
     return torch.sqrt(torch.clamp(total, min=0.0)).clamp_min(eps)
 
 
+def norm_rows_gram_eager(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, G: torch.Tensor, s: float,
+                         eps: float = 0.0, split: bool = False) -> torch.Tensor:
+    """`norm_rows_eager` with V = B·G: G = A·Aᵀ `[r, r]`, or with `split` the Gram matrix `[2r, 2r]` of the split A,
+    whose four r×r blocks add up to G. fp32 (or fp64 if the inputs are)."""
+    dt = torch.promote_types(base_sq.dtype, torch.float32)
+    r = B.shape[1]
+    G = G.to(dt)
+    if split:
+        G = G.view(2, r, 2, r).sum(dim=(0, 2))
+    return norm_rows_eager(base_sq, B, U, B.to(dt) @ G, s, eps)
+
+
 def cross_entropy_grad_eager(z: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
                              in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed loss, ∂loss/∂z in z's dtype) of logits z `[n, V]` and int64 targets `[n]` (ignore_index: no loss).

@@ -18,7 +18,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from juno_py import kernels
-from juno_py.kernels import dora_compose, norm_rows, split_bf16
+from juno_py.kernels import dora_compose, norm_rows_gram, split_bf16
 from juno_py.lora.format import AdapterEntry, Fingerprint, Init, Mode, Scaling
 
 DORA_EPS = 1e-6
@@ -57,36 +57,59 @@ def gram(A: torch.Tensor) -> torch.Tensor:
     A_lo = bf16(A − A_hi) (together within about 2⁻¹⁷ of A), one bf16 GEMM X·Xᵀ with fp32 accumulation, and
     G = the sum of its four r×r blocks: an fp32 GEMM's accuracy at the bf16 rate (4r²·d_in products instead of
     r²·d_in), with 2r×d_in bf16 and 2r×2r fp32 of scratch."""
-    r, k = A.shape
-    if not (A.is_cuda and A.dtype == torch.float32 and r * r * k >= SPLIT_GRAM_MIN_FMAS):
+    if not _splits_gram(A):
         return A @ A.T
+    r = A.shape[0]
     X = split_bf16(A)
     return mm_fp32(X, X.T).view(2, r, 2, r).sum(dim=(0, 2))
 
 
-def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a·b with an fp32 result: fp32 operands as they are, bf16 operands with fp32 accumulation and no rounding
-    of the result to bf16 (cuBLAS's fp32 output; on the CPU the exact bf16 values multiplied in fp32)."""
+def _splits_gram(A: torch.Tensor) -> bool:
+    """Whether `gram(A)` runs on the split A (fp32 A on CUDA with at least SPLIT_GRAM_MIN_FMAS multiply-adds)."""
+    r, k = A.shape
+    return A.is_cuda and A.dtype == torch.float32 and r * r * k >= SPLIT_GRAM_MIN_FMAS
+
+
+_ADDMM_OUT_DTYPE = [True]  # whether torch.addmm takes out_dtype here (checked on first use)
+
+
+def mm_fp32(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """alpha·(a·b) with an fp32 result: fp32 operands as they are, bf16 operands with fp32 accumulation and no
+    rounding of the result to bf16 (cuBLAS's fp32 output; on the CPU the exact bf16 values multiplied in fp32).
+    alpha ≠ 1 is the GEMM's own alpha where it can be (one kernel), else a multiply after it."""
     if a.dtype == torch.float32 and b.dtype == torch.float32:
-        return torch.mm(a, b)
-    if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a.float(), b.float())
+        out = _mm_scaled(a, b, alpha)
+    elif a.is_cuda:
+        if alpha != 1.0 and _ADDMM_OUT_DTYPE[0]:
+            try:
+                return torch.addmm(torch.empty((), dtype=torch.float32, device=a.device), a, b, beta=0, alpha=alpha,
+                                   out_dtype=torch.float32)
+            except (TypeError, RuntimeError, NotImplementedError):  # a torch without addmm's out_dtype
+                _ADDMM_OUT_DTYPE[0] = False
+        out = torch.mm(a, b, out_dtype=torch.float32)
+        return out.mul_(alpha) if alpha != 1.0 else out
+    else:
+        out = _mm_scaled(a.float(), b.float(), alpha)
+    return out
 
 
 def factored_row_norm(base_sq: torch.Tensor, U: torch.Tensor, A: torch.Tensor, B: torch.Tensor, s: float,
-                      dtype: torch.dtype = torch.float32, eps: float = 0.0) -> torch.Tensor:
+                      dtype: torch.dtype = torch.float32, eps: float = 0.0,
+                      A_split: Optional[torch.Tensor] = None) -> torch.Tensor:
     """‖W + sBA‖ per row (then max(·, eps)) from ‖W‖²_row, U = W·Aᵀ `[d_out, r]` (a transposed view is fine),
     A `[r, d_in]`, B `[d_out, r]`; no `d_out×d_in` matrix.
 
-    ‖W+sBA‖²_row = ‖W‖²_row + 2s·rowsum(B ⊙ U) + s²·rowsum((B·G) ⊙ B) with G = A·Aᵀ, accumulated in `dtype`:
-    G (through bf16 tensor cores at fp32 accuracy when large: `gram`), V = B·G, then one fused kernel for
-    rowsum(B ⊙ (2s·U + s²·V)), the sum with ‖W‖², the square root and eps (`kernels.norm_rows`).
+    ‖W+sBA‖²_row = ‖W‖²_row + 2s·rowsum(B ⊙ U) + s²·rowsum((B·G) ⊙ B) with G = A·Aᵀ, accumulated in `dtype`: G
+    (through bf16 tensor cores at fp32 accuracy when large: `gram`), then one fused kernel for V = B·G,
+    rowsum(B ⊙ (2s·U + s²·V)), the sum with ‖W‖², the square root and eps (`kernels.norm_rows_gram`). `A_split`:
+    A already split into its two bf16 parts (`split_bf16`, `[2r, d_in]`, what the step's U was computed from):
+    where `gram` would split A, the Gram matrix of these parts `[2r, 2r]` goes to the kernel as it is (its four
+    blocks add up to G) instead of splitting A again.
     """
     A, B, U = A.to(dtype), B.to(dtype), U.to(dtype)
-    G = gram(A)
-    V = B @ G
-    return norm_rows(base_sq.to(dtype), B, U, V, s, eps)  # fused kernel on CUDA, eager reference elsewhere
+    if A_split is not None and _splits_gram(A):
+        return norm_rows_gram(base_sq.to(dtype), B, U, mm_fp32(A_split, A_split.T), s, eps, split=True)
+    return norm_rows_gram(base_sq.to(dtype), B, U, gram(A), s, eps)  # fused kernel on CUDA, eager elsewhere
 
 
 class LoraAdapter(nn.Module):
@@ -177,9 +200,10 @@ class AdaptedLinear(nn.Module):
         return self.base.row_norms_sq(dtype)  # frozen: computed once by the base and kept
 
     def weight_row_norm(self, dtype: torch.dtype = torch.float32, eps: float = 0.0,
-                        U: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        U: Optional[torch.Tensor] = None, A_split: Optional[torch.Tensor] = None) -> torch.Tensor:
         """‖W + sBA‖_row of the DoRA adapter (then max(·, eps)), factored: U = W·Aᵀ runs A's rows through the
-        frozen linear, unless the caller already has it (`U` `[d_out, r]`, e.g. from `matmul_with_exact`)."""
+        frozen linear, unless the caller already has it (`U` `[d_out, r]`, e.g. from `matmul_with_exact`, with
+        `A_split`, the split A it was computed from, if any: `factored_row_norm`)."""
         ad = self.dora
         with torch.no_grad():
             A = ad.lora_A.detach()
@@ -187,7 +211,8 @@ class AdaptedLinear(nn.Module):
                 # fp32 products over the exact W (a bf16 W or A would cost the norm about 3e-5 relative)
                 matmul = getattr(self.base, "matmul_exact", self.base.matmul)
                 U = matmul(A.to(dtype)).T
-            return factored_row_norm(self.base_row_norms_sq(dtype), U, A, ad.lora_B.detach(), ad.scale, dtype, eps)
+            return factored_row_norm(self.base_row_norms_sq(dtype), U, A, ad.lora_B.detach(), ad.scale, dtype, eps,
+                                     A_split if U is not None else None)
 
     def _norm_key(self, dtype: torch.dtype) -> tuple:
         ad = self.dora
@@ -198,11 +223,13 @@ class AdaptedLinear(nn.Module):
         held = self.norm_held and self._g_cache is not None and self._g_cache[0][-1] == dtype
         return held or (self._g_cache is not None and self._g_cache[0] == self._norm_key(dtype))
 
-    def dora_norm(self, dtype: torch.dtype = torch.float32, U: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def dora_norm(self, dtype: torch.dtype = torch.float32, U: Optional[torch.Tensor] = None,
+                  A_split: Optional[torch.Tensor] = None) -> torch.Tensor:
         """max(‖W + sBA‖_row, 1e-6), detached; recomputed only when A or B changed (or `_g_cache` was cleared), from
-        `U` = W·Aᵀ `[d_out, r]` when the caller has it (`DoraLinearFn`: the base product's decode gave it)."""
+        `U` = W·Aᵀ `[d_out, r]` when the caller has it (`DoraLinearFn`: the base product's decode gave it, from the
+        split A `A_split`)."""
         if not self.norm_is_cached(dtype):
-            self._g_cache = (self._norm_key(dtype), self.weight_row_norm(dtype, eps=DORA_EPS, U=U))
+            self._g_cache = (self._norm_key(dtype), self.weight_row_norm(dtype, eps=DORA_EPS, U=U, A_split=A_split))
         return self._g_cache[1]
 
     def dora_scale(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -243,14 +270,16 @@ class DoraLinearFn(torch.autograd.Function):
       GEMMs, the norm (recomputed when A or B changed: `AdaptedLinear.dora_norm`), g, then the fused composition
       (`compose_forward`, writing inner = base + s·lora when m trains). When the norm is recomputed and the base
       has `matmul_with_exact`, the base product and the norm's U = W·Aᵀ come from that one call (a quantized W is
-      decoded once for both);
-    - backward: the fused kernel for d_base = g·dy, d_lora = g·s·dy and Σ_tokens inner·dy, then at once the
-      input gradient's big GEMM `d_base·W` (`base.matmul_transposed`; autograd would run it last), then the
-      adapter's GEMMs while it runs, `dx += d_xa·A` accumulated in place, `d_m = d_g / norm`.
+      decoded once for both), A split once into its bf16 parts for U, the norm's Gram matrix and bf16(A);
+    - backward: the fused kernel for d_base = g·dy and Σ_tokens inner·dy (d_lora = s·d_base is not written: s is
+      the alpha of the adapter's GEMMs, unless base and lora differ in dtype), then at once the input gradient's
+      big GEMM `d_base·W` (`base.matmul_transposed`; autograd would run it last), then the adapter's GEMMs while it
+      runs, `dx += d_xa·A` accumulated in place, `d_m = d_g / norm`.
 
     Gradients of A and B come out of the GEMMs in fp32 (bf16 operands, fp32 accumulation, no bf16 rounding).
-    Saved: x, x·Aᵀ `[tokens, r]`, the adapter's A and B in the activations' dtype, g, the norm and (when m
-    trains) inner; nothing the size of W.
+    Saved: x, x·Aᵀ `[tokens, r]`, the adapter's A and B in the activations' dtype (with a fresh norm and bf16
+    activations A is a view of the split A, so its `[2r, d_in]` bf16 stays alive: r·d_in·2 bytes more, r/tokens of
+    what x takes), g, the norm and (when m trains) inner; nothing the size of W.
     """
 
     @staticmethod
@@ -260,19 +289,24 @@ class DoraLinearFn(torch.autograd.Function):
         s = float(ad.scale)
         x2 = x.reshape(-1, x.shape[-1])
         combined = getattr(layer.base, "matmul_with_exact", None)
-        U = None
+        dt = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32  # as `LoraAdapter.delta_input`
+        U = A_split = None
         if combined is not None and not layer.norm_is_cached(torch.float32):
-            # the norm needs U = W·Aᵀ: one pass over W gives it with the base product (a quantized W decoded once)
-            base_out, U = combined(x2, A.detach().to(torch.float32))
+            # the norm needs U = W·Aᵀ: one pass over W gives it with the base product (a quantized W decoded once);
+            # A is split into its bf16 parts once, for U, for the norm's Gram matrix and (bf16(A)) for the adapter
+            A32 = A.detach().to(torch.float32)
+            A_split = split_bf16(A32)
+            base_out, U = combined(x2, A32, A_split=A_split)
             U = U.T
         else:
             base_out = layer.base.matmul(x2)  # first: the big GEMM
-        dt = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32  # as `LoraAdapter.delta_input`
         xc = x2.to(dt)
-        Ac, Bc = A.detach().to(dt), B.detach().to(dt)
+        r = A.shape[0]
+        Ac = A_split[:r] if A_split is not None and dt == torch.bfloat16 else A.detach().to(dt)
+        Bc = B.detach().to(dt)
         xa = torch.mm(xc, Ac.T)
         lora = torch.mm(xa, Bc.T)
-        norm = layer.dora_norm(torch.float32, U=U)
+        norm = layer.dora_norm(torch.float32, U=U, A_split=A_split)
         g = torch.div(m.detach(), norm)
         y, inner = tk.compose_forward(base_out, lora, g, s, write_inner=ctx.needs_input_grad[3])
         ctx.save_for_backward(xc, Ac, Bc, xa, g, norm, inner)
@@ -291,16 +325,24 @@ class DoraLinearFn(torch.autograd.Function):
             dy2 = dy2.contiguous()
         dx = dA = dB = d_m = None
         need_lora = need_x or need_A or need_B
-        d_base, d_lora, d_g = tk.compose_backward(dy2, g, inner if need_m else None, ctx.s,
-                                                  ctx.dtypes[0] if need_x else None,
-                                                  ctx.dtypes[1] if need_lora else None)
+        base_dtype, lora_dtype = ctx.dtypes
+        s = ctx.s
+        # d_lora = s·d_base: where both have one dtype, the kernel writes d_base alone and s goes into the adapter's
+        # GEMMs (their alpha), one [tokens, d_out] tensor fewer to write
+        shared = base_dtype == lora_dtype
+        d_base, d_lora, d_g = tk.compose_backward(dy2, g, inner if need_m else None, s,
+                                                  base_dtype if need_x or (shared and need_lora) else None,
+                                                  lora_dtype if need_lora and not shared else None)
+        scale = s if shared else 1.0
+        if shared:
+            d_lora = d_base
         if need_x:  # the big GEMM first: the GPU runs it while the CPU issues the adapter's small GEMMs
             dx = ctx.layer.base.matmul_transposed(d_base).to(ctx.x_dtype)
-            del d_base
+        del d_base
         if need_B:
-            dB = mm_fp32(d_lora.T, xa)
+            dB = mm_fp32(d_lora.T, xa, scale)
         if need_x or need_A:
-            d_xa = torch.mm(d_lora, Bc)
+            d_xa = _mm_scaled(d_lora, Bc, scale)
             if need_A:
                 dA = mm_fp32(d_xa.T, xc)
             if need_x:
@@ -312,3 +354,10 @@ class DoraLinearFn(torch.autograd.Function):
         if need_m:
             d_m = d_g.div_(norm)
         return dx, dA, dB, d_m, None
+
+
+def _mm_scaled(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
+    """alpha·(a·b) in a's dtype, alpha applied by the GEMM (fp32, before the result's rounding)."""
+    if alpha == 1.0:
+        return torch.mm(a, b)
+    return torch.addmm(torch.empty((), dtype=a.dtype, device=a.device), a, b, beta=0, alpha=alpha)

@@ -413,7 +413,8 @@ class FrozenQuantLinear(nn.Module):
                 and self.weight_cache is None and self.compute_dtype == torch.bfloat16
                 and x.numel() // max(x.shape[-1], 1) > MATVEC_MAX_TOKENS and self._use_triton())
 
-    def _device_forward_with_exact(self, x: torch.Tensor, A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _device_forward_with_exact(self, x: torch.Tensor, A: torch.Tensor,
+                                   A_split: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x·Wᵀ (bf16 operands, as `_device_forward`) and A·Wᵀ to fp32 accuracy from one split decode per tile:
         `dequantize_split_tile` writes W_hi = bf16(W) and W_lo = bf16(W − W_hi) of the tile's rows in one pass, and
         x·W_hiᵀ is the forward's own tile product (same tiles, same GEMMs: bit-identical), while
@@ -427,7 +428,7 @@ class FrozenQuantLinear(nn.Module):
         op, res = self._device_dtypes(x)
         xc = x2.to(op)
         r = A.shape[0]
-        As = split_bf16(A)
+        As = split_bf16(A) if A_split is None else A_split
         step = self._forward_step(xc)
         halves = torch.empty(2, min(step, self._n_out), self._n_in, dtype=torch.bfloat16, device=x.device)
         u = torch.empty(r, self._n_out, dtype=torch.float32, device=x.device)
@@ -524,14 +525,16 @@ class FrozenQuantLinear(nn.Module):
         with torch.no_grad():
             return self._stream_forward(x, exact=True)
 
-    def matmul_with_exact(self, x: torch.Tensor, A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def matmul_with_exact(self, x: torch.Tensor, A: torch.Tensor,
+                          A_split: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`(x·Wᵀ, A·Wᵀ)`, no bias, no autograd: the base product as `matmul` gives it and A's rows to fp32 accuracy as
         `matmul_exact` gives them. DoRA's training step needs both every step (U = W·Aᵀ for the norm); on the device
         path with bf16 compute each tile of W is decoded once for both (`_device_forward_with_exact`: the base
-        product bit-identical to `matmul`'s, U about 2⁻¹⁷ relative), elsewhere the two run one after the other."""
+        product bit-identical to `matmul`'s, U about 2⁻¹⁷ relative), elsewhere the two run one after the other.
+        `A_split`: `split_bf16(A)` when the caller has it already (the device path uses it instead of splitting A)."""
         with torch.no_grad():
             if self._fuses_exact(x, A):
-                return self._device_forward_with_exact(x, A)
+                return self._device_forward_with_exact(x, A, A_split)
             return self._stream_forward(x), self._stream_forward(A, exact=True)
 
     def _apply_fn(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:

@@ -286,6 +286,9 @@ def test_direct_launch_gives_the_same_bits():
     first = tk.compose_forward(base, lora, g, 0.5, write_inner=True)
     again = tk.compose_forward(base, lora, g, 0.5, write_inner=True)
     assert all(torch.equal(a, b) for a, b in zip(first, again))
+    # the shortcut is live: the second launch found its compiled kernel (it turns itself off on any error, which
+    # is how a triton whose runner wanted three grid dimensions had silently disabled it)
+    assert tk._direct and any(key[0] is tk._compose_fwd_kernel for key in tk._compiled)
     buf = torch.empty(base.numel() + 1, dtype=torch.bfloat16, device=DEVICE)
     unaligned = buf[1:].view(base.shape)  # contiguous, 2 bytes off the 16-byte alignment
     unaligned.copy_(base)
@@ -327,6 +330,56 @@ def test_norm_rows_clamps(fused):
     assert got[:3] == [pytest.approx(1e-6), pytest.approx(1e-6), 2.0] and got[3] == pytest.approx(1e-6)
     assert torch.equal(kernels.norm_rows(*(t.double() for t in (base_sq, B, U, V)), 1.0),
                        kernels.norm_rows_eager(*(t.double() for t in (base_sq, B, U, V)), 1.0))
+
+
+GRAM_SIZES = [(1, 1), (7, 3), (300, 16), (257, 100)] + ([(8192, 384), (4099, 768), (28672, 64)]
+                                                     if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["G", "split-G"])
+@pytest.mark.parametrize("n,r", GRAM_SIZES)
+def test_norm_rows_gram_matches_fp64(fused, n, r, split):
+    """`norm_rows_gram` forms V = B·G itself (3×TF32 tensor-core dots) from G = A·Aᵀ, or from the Gram matrix of the
+    split A (four blocks added): the norm within the fp32 bound of `norm_rows` plus V's own error, against fp64 of
+    the same G; a kernel that drops the lower half of the split (or the s² term) is off by far more."""
+    gen = torch.Generator().manual_seed(n + r)
+    base_sq = torch.rand(n, generator=gen) * 4 + 1.0
+    B = torch.randn(n, r, generator=gen) * 0.1
+    U = torch.randn(r, n, generator=gen).T * 0.2
+    A = torch.randn(r, 96, generator=gen) * 0.15
+    if split:
+        X = kernels.split_bf16(A)
+        G = (X.double() @ X.double().T).float()
+        G_sum = G.double().view(2, r, 2, r).sum(dim=(0, 2))
+    else:
+        G = (A.double() @ A.double().T).float()
+        G_sum = G.double()
+    s = 0.75
+    got = kernels.norm_rows_gram(*(t.to(DEVICE) for t in (base_sq, B, U, G)), s, split=split)
+    s32 = float(torch.tensor(s, dtype=torch.float32))
+    V = B.double() @ G_sum
+    total = base_sq.double() + (B.double() * (2 * s32 * U.double() + s32 * s32 * V)).sum(1)
+    ref = total.clamp_min(0).sqrt()
+    mag = base_sq.double() + (B.double().abs() * (2 * s32 * U.double().abs()
+                                                  + s32 * s32 * (B.double().abs() @ G_sum.abs()))).sum(1)
+    bound = (2 * r + 8) * U32 * mag / (2 * ref) + U32 * ref
+    assert got.dtype == torch.float32 and got.shape == (n,)
+    err = (got.double().cpu() - ref).abs()
+    assert bool((err <= bound).all()), (err / bound).max().item()
+    if r >= 16:  # the term a wrong kernel would lose is far above the bound
+        lost = (B.double() * (s32 * s32 * V)).sum(1).abs() / (2 * ref)
+        assert bool((lost > 100 * bound).any())
+    eager = kernels.norm_rows_gram_eager(base_sq.double(), B.double(), U.double(), G.double(), s, split=split)
+    assert torch.allclose(eager, ref, rtol=1e-12, atol=0)
+
+
+def test_norm_rows_gram_clamps(fused):
+    base_sq = torch.tensor([0.0, 1.0, 4.0], device=DEVICE)
+    B = torch.tensor([[1.0], [1.0], [0.0]], device=DEVICE)
+    U = torch.tensor([[-0.5], [-0.5], [0.0]], device=DEVICE)
+    G = torch.ones(1, 1, device=DEVICE)  # V = B: ‖·‖² = base_sq + 2·(−0.5) + 1 = base_sq
+    assert kernels.norm_rows_gram(base_sq, B, U, G, 1.0).tolist() == [0.0, 1.0, 2.0]
+    assert kernels.norm_rows_gram(base_sq, B, U, G, 1.0, eps=1e-6).tolist() == [pytest.approx(1e-6), 1.0, 2.0]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the 1e-5 norm target at a real size: GPU")
