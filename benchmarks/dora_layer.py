@@ -4,6 +4,7 @@ fp32 adapters), plus the composition kernel's bandwidth against a copy and the f
     python benchmarks/dora_layer.py                  # the H200 tables of docs/benchmarks.md (## DoRA layer (H200))
     python benchmarks/dora_layer.py --crossover      # eager vs fused composition by size (docs/kernels.md)
     python benchmarks/dora_layer.py --tiles          # tile configurations of the kernels, by bandwidth
+    python benchmarks/dora_layer.py --graphed        # also each fwd+bwd replayed as a CUDA graph (GPU time alone)
     python benchmarks/dora_layer.py --quick          # tiny shapes on the CPU: a smoke test of this script
 
 Every layer sees the same bf16 x, W, A, B and m: W ~ N(0, 0.02²), A kaiming-uniform, B ≠ 0 (‖sBA‖ ≈ 0.3‖W‖ per
@@ -82,20 +83,22 @@ class DenseBase(nn.Module):
             return F.linear(x, self.W)
         return mm_out(x.to(torch.bfloat16), self.W.t(), torch.float32)  # fp32 rows: bf16 operands, fp32 result
 
-    def matmul_exact(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul_exact(self, x: torch.Tensor, x_split: torch.Tensor | None = None) -> torch.Tensor:
         """x·Wᵀ for fp32 rows (DoRA's U = W·Aᵀ) as the frozen linear's `matmul_exact` gives it: to fp32 accuracy
         over the exact W. W is exactly bf16, so x = x_hi + x_lo in two bf16 parts (`kernels.split_bf16`, within
         about 2⁻¹⁷ of x) and U = [x_hi; x_lo]·Wᵀ, one bf16 GEMM of 2r rows with fp32 accumulation, halves added."""
         r = x.shape[0]
-        both = mm_out(kernels.split_bf16(x), self.W.t(), torch.float32)
+        both = mm_out(kernels.split_bf16(x) if x_split is None else x_split, self.W.t(), torch.float32)
         return both[:r].add_(both[r:])
 
-    def matmul_with_exact(self, x: torch.Tensor, A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x·Wᵀ, A·Wᵀ) as `matmul` and `matmul_exact` give them (see the class docstring for `stacked`)."""
+    def matmul_with_exact(self, x: torch.Tensor, A: torch.Tensor,
+                          A_split: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x·Wᵀ, A·Wᵀ) as `matmul` and `matmul_exact` give them (see the class docstring for `stacked`); `A_split`:
+        A's two bf16 parts when the caller has them (as the frozen linear's method takes them)."""
         if not self.stacked:
-            return self.matmul(x), self.matmul_exact(A)
+            return self.matmul(x), self.matmul_exact(A, A_split)
         t, r = x.shape[0], A.shape[0]
-        X = torch.cat([x.to(torch.bfloat16), kernels.split_bf16(A)])
+        X = torch.cat([x.to(torch.bfloat16), kernels.split_bf16(A) if A_split is None else A_split])
         out = mm_out(X, self.W.t(), torch.float32)
         base = out[:t].to(torch.bfloat16) if x.dtype == torch.bfloat16 else out[:t]
         return base, out[t:t + r].add_(out[t + r:])
@@ -216,8 +219,12 @@ class Clock:
             torch.cuda.synchronize()
 
 
-def interleaved(calls: dict, reps: int, warmup: int, device) -> dict:
-    """Median ms per call of each callable, called in turn (rotating the order) `reps` times after warm-up."""
+def interleaved(calls: dict, reps: int, warmup: int, device, batch: int = 1) -> dict:
+    """Median ms per call of each callable, called in turn (rotating the order) `reps` times after warm-up.
+
+    batch 1: each call is timed alone from an idle GPU (its CPU time to launch counts where it is the longer).
+    batch > 1: each sample times `batch` calls back to back from an idle GPU, divided by `batch`: the launches
+    overlap the GPU's work, so the time is the kernels' own (what a bandwidth figure means)."""
     clock = Clock(device)
     names = list(calls)
     for _ in range(warmup):
@@ -229,10 +236,38 @@ def interleaved(calls: dict, reps: int, warmup: int, device) -> dict:
         for n in names[i % len(names):] + names[:i % len(names)]:
             clock.sync()  # each call starts on an idle GPU: no queued work of another implementation hides its CPU time
             t0 = clock.start()
-            calls[n]()
+            for _ in range(batch):
+                calls[n]()
             marks[n].append(clock.stop(t0))
     clock.sync()
-    return {n: statistics.median(clock.ms(m) for m in marks[n]) for n in names}
+    return {n: statistics.median(clock.ms(m) for m in marks[n]) / batch for n in names}
+
+
+def graphed_ms(step, reps: int, warmup: int) -> float:
+    """Median GPU ms of `step` (forward and backward) captured once in a CUDA graph and replayed from an idle GPU:
+    the GPU's time alone, no launches (juno-py's whole-model training replays each step's graph this way)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(warmup):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    del graph
+    return statistics.median(times)
 
 
 def peak_mib(fn, device) -> float:
@@ -266,7 +301,7 @@ def infer_call(layer, x):
 
 
 # ---------------------------------------------------------------------------------------------------- layer table
-def bench_shape(T, d_in, d_out, r, device, reps, warmup, with_quant, peers=True):
+def bench_shape(T, d_in, d_out, r, device, reps, warmup, with_quant, peers=True, graphed=False):
     d = layer_data(T, d_in, d_out, r, device)
     x = d["x"].clone().requires_grad_(True)
     layers, resident, notes = {}, {}, {}
@@ -326,6 +361,13 @@ def bench_shape(T, d_in, d_out, r, device, reps, warmup, with_quant, peers=True)
         layer.train()
     t_train = interleaved(train, reps, warmup, device)
     mem_train = {n: peak_mib(f, device) for n, f in train.items()}
+    t_graphed = {}
+    if graphed and device.type == "cuda":  # the same steps, each captured in a CUDA graph: GPU time alone
+        for n, f in train.items():
+            try:
+                t_graphed[n] = graphed_ms(f, reps, warmup)
+            except Exception as e:  # noqa: BLE001 - a step that cannot be captured: say so instead of a number
+                notes[f"{n} (graphed)"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     for layer in layers.values():
         layer.eval()
     for name, layer in layers.items():
@@ -334,7 +376,8 @@ def bench_shape(T, d_in, d_out, r, device, reps, warmup, with_quant, peers=True)
     t_infer = interleaved(infer, reps, warmup, device)
     mem_infer = {n: peak_mib(f, device) for n, f in infer.items()}
     rows = [dict(impl=n, train_ms=t_train[n], infer_ms=t_infer[n], train_peak_mib=mem_train[n],
-                 infer_peak_mib=mem_infer[n], resident_mib=resident[n]) for n in layers]
+                 infer_peak_mib=mem_infer[n], resident_mib=resident[n], graphed_train_ms=t_graphed.get(n))
+            for n in layers]
     if with_quant:  # the norm's U = W·Aᵀ alone (`matmul_exact`), and with the base product (`matmul_with_exact`,
         # what a training step with a fresh norm calls): fp32-accurate U from split bf16 products on both
         A = d["A"].float()
@@ -379,6 +422,11 @@ def print_layer_table(res):
                  f"{by[f'juno-py {t}']['infer_ms'] / j['infer_ms']:.2f}×" for t in QUANT_TYPES if f"juno-py {t}" in by]
         if quant:
             print("juno-py quantized time / juno-py dense: " + "; ".join(quant))
+        g = {n: row["graphed_train_ms"] for n, row in by.items() if row.get("graphed_train_ms")}
+        if "juno-py dense" in g:
+            print("fwd+bwd as CUDA graphs (GPU time alone), ms: " + ", ".join(f"{n} {v:.3f}" for n, v in g.items())
+                  + "; juno-py dense speedup: " + ", ".join(f"{n} {v / g['juno-py dense']:.2f}×" for n, v in g.items()
+                                                             if n.startswith("PEFT")))
         u = [f"{n}: {row['norm_U_ms']:.3f} / {row['base_ms']:.3f} / {row['base_and_U_ms']:.3f}"
              for n, row in by.items() if "norm_U_ms" in row]
         if u:
@@ -394,8 +442,13 @@ def print_layer_table(res):
 
 
 # ---------------------------------------------------------------------------------------------------- kernels alone
+BANDWIDTH_BATCH = 10  # calls timed back to back per sample in the bandwidth tables
+
+
 def bandwidth(n_elems, dtype, device, reps, warmup):
-    """GB/s of the composition kernels (inference; training forward; backward) and of a copy, interleaved."""
+    """GB/s of the composition kernels (inference; training forward; backward with and without d_lora) and of a
+    copy, interleaved, from `BANDWIDTH_BATCH` calls back to back (the kernels' time; each call's own time from an
+    idle GPU, which adds its launch, is reported beside it)."""
     tk = kernels.triton_kernels()
     N = 8192
     M = n_elems // N
@@ -410,9 +463,14 @@ def bandwidth(n_elems, dtype, device, reps, warmup):
         "compose training forward (y, inner)": (lambda: tk.compose_forward(base, lora, g, 0.5, write_inner=True), 4),
         "compose backward (d_base, d_lora, d_g)": (
             lambda: tk.compose_backward(base, g, lora, 0.5, dtype, dtype), 4),  # dy = base, inner = lora
+        "compose backward (d_base, d_g): the layer step's": (
+            lambda: tk.compose_backward(base, g, lora, 0.5, dtype, None), 3),
     }
-    ms = interleaved({k: v[0] for k, v in calls.items()}, reps, warmup, device)
-    out = {k: dict(ms=ms[k], gbps=v[1] * M * N * es / ms[k] / 1e6) for k, v in calls.items()}
+    fns = {k: v[0] for k, v in calls.items()}
+    ms = interleaved(fns, reps, warmup, device, batch=BANDWIDTH_BATCH)
+    alone = interleaved(fns, reps, warmup, device)
+    out = {k: dict(ms=ms[k], gbps=v[1] * M * N * es / ms[k] / 1e6, ms_alone=alone[k], arrays=v[1])
+           for k, v in calls.items()}
     del base, lora
     return out
 
@@ -420,12 +478,12 @@ def bandwidth(n_elems, dtype, device, reps, warmup):
 def print_bandwidth(bw, n, dtype):
     copy = bw["copy (clone)"]["gbps"]
     print(f"\n### Composition kernels, {n / 1e6:.0f} M elements, {str(dtype).removeprefix('torch.')}\n")
-    print("| kernel | arrays moved | ms | GB/s | of copy bandwidth |")
-    print("|---|---:|---:|---:|---:|")
-    arrays = {"copy (clone)": 2, "compose inference": 3, "compose training forward (y, inner)": 4,
-              "compose backward (d_base, d_lora, d_g)": 4}
+    print(f"| kernel | arrays moved | ms ({BANDWIDTH_BATCH} back to back) | GB/s | of copy bandwidth | ms, one call "
+          f"from an idle GPU |")
+    print("|---|---:|---:|---:|---:|---:|")
     for k, v in bw.items():
-        print(f"| {k} | {arrays[k]} | {v['ms']:.3f} | {v['gbps']:.0f} | {v['gbps'] / copy:.1%} |")
+        print(f"| {k} | {v['arrays']} | {v['ms']:.3f} | {v['gbps']:.0f} | {v['gbps'] / copy:.1%} | "
+              f"{v['ms_alone']:.3f} |")
 
 
 def factored_norm(device, d_out=8192, d_in=8192, r=512):
@@ -535,12 +593,15 @@ def tiles(device, reps, warmup):
                tk.TileConfig(16, 256, 4, 2048), tk.TileConfig(16, 256, 4, 512), tk.TileConfig(32, 256, 8, 4096),
                # more programs in the backward (fewer row tiles each: more bytes in flight per SM)
                tk.TileConfig(32, 128, 4, 4096), tk.TileConfig(32, 128, 8, 4096), tk.TileConfig(64, 128, 8, 4096),
-               tk.TileConfig(16, 128, 4, 4096), tk.TileConfig(32, 128, 4, 8192), tk.TileConfig(64, 64, 4, 8192)]
+               tk.TileConfig(16, 128, 4, 4096), tk.TileConfig(32, 128, 4, 8192), tk.TileConfig(64, 64, 4, 8192),
+               # one row tile per program (as the forward): d_g's partial sums get a row per row tile
+               tk.TileConfig(32, 128, 4, 1 << 20), tk.TileConfig(16, 256, 4, 1 << 20), tk.TileConfig(64, 128, 8, 1 << 20),
+               tk.TileConfig(16, 128, 4, 1 << 20), tk.TileConfig(64, 256, 8, 1 << 20), tk.TileConfig(32, 256, 8, 1 << 20)]
     calls = {"copy": lambda: base.clone()}
     for c in configs:
         calls[f"fwd {c}"] = (lambda c=c: tk.compose_forward(base, lora, g, 0.5, cfg=c))
         calls[f"bwd {c}"] = (lambda c=c: tk.compose_backward(base, g, lora, 0.5, torch.bfloat16, torch.bfloat16, cfg=c))
-    ms = interleaved(calls, reps, warmup, device)
+    ms = interleaved(calls, reps, warmup, device, batch=BANDWIDTH_BATCH)
     bytes_per = {"copy": 2, "fwd": 3, "bwd": 4}
     print("\n### Tile configurations (bf16, 134 M elements)\n")
     print("| kernel, config | ms | GB/s |")
@@ -564,6 +625,8 @@ def main():
     ap.add_argument("--shape-index", type=int, nargs="*", help="run only these entries of SHAPES (0-based)")
     ap.add_argument("--bandwidth-elements", type=int, nargs="*", default=[1 << 27, 1 << 28],
                     help="sizes of the kernel bandwidth tables (none: skip them)")
+    ap.add_argument("--graphed", action="store_true",
+                    help="also time each fwd+bwd captured in a CUDA graph (GPU time without launches)")
     ap.add_argument("--json", type=Path, help="also write every number here")
     args = ap.parse_args()
 
@@ -598,7 +661,8 @@ def main():
         out["layers"] = []
         for T, d_in, d_out, r in shapes:
             res = bench_shape(T, d_in, d_out, r, device, reps, 1 if args.quick else args.warmup,
-                              with_quant=not args.no_quant and device.type == "cuda", peers=not args.quant_only)
+                              with_quant=not args.no_quant and device.type == "cuda", peers=not args.quant_only,
+                              graphed=args.graphed)
             print_layer_table(res)
             out["layers"].append(res)
             if device.type == "cuda":
