@@ -51,6 +51,7 @@ SHAPES = [(4096, 8192, 8192, 384), (4096, 28672, 8192, 384), (8192, 4096, 4096, 
 QUICK_SHAPES = [(64, 256, 128, 8), (33, 512, 256, 16)]
 QUANT_TYPES = ("Q4_K", "Q6_K", "Q8_0")
 G_SPREAD = 1.5e-3
+U_TILE_ROWS = 2048  # rows of W per GEMM of the dense stand-in's U alone (`DenseBase.matmul_exact`)
 
 
 class DenseBase(nn.Module):
@@ -86,10 +87,21 @@ class DenseBase(nn.Module):
     def matmul_exact(self, x: torch.Tensor, x_split: torch.Tensor | None = None) -> torch.Tensor:
         """x·Wᵀ for fp32 rows (DoRA's U = W·Aᵀ) as the frozen linear's `matmul_exact` gives it: to fp32 accuracy
         over the exact W. W is exactly bf16, so x = x_hi + x_lo in two bf16 parts (`kernels.split_bf16`, within
-        about 2⁻¹⁷ of x) and U = [x_hi; x_lo]·Wᵀ, one bf16 GEMM of 2r rows with fp32 accumulation, halves added."""
+        about 2⁻¹⁷ of x) and U = [x_hi; x_lo]·Wᵀ, bf16 GEMMs of 2r rows with fp32 accumulation, halves added: one
+        GEMM when the split is given (the training step), by tiles of W's rows otherwise."""
         r = x.shape[0]
-        both = mm_out(kernels.split_bf16(x) if x_split is None else x_split, self.W.t(), torch.float32)
-        return both[:r].add_(both[r:])
+        if x_split is not None:  # the training step's (`matmul_with_exact`): one GEMM of the 2r rows
+            both = mm_out(x_split, self.W.t(), torch.float32)
+            return both[:r].add_(both[r:])
+        # alone (a norm refresh): by tiles of W's rows into one [r, d_out] result, as the frozen linear's
+        # `_device_split_exact` runs through W's tiles: a [2r, tile] scratch instead of a [2r, d_out] one
+        xs = kernels.split_bf16(x)
+        out = torch.empty(r, self.W.shape[0], dtype=torch.float32, device=x.device)
+        for a in range(0, self.W.shape[0], U_TILE_ROWS):
+            b = min(a + U_TILE_ROWS, self.W.shape[0])
+            both = mm_out(xs, self.W[a:b].t(), torch.float32)
+            torch.add(both[:r], both[r:], out=out[:, a:b])
+        return out
 
     def matmul_with_exact(self, x: torch.Tensor, A: torch.Tensor,
                           A_split: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
