@@ -100,6 +100,17 @@ def _norm_assemble_kernel(base_sq_ptr, cross_ptr, ba_sq_ptr, out_ptr, n, s, BLOC
 
 
 @triton.jit
+def _store_norm(base_sq_ptr, out_ptr, rows, row_ok, acc, eps):
+    """out[rows] = max(sqrt(max(‖W‖²_row + Σ acc_row, 0)), eps) in fp32 with the correctly rounded square root: the
+    end of both row-norm kernels, `acc` `[rows, rank tile]` holding Σ_j B_ij·(2s·U_ij + s²·V_ij) by columns."""
+    total = tl.load(base_sq_ptr + rows, mask=row_ok, other=0.0).to(tl.float32) + tl.sum(acc, axis=1)
+    total = tl.where(total < 0.0, 0.0, total)  # rounding can push a zero row slightly negative; NaN passes through
+    norm = tl.sqrt_rn(total)
+    norm = tl.where(norm < eps, eps, norm)
+    tl.store(out_ptr + rows, norm, mask=row_ok)
+
+
+@triton.jit
 def _norm_rows_kernel(base_sq_ptr, b_ptr, u_ptr, v_ptr, out_ptr, n, r, sb0, sb1, su0, su1, sv0, sv1, two_s, s_sq, eps,
                       BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, R_TILES: tl.constexpr):
     """Rows [pid·BLOCK_D, +BLOCK_D) of ‖W + sBA‖ = sqrt(max(‖W‖² + Σ_j B_ij·(2s·U_ij + s²·V_ij), 0)), then
@@ -117,11 +128,7 @@ def _norm_rows_kernel(base_sq_ptr, b_ptr, u_ptr, v_ptr, out_ptr, n, r, sb0, sb1,
         u = tl.load(u_ptr + rows64[:, None] * su0 + c64 * su1, mask=mask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + rows64[:, None] * sv0 + c64 * sv1, mask=mask, other=0.0).to(tl.float32)
         acc += b * (two_s * u + s_sq * v)
-    total = tl.load(base_sq_ptr + rows, mask=row_ok, other=0.0).to(tl.float32) + tl.sum(acc, axis=1)
-    total = tl.where(total < 0.0, 0.0, total)  # rounding can push a zero row slightly negative; NaN passes through
-    norm = tl.sqrt_rn(total)
-    norm = tl.where(norm < eps, eps, norm)
-    tl.store(out_ptr + rows, norm, mask=row_ok)
+    _store_norm(base_sq_ptr, out_ptr, rows, row_ok, acc, eps)
 
 
 @triton.jit
@@ -158,11 +165,7 @@ def _norm_rows_gram_kernel(base_sq_ptr, b_ptr, u_ptr, g_ptr, out_ptr, n, r, sb0,
         b = tl.load(b_ptr + rows64[:, None] * sb0 + cj64[None, :] * sb1, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + rows64[:, None] * su0 + cj64[None, :] * su1, mask=mask, other=0.0).to(tl.float32)
         acc += b * (two_s * u + s_sq * v)
-    total = tl.load(base_sq_ptr + rows, mask=row_ok, other=0.0).to(tl.float32) + tl.sum(acc, axis=1)
-    total = tl.where(total < 0.0, 0.0, total)  # rounding can push a zero row slightly negative; NaN passes through
-    norm = tl.sqrt_rn(total)
-    norm = tl.where(norm < eps, eps, norm)
-    tl.store(out_ptr + rows, norm, mask=row_ok)
+    _store_norm(base_sq_ptr, out_ptr, rows, row_ok, acc, eps)
 
 
 # ---- launching --------------------------------------------------------------------------------------------------
