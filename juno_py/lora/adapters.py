@@ -78,19 +78,17 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tenso
     rounding of the result to bf16 (cuBLAS's fp32 output; on the CPU the exact bf16 values multiplied in fp32).
     alpha ≠ 1 is the GEMM's own alpha where it can be (one kernel), else a multiply after it."""
     if a.dtype == torch.float32 and b.dtype == torch.float32:
-        out = _mm_scaled(a, b, alpha)
-    elif a.is_cuda:
-        if alpha != 1.0 and _ADDMM_OUT_DTYPE[0]:
-            try:
-                return torch.addmm(torch.empty((), dtype=torch.float32, device=a.device), a, b, beta=0, alpha=alpha,
-                                   out_dtype=torch.float32)
-            except (TypeError, RuntimeError, NotImplementedError):  # a torch without addmm's out_dtype
-                _ADDMM_OUT_DTYPE[0] = False
-        out = torch.mm(a, b, out_dtype=torch.float32)
-        return out.mul_(alpha) if alpha != 1.0 else out
-    else:
-        out = _mm_scaled(a.float(), b.float(), alpha)
-    return out
+        return _mm_scaled(a, b, alpha)
+    if not a.is_cuda:
+        return _mm_scaled(a.float(), b.float(), alpha)
+    if alpha != 1.0 and _ADDMM_OUT_DTYPE[0]:
+        try:
+            return torch.addmm(torch.empty((), dtype=torch.float32, device=a.device), a, b, beta=0, alpha=alpha,
+                               out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):  # a torch without addmm's out_dtype
+            _ADDMM_OUT_DTYPE[0] = False
+    out = torch.mm(a, b, out_dtype=torch.float32)
+    return out.mul_(alpha) if alpha != 1.0 else out
 
 
 def factored_row_norm(base_sq: torch.Tensor, U: torch.Tensor, A: torch.Tensor, B: torch.Tensor, s: float,
