@@ -121,7 +121,7 @@ def profile_shape(T, d_in, d_out, r, trace_dir):
     print(f"  host syncs in one juno step: {len(syncs)} {syncs[:5]}")
 
     from torch.profiler import ProfilerActivity, profile
-    for name in ("juno", "PEFT LoRA bf16"):
+    for name in ("juno", "PEFT LoRA bf16", "PEFT DoRA bf16"):
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
@@ -129,9 +129,9 @@ def profile_shape(T, d_in, d_out, r, trace_dir):
                 torch.cuda.synchronize()
         ka = prof.key_averages()
         try:
-            table = ka.table(sort_by="self_device_time_total", row_limit=28, max_name_column_width=60)
+            table = ka.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=60)
         except Exception:
-            table = ka.table(sort_by="self_cuda_time_total", row_limit=28, max_name_column_width=60)
+            table = ka.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=60)
         print(f"\n### profiler, {name}, 3 steps\n")
         print(table)
         if trace_dir is not None and name == "juno":

@@ -154,13 +154,14 @@ def norm_assemble(base_sq: torch.Tensor, cross: torch.Tensor, ba_sq: torch.Tenso
     return kernels.norm_assemble(base_sq, cross, ba_sq, s)
 
 
-def norm_rows(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, V: torch.Tensor, s: float,
+def norm_rows(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, V: Optional[torch.Tensor], s: float,
               eps: float = 0.0) -> torch.Tensor:
     """max(‖W + sBA‖_row, eps) = max(sqrt(max(‖W‖² + Σ_j B_ij·(2s·U_ij + s²·V_ij), 0)), eps) with U = W·Aᵀ and
-    V = B·(A·Aᵀ) `[n, r]`: one fused kernel on CUDA (fp32 or bf16 inputs, result fp32), else the eager reference
-    (which keeps fp64 for fp64 inputs). Same JUNO_PY_KERNELS rules as `norm_assemble`."""
+    V = B·(A·Aᵀ) `[n, r]` (V None: no s² term, the caller folded it into U): one fused kernel on CUDA (fp32 or bf16
+    inputs, result fp32), else the eager reference (which keeps fp64 for fp64 inputs). Same JUNO_PY_KERNELS rules
+    as `norm_assemble`."""
     mode = kernel_mode()
-    narrow = all(t.dtype in _FUSED_DTYPES for t in (base_sq, B, U, V))
+    narrow = all(t.dtype in _FUSED_DTYPES for t in (base_sq, B, U, V) if t is not None)
     kernels = _fused_kernels(B.device, mode) if mode != "eager" and narrow else None
     if kernels is None:
         return norm_rows_eager(base_sq, B, U, V, s, eps)

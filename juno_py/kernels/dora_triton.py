@@ -112,10 +112,11 @@ def _store_norm(base_sq_ptr, out_ptr, rows, row_ok, acc, eps):
 
 @triton.jit
 def _norm_rows_kernel(base_sq_ptr, b_ptr, u_ptr, v_ptr, out_ptr, n, r, sb0, sb1, su0, su1, sv0, sv1, two_s, s_sq, eps,
-                      BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, R_TILES: tl.constexpr):
+                      HAS_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, R_TILES: tl.constexpr):
     """Rows [pid·BLOCK_D, +BLOCK_D) of ‖W + sBA‖ = sqrt(max(‖W‖² + Σ_j B_ij·(2s·U_ij + s²·V_ij), 0)), then
     max(·, eps), with U = W·Aᵀ and V = B·(A·Aᵀ), all `[n, r]` with any strides; fp32, correctly rounded sqrt.
-    R_TILES (constexpr) tiles of BLOCK_R rank columns: a compile-time loop bound, as the interpreter needs."""
+    Without HAS_V the s² term is left out (the caller folded it into U). R_TILES (constexpr) tiles of BLOCK_R
+    rank columns: a compile-time loop bound, as the interpreter needs."""
     rows = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = rows < n
     rows64 = rows.to(tl.int64)
@@ -126,45 +127,66 @@ def _norm_rows_kernel(base_sq_ptr, b_ptr, u_ptr, v_ptr, out_ptr, n, r, sb0, sb1,
         c64 = cols.to(tl.int64)[None, :]
         b = tl.load(b_ptr + rows64[:, None] * sb0 + c64 * sb1, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + rows64[:, None] * su0 + c64 * su1, mask=mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + rows64[:, None] * sv0 + c64 * sv1, mask=mask, other=0.0).to(tl.float32)
-        acc += b * (two_s * u + s_sq * v)
+        if HAS_V:
+            v = tl.load(v_ptr + rows64[:, None] * sv0 + c64 * sv1, mask=mask, other=0.0).to(tl.float32)
+            acc += b * (two_s * u + s_sq * v)
+        else:
+            acc += b * (two_s * u)
     _store_norm(base_sq_ptr, out_ptr, rows, row_ok, acc, eps)
 
 
 @triton.jit
-def _norm_rows_gram_kernel(base_sq_ptr, b_ptr, u_ptr, g_ptr, out_ptr, n, r, sb0, sb1, su0, su1, sg0, sg1, two_s,
-                           s_sq, eps, SPLIT: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-                           R_TILES: tl.constexpr):
-    """Rows [pid·BLOCK_D, +BLOCK_D) of ‖W + sBA‖ as `_norm_rows_kernel` computes them, with V = B·G formed here,
-    one tile of rank columns at a time (tensor-core dots in 3×TF32: fp32 accuracy), from G = A·Aᵀ `[r, r]` or,
-    with SPLIT, from the Gram matrix of the split A `[2r, 2r]` (G = the sum of its four r×r blocks)."""
+def _norm_rows_gram_kernel(base_sq_ptr, b_ptr, u_ptr, g_ptr, part_ptr, out_ptr, n, r, sb0, sb1, su0, su1, sg0, sg1,
+                           two_s, s_sq, eps, SPLIT: tl.constexpr, FINISH: tl.constexpr, BLOCK_D: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr):
+    """Program (i, j): rows [i·BLOCK_D, +BLOCK_D) and rank columns [j·BLOCK_R, +BLOCK_R) of ‖W + sBA‖'s sum
+    Σ_c B_ic·(2s·U_ic + s²·V_ic), with the tile of V = B·G formed here over all r (tensor-core dots in 3×TF32:
+    fp32 accuracy), from G = A·Aᵀ `[r, r]` or, with SPLIT, from the Gram matrix of the split A `[2r, 2r]` (G = the
+    sum of its four r×r blocks). FINISH (one rank tile): the norm itself, as `_norm_rows_kernel` ends; else the
+    tile's row sums go to `part[j, rows]` for `_norm_finish_kernel`. Each program reads one column tile of G, so G
+    is read n/BLOCK_D times in all, not once per row tile and column tile pair (the L2 traffic that bounded the
+    one-dimensional grid of session 5)."""
     rows = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    j = tl.program_id(1)
     row_ok = rows < n
     rows64 = rows.to(tl.int64)
-    acc = tl.zeros([BLOCK_D, BLOCK_R], dtype=tl.float32)
-    for j in range(R_TILES):
-        cj = j * BLOCK_R + tl.arange(0, BLOCK_R)
-        cj_ok = cj < r
-        cj64 = cj.to(tl.int64)
-        v = tl.zeros([BLOCK_D, BLOCK_R], dtype=tl.float32)
-        for k in range(R_TILES):
-            ck = k * BLOCK_R + tl.arange(0, BLOCK_R)
-            ck_ok = ck < r
-            ck64 = ck.to(tl.int64)
-            b_k = tl.load(b_ptr + rows64[:, None] * sb0 + ck64[None, :] * sb1,
-                          mask=row_ok[:, None] & ck_ok[None, :], other=0.0).to(tl.float32)
-            g_mask = ck_ok[:, None] & cj_ok[None, :]
-            g_offs = ck64[:, None] * sg0 + cj64[None, :] * sg1
-            g = tl.load(g_ptr + g_offs, mask=g_mask, other=0.0)
-            if SPLIT:  # G = G_hh + G_hl + G_lh + G_ll of the split A's Gram matrix
-                g += tl.load(g_ptr + g_offs + r * sg0, mask=g_mask, other=0.0)
-                g += tl.load(g_ptr + g_offs + r * sg1, mask=g_mask, other=0.0)
-                g += tl.load(g_ptr + g_offs + r * (sg0 + sg1), mask=g_mask, other=0.0)
-            v = tl.dot(b_k, g.to(tl.float32), acc=v, input_precision="tf32x3")
-        mask = row_ok[:, None] & cj_ok[None, :]
-        b = tl.load(b_ptr + rows64[:, None] * sb0 + cj64[None, :] * sb1, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + rows64[:, None] * su0 + cj64[None, :] * su1, mask=mask, other=0.0).to(tl.float32)
-        acc += b * (two_s * u + s_sq * v)
+    cj = j * BLOCK_R + tl.arange(0, BLOCK_R)
+    cj_ok = cj < r
+    cj64 = cj.to(tl.int64)
+    v = tl.zeros([BLOCK_D, BLOCK_R], dtype=tl.float32)
+    for k in range(K_TILES):
+        ck = k * BLOCK_K + tl.arange(0, BLOCK_K)
+        ck_ok = ck < r
+        ck64 = ck.to(tl.int64)
+        b_k = tl.load(b_ptr + rows64[:, None] * sb0 + ck64[None, :] * sb1, mask=row_ok[:, None] & ck_ok[None, :],
+                      other=0.0).to(tl.float32)
+        g_mask = ck_ok[:, None] & cj_ok[None, :]
+        g_offs = ck64[:, None] * sg0 + cj64[None, :] * sg1
+        g = tl.load(g_ptr + g_offs, mask=g_mask, other=0.0)
+        if SPLIT:  # G = G_hh + G_hl + G_lh + G_ll of the split A's Gram matrix
+            g += tl.load(g_ptr + g_offs + r * sg0, mask=g_mask, other=0.0)
+            g += tl.load(g_ptr + g_offs + r * sg1, mask=g_mask, other=0.0)
+            g += tl.load(g_ptr + g_offs + r * (sg0 + sg1), mask=g_mask, other=0.0)
+        v = tl.dot(b_k, g.to(tl.float32), acc=v, input_precision="tf32x3")
+    mask = row_ok[:, None] & cj_ok[None, :]
+    b = tl.load(b_ptr + rows64[:, None] * sb0 + cj64[None, :] * sb1, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + rows64[:, None] * su0 + cj64[None, :] * su1, mask=mask, other=0.0).to(tl.float32)
+    acc = b * (two_s * u + s_sq * v)
+    if FINISH:
+        _store_norm(base_sq_ptr, out_ptr, rows, row_ok, acc, eps)
+    else:
+        tl.store(part_ptr + j * n + rows64, tl.sum(acc, axis=1), mask=row_ok)
+
+
+@triton.jit
+def _norm_finish_kernel(base_sq_ptr, part_ptr, out_ptr, n, eps, J: tl.constexpr, J_POW: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """out[rows] from the J rank tiles' row sums `part [J, n]` of `_norm_rows_gram_kernel`, added in a fixed order."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row_ok = rows < n
+    js = tl.arange(0, J_POW)
+    acc = tl.load(part_ptr + js[None, :].to(tl.int64) * n + rows[:, None], mask=row_ok[:, None] & (js < J)[None, :],
+                  other=0.0)
     _store_norm(base_sq_ptr, out_ptr, rows, row_ok, acc, eps)
 
 
@@ -191,13 +213,16 @@ def _arg_key(a):
     return "?", type(a).__name__, a
 
 
-def _launch(kernel, grid, args, num_warps=4, **constexprs):
-    """`kernel[grid](*args, **constexprs, num_warps=num_warps)`, the compiled kernel reused when it can be."""
+def _launch(kernel, grid, args, num_warps=4, num_stages=None, **constexprs):
+    """`kernel[grid](*args, **constexprs, num_warps=num_warps)` (and num_stages when given), the compiled kernel
+    reused when it can be."""
     global _direct
+    opts = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
     if not _direct:
-        kernel[grid](*args, **constexprs, num_warps=num_warps)
+        kernel[grid](*args, **constexprs, **opts)
         return
-    key = (kernel, num_warps, tuple(constexprs.items()), tuple(_arg_key(a) for a in args), args[0].device.index)
+    key = (kernel, num_warps, num_stages, tuple(constexprs.items()), tuple(_arg_key(a) for a in args),
+           args[0].device.index)
     hit = _compiled.get(key)
     if hit is not None:
         compiled, names = hit
@@ -208,7 +233,7 @@ def _launch(kernel, grid, args, num_warps=4, **constexprs):
         except Exception:  # noqa: BLE001 - a triton whose internals differ: launch the usual way from now on
             _direct = False
             _compiled.clear()
-    compiled = kernel[grid](*args, **constexprs, num_warps=num_warps)
+    compiled = kernel[grid](*args, **constexprs, **opts)
     names = list(getattr(kernel, "arg_names", [])[len(args):])
     if _direct and hasattr(compiled, "__getitem__") and sorted(names) == sorted(constexprs):
         _compiled[key] = (compiled, names)
@@ -231,8 +256,29 @@ class TileConfig:
 FORWARD_CONFIG = TileConfig()
 BACKWARD_CONFIG = TileConfig(block_m=32, block_n=128, num_warps=4)
 NORM_BLOCK = 1024
-NORM_ROWS_ELEMENTS = 4096  # rows × rank columns per step of `_norm_rows_kernel`
-NORM_GRAM_BLOCK_D = 64  # rows per program of `_norm_rows_gram_kernel` (8192 rows: 128 programs, about one per SM)
+NORM_ROWS_ELEMENTS = 1024  # rows × rank columns per step of `_norm_rows_kernel` (8192 rows, r 384: 512 programs)
+
+
+@dataclass(frozen=True)
+class NormGramConfig:
+    """Tile of `_norm_rows_gram_kernel`: rows, rank columns (of V) and inner rank steps per program; warps and
+    pipeline stages (None: triton's default). A rank up to `one_tile_rank` is one rank tile of `one_tile_block_d`
+    rows per program: one launch, no finishing kernel.
+
+    Defaults measured on the H200 (benchmarks/norm_gram_sweep.py, GPU time): 128 × 32 × 32 tiles ran 65 µs at
+    8192 rows and r = 384 and 37 µs at 4096 rows (session 5's one-dimensional grid: 134 and 96 µs); r ≤ 64 kept
+    session 5's 64-row tiles (2.4 and 5.0 µs at 4096 rows, r = 16 and 64; 128-row tiles were slower)."""
+    block_d: int = 128
+    block_r: int = 32
+    block_k: int = 32
+    num_warps: int = 4
+    num_stages: int | None = 3
+    one_tile_rank: int = 64
+    one_tile_block_d: int = 64
+
+
+NORM_GRAM_CONFIG = NormGramConfig()
+NORM_FINISH_BLOCK = 256
 
 
 def _tile(cfg: TileConfig, M: int, N: int) -> tuple[int, int]:
@@ -328,30 +374,33 @@ def norm_assemble(base_sq: torch.Tensor, cross: torch.Tensor, ba_sq: torch.Tenso
     return out
 
 
-def norm_rows(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, V: torch.Tensor, s: float,
+def norm_rows(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, V: torch.Tensor | None, s: float,
               eps: float = 0.0) -> torch.Tensor:
     """max(‖W + sBA‖_row, eps) = max(sqrt(max(‖W‖² + Σ_j B_ij·(2s·U_ij + s²·V_ij), 0)), eps), fp32 `[n]`, in one
-    launch: B, U = W·Aᵀ and V = B·(A·Aᵀ) are `[n, r]` fp32 or bf16 with any strides (U may be a transposed view)."""
+    launch: B, U = W·Aᵀ and V = B·(A·Aᵀ) are `[n, r]` fp32 or bf16 with any strides (U may be a transposed view).
+    V None: no s² term (the caller folded it into U)."""
     n, r = B.shape
-    if U.shape != (n, r) or V.shape != (n, r) or base_sq.numel() != n:
+    if U.shape != (n, r) or (V is not None and V.shape != (n, r)) or base_sq.numel() != n:
         raise ValueError(f"fused DoRA norm: base_sq {tuple(base_sq.shape)}, B {tuple(B.shape)}, U {tuple(U.shape)}, "
-                         f"V {tuple(V.shape)}: expected [n] and three [n, r]")
+                         f"V {None if V is None else tuple(V.shape)}: expected [n] and three [n, r]")
     out = torch.empty(n, dtype=torch.float32, device=B.device)
     if n == 0:
         return out
     block_r = min(64, triton.next_power_of_2(max(r, 1)))
     block_d = min(max(1, NORM_ROWS_ELEMENTS // block_r), triton.next_power_of_2(n))
+    Vt = U if V is None else V  # never read without HAS_V
     _launch(_norm_rows_kernel, (triton.cdiv(n, block_d),), (
-        base_sq.reshape(-1).contiguous(), B, U, V, out, n, r, *B.stride(), *U.stride(), *V.stride(), 2.0 * s, s * s,
-        float(eps)), 4, BLOCK_D=block_d, BLOCK_R=block_r, R_TILES=triton.cdiv(r, block_r))
+        base_sq.reshape(-1).contiguous(), B, U, Vt, out, n, r, *B.stride(), *U.stride(), *Vt.stride(), 2.0 * s,
+        s * s, float(eps)), 4, HAS_V=V is not None, BLOCK_D=block_d, BLOCK_R=block_r, R_TILES=triton.cdiv(r, block_r))
     return out
 
 
 def norm_rows_gram(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, G: torch.Tensor, s: float,
-                   eps: float = 0.0, split: bool = False) -> torch.Tensor:
+                   eps: float = 0.0, split: bool = False, cfg: NormGramConfig = NORM_GRAM_CONFIG) -> torch.Tensor:
     """`norm_rows` with V = B·G formed inside the kernel: G = A·Aᵀ fp32 `[r, r]`, or with `split` the fp32 Gram
-    matrix `[2r, 2r]` of the split A (`split_bf16`), whose four r×r blocks add up to G. One launch instead of a
-    GEMM for V (fp32, without tensor cores) and a row kernel."""
+    matrix `[2r, 2r]` of the split A (`split_bf16`), whose four r×r blocks add up to G. One launch when r fits one
+    rank tile, else two (the tiles' row sums, then `_norm_finish_kernel`), instead of a GEMM for V (fp32, without
+    tensor cores) and a row kernel."""
     n, r = B.shape
     k = 2 * r if split else r
     if U.shape != (n, r) or G.shape != (k, k) or base_sq.numel() != n or G.dtype != torch.float32:
@@ -360,11 +409,22 @@ def norm_rows_gram(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, G: t
     out = torch.empty(n, dtype=torch.float32, device=B.device)
     if n == 0:
         return out
-    block_r = max(16, min(64, triton.next_power_of_2(max(r, 1))))  # tl.dot takes tiles of 16 and more
-    block_d = max(16, min(NORM_GRAM_BLOCK_D, triton.next_power_of_2(n)))
-    _launch(_norm_rows_gram_kernel, (triton.cdiv(n, block_d),), (
-        base_sq.reshape(-1).contiguous(), B, U, G, out, n, r, *B.stride(), *U.stride(), *G.stride(), 2.0 * s, s * s,
-        float(eps)), 4, SPLIT=bool(split), BLOCK_D=block_d, BLOCK_R=block_r, R_TILES=triton.cdiv(r, block_r))
+    r2 = max(16, triton.next_power_of_2(max(r, 1)))  # tl.dot takes tiles of 16 and more
+    one = r2 <= cfg.one_tile_rank
+    block_r = r2 if one else max(16, min(cfg.block_r, r2))
+    block_k = r2 if one else max(16, min(cfg.block_k, r2))
+    block_d = max(16, min(cfg.one_tile_block_d if one else cfg.block_d, triton.next_power_of_2(n)))
+    J = triton.cdiv(r, block_r)
+    base_sq = base_sq.reshape(-1).contiguous()
+    part = torch.empty(J, n, dtype=torch.float32, device=B.device) if J > 1 else out  # (unused with one tile)
+    _launch(_norm_rows_gram_kernel, (triton.cdiv(n, block_d), J), (
+        base_sq, B, U, G, part, out, n, r, *B.stride(), *U.stride(), *G.stride(), 2.0 * s, s * s, float(eps)),
+        cfg.num_warps, cfg.num_stages, SPLIT=bool(split), FINISH=J == 1, BLOCK_D=block_d, BLOCK_R=block_r,
+        BLOCK_K=block_k, K_TILES=triton.cdiv(r, block_k))
+    if J > 1:
+        block = min(NORM_FINISH_BLOCK, triton.next_power_of_2(n))
+        _launch(_norm_finish_kernel, (triton.cdiv(n, block),), (base_sq, part, out, n, float(eps)), 4,
+                J=J, J_POW=triton.next_power_of_2(J), BLOCK=block)
     return out
 
 
@@ -399,5 +459,5 @@ class DoraComposeFn(torch.autograd.Function):
                 d_lora.reshape(lora_shape) if d_lora is not None else None, d_g, None)
 
 
-__all__ = ["DoraComposeFn", "compose_forward", "compose_backward", "norm_assemble", "norm_rows", "norm_rows_gram", "TileConfig",
-           "INTERPRETED", "FUSED_DTYPES"]
+__all__ = ["DoraComposeFn", "compose_forward", "compose_backward", "norm_assemble", "norm_rows", "norm_rows_gram",
+           "TileConfig", "NormGramConfig", "INTERPRETED", "FUSED_DTYPES"]

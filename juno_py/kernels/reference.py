@@ -24,12 +24,14 @@ def norm_assemble_eager(base_sq: torch.Tensor, cross: torch.Tensor, ba_sq: torch
     return torch.sqrt(torch.clamp(total, min=0.0))
 
 
-def norm_rows_eager(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, V: torch.Tensor, s: float,
+def norm_rows_eager(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, V: torch.Tensor | None, s: float,
                     eps: float = 0.0) -> torch.Tensor:
     """max(‖W + sBA‖_row, eps) from ‖W‖²_row, B, U = W·Aᵀ and V = B·(A·Aᵀ) (all `[n, r]`):
-    sqrt(max(‖W‖² + Σ_j B_ij·(2s·U_ij + s²·V_ij), 0)), in fp32 (or fp64 if the inputs are)."""
+    sqrt(max(‖W‖² + Σ_j B_ij·(2s·U_ij + s²·V_ij), 0)), in fp32 (or fp64 if the inputs are). V None: no s² term
+    (the caller folded it into U)."""
     dt = torch.promote_types(base_sq.dtype, torch.float32)
-    total = base_sq.to(dt) + (B.to(dt) * ((2.0 * s) * U.to(dt) + (s * s) * V.to(dt))).sum(dim=1)
+    inner = (2.0 * s) * U.to(dt) if V is None else (2.0 * s) * U.to(dt) + (s * s) * V.to(dt)
+    total = base_sq.to(dt) + (B.to(dt) * inner).sum(dim=1)
     return torch.sqrt(torch.clamp(total, min=0.0)).clamp_min(eps)
 
 

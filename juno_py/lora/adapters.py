@@ -18,7 +18,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from juno_py import kernels
-from juno_py.kernels import dora_compose, norm_rows_gram, split_bf16
+from juno_py.kernels import dora_compose, norm_rows, norm_rows_gram, split_bf16
 from juno_py.lora.format import AdapterEntry, Fingerprint, Init, Mode, Scaling
 
 DORA_EPS = 1e-6
@@ -50,6 +50,12 @@ class AdapterConfig:
 # runs at about 1/15 of the bf16 rate on an H200 (G at r = 384 on an 8192-wide layer: 75 µs in fp32, 0.2 ms on a
 # 28672-wide one; benchmarks/dora_step_profile.py)
 SPLIT_GRAM_MIN_FMAS = 1 << 30
+# DoRA's V = B·G with at least this many multiply-adds (d_out·r²) runs as bf16 tensor-core GEMMs of the split
+# operands (`addmm_bf16x3_`) instead of inside the fused row kernel's 3×TF32 dots. On the H200 at 8192 rows
+# (benchmarks/norm_gram_sweep.py, GPU / CPU µs): r = 768, kernel 239 / 60, GEMMs 156 / 222; r = 384, kernel 74 / 109,
+# GEMMs 74 / 387. The GEMM path's seven torch ops cost more CPU than the kernel's one or two launches, which the
+# layer steps below this size cannot hide (4096-wide layers are bound by their launches on that host).
+NORM_GEMM_MIN_FMAS = 1 << 32
 
 
 def gram(A: torch.Tensor) -> torch.Tensor:
@@ -62,6 +68,48 @@ def gram(A: torch.Tensor) -> torch.Tensor:
     r = A.shape[0]
     X = split_bf16(A)
     return mm_fp32(X, X.T).view(2, r, 2, r).sum(dim=(0, 2))
+
+
+def addmm_bf16x3_(C: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """C += alpha·(a·b) in place, for fp32 C `[n, m]` (contiguous, or a transposed view of a contiguous tensor),
+    a `[n, k]` and b `[k, m]`, to about fp32 accuracy in two bf16 GEMMs with fp32 accumulation into C: with
+    v_hi = bf16(v) and v_lo = bf16(v − v_hi) (together within about 2⁻¹⁷ of v), [a_hi | a_lo]·[b_hi; b_hi] adds
+    a_hi·b_hi + a_lo·b_hi over its inner dimension, then a_hi·b_lo. What it leaves out, a_lo·b_lo and the parts'
+    own residues, is about 3·2⁻¹⁶ of |a|·|b|. Scratch: the split operands, `[n, 2k]` and `[3k, m]` bf16."""
+    n, k = a.shape
+    m = b.shape[1]
+    left = torch.empty(n, 2, k, dtype=torch.bfloat16, device=a.device)
+    left[:, 0].copy_(a)
+    torch.sub(a, left[:, 0], out=left[:, 1])
+    right = torch.empty(3, k, m, dtype=torch.bfloat16, device=b.device)
+    right[:2].copy_(b.expand(2, k, m))  # b_hi twice, in one pass
+    torch.sub(b, right[0], out=right[2])
+    left, right = left.view(n, 2 * k), right.view(3 * k, m)
+    pairs = ((left, right[:2 * k]), (left[:, :k], right[2 * k:]))
+    D = C
+    if not C.is_contiguous():  # C = Dᵀ with D contiguous: D += alpha·(bᵀ·aᵀ)
+        D, pairs = C.T, tuple((y.T, x.T) for x, y in pairs)
+    for x, y in pairs:
+        _addmm_fp32_(D, x, y, alpha)
+    return C
+
+
+def _addmm_fp32_(C: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
+    """C += alpha·(a·b) for contiguous fp32 C and bf16 a, b: cuBLAS's bf16 GEMM accumulating into C in fp32 where
+    torch has addmm's out_dtype, else an fp32 product added (on the CPU, the exact bf16 values in fp32)."""
+    if not C.is_contiguous():
+        raise ValueError(f"addmm_bf16x3_: C {tuple(C.shape)} with strides {C.stride()}: expected a contiguous "
+                         f"tensor or a transposed view of one")
+    if not a.is_cuda:
+        C.addmm_(a.float(), b.float(), alpha=alpha)
+        return
+    if _ADDMM_OUT_DTYPE[0]:
+        try:
+            torch.addmm(C, a, b, alpha=alpha, out_dtype=torch.float32, out=C)
+            return
+        except (TypeError, RuntimeError, NotImplementedError):  # a torch without addmm's out_dtype
+            _ADDMM_OUT_DTYPE[0] = False
+    C.add_(torch.mm(a, b, out_dtype=torch.float32), alpha=alpha)
 
 
 def _splits_gram(A: torch.Tensor) -> bool:
@@ -93,21 +141,33 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tenso
 
 def factored_row_norm(base_sq: torch.Tensor, U: torch.Tensor, A: torch.Tensor, B: torch.Tensor, s: float,
                       dtype: torch.dtype = torch.float32, eps: float = 0.0,
-                      A_split: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      A_split: Optional[torch.Tensor] = None, U_scratch: bool = False) -> torch.Tensor:
     """‖W + sBA‖ per row (then max(·, eps)) from ‖W‖²_row, U = W·Aᵀ `[d_out, r]` (a transposed view is fine),
     A `[r, d_in]`, B `[d_out, r]`; no `d_out×d_in` matrix.
 
     ‖W+sBA‖²_row = ‖W‖²_row + 2s·rowsum(B ⊙ U) + s²·rowsum((B·G) ⊙ B) with G = A·Aᵀ, accumulated in `dtype`: G
     (through bf16 tensor cores at fp32 accuracy when large: `gram`), then one fused kernel for V = B·G,
-    rowsum(B ⊙ (2s·U + s²·V)), the sum with ‖W‖², the square root and eps (`kernels.norm_rows_gram`). `A_split`:
+    rowsum(B ⊙ (2s·U + s²·V)), the sum with ‖W‖², the square root and eps (`kernels.norm_rows_gram`). On CUDA with
+    d_out·r² ≥ NORM_GEMM_MIN_FMAS, V = B·G runs on bf16 tensor cores at fp32 accuracy instead, accumulated into
+    U's buffer as U + (s/2)·V (`addmm_bf16x3_`; `U_scratch`: the caller's U may be overwritten, else a copy), and
+    the row kernel `kernels.norm_rows` does the rest. `A_split`:
     A already split into its two bf16 parts (`split_bf16`, `[2r, d_in]`, what the step's U was computed from):
     where `gram` would split A, the Gram matrix of these parts `[2r, 2r]` goes to the kernel as it is (its four
     blocks add up to G) instead of splitting A again.
     """
-    A, B, U = A.to(dtype), B.to(dtype), U.to(dtype)
-    if A_split is not None and _splits_gram(A):
-        return norm_rows_gram(base_sq.to(dtype), B, U, mm_fp32(A_split, A_split.T), s, eps, split=True)
-    return norm_rows_gram(base_sq.to(dtype), B, U, gram(A), s, eps)  # fused kernel on CUDA, eager elsewhere
+    A, B = A.to(dtype), B.to(dtype)
+    split = A_split is not None and _splits_gram(A)
+    G = mm_fp32(A_split, A_split.T) if split else gram(A)
+    n, r = B.shape
+    if B.is_cuda and dtype == torch.float32 and n * r * r >= NORM_GEMM_MIN_FMAS:
+        if split:
+            G = G.view(2, r, 2, r).sum(dim=(0, 2))
+        # T = U + (s/2)·B·G accumulated into U's buffer (2s·T = 2s·U + s²·V): no [d_out, r] array more
+        T = U if U_scratch and U.dtype == dtype else U.to(dtype, copy=True)
+        if not (T.is_contiguous() or T.T.is_contiguous()):
+            T = T.contiguous()
+        return norm_rows(base_sq.to(dtype), B, addmm_bf16x3_(T, B, G, 0.5 * s), None, s, eps)
+    return norm_rows_gram(base_sq.to(dtype), B, U.to(dtype), G, s, eps, split=split)  # fused on CUDA, else eager
 
 
 class LoraAdapter(nn.Module):
@@ -198,19 +258,21 @@ class AdaptedLinear(nn.Module):
         return self.base.row_norms_sq(dtype)  # frozen: computed once by the base and kept
 
     def weight_row_norm(self, dtype: torch.dtype = torch.float32, eps: float = 0.0,
-                        U: Optional[torch.Tensor] = None, A_split: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        U: Optional[torch.Tensor] = None, A_split: Optional[torch.Tensor] = None,
+                        U_scratch: bool = False) -> torch.Tensor:
         """‖W + sBA‖_row of the DoRA adapter (then max(·, eps)), factored: U = W·Aᵀ runs A's rows through the
         frozen linear, unless the caller already has it (`U` `[d_out, r]`, e.g. from `matmul_with_exact`, with
-        `A_split`, the split A it was computed from, if any: `factored_row_norm`)."""
+        `A_split`, the split A it was computed from, if any, and `U_scratch` if its buffer may be overwritten:
+        `factored_row_norm`)."""
         ad = self.dora
         with torch.no_grad():
             A = ad.lora_A.detach()
             if U is None:
                 # fp32 products over the exact W (a bf16 W or A would cost the norm about 3e-5 relative)
                 matmul = getattr(self.base, "matmul_exact", self.base.matmul)
-                U = matmul(A.to(dtype)).T
+                U, A_split, U_scratch = matmul(A.to(dtype)).T, None, True
             return factored_row_norm(self.base_row_norms_sq(dtype), U, A, ad.lora_B.detach(), ad.scale, dtype, eps,
-                                     A_split if U is not None else None)
+                                     A_split, U_scratch)
 
     def _norm_key(self, dtype: torch.dtype) -> tuple:
         ad = self.dora
@@ -222,12 +284,13 @@ class AdaptedLinear(nn.Module):
         return held or (self._g_cache is not None and self._g_cache[0] == self._norm_key(dtype))
 
     def dora_norm(self, dtype: torch.dtype = torch.float32, U: Optional[torch.Tensor] = None,
-                  A_split: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  A_split: Optional[torch.Tensor] = None, U_scratch: bool = False) -> torch.Tensor:
         """max(‖W + sBA‖_row, 1e-6), detached; recomputed only when A or B changed (or `_g_cache` was cleared), from
         `U` = W·Aᵀ `[d_out, r]` when the caller has it (`DoraLinearFn`: the base product's decode gave it, from the
-        split A `A_split`)."""
+        split A `A_split`; `U_scratch`: U's buffer may be overwritten)."""
         if not self.norm_is_cached(dtype):
-            self._g_cache = (self._norm_key(dtype), self.weight_row_norm(dtype, eps=DORA_EPS, U=U, A_split=A_split))
+            self._g_cache = (self._norm_key(dtype), self.weight_row_norm(dtype, eps=DORA_EPS, U=U, A_split=A_split,
+                                                                         U_scratch=U_scratch))
         return self._g_cache[1]
 
     def dora_scale(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -304,7 +367,7 @@ class DoraLinearFn(torch.autograd.Function):
         Bc = B.detach().to(dt)
         xa = torch.mm(xc, Ac.T)
         lora = torch.mm(xa, Bc.T)
-        norm = layer.dora_norm(torch.float32, U=U, A_split=A_split)
+        norm = layer.dora_norm(torch.float32, U=U, A_split=A_split, U_scratch=True)  # U is not used after it
         g = torch.div(m.detach(), norm)
         y, inner = tk.compose_forward(base_out, lora, g, s, write_inner=ctx.needs_input_grad[3])
         ctx.save_for_backward(xc, Ac, Bc, xa, g, norm, inner)

@@ -300,15 +300,17 @@ NORM_SIZES = [(1, 1), (7, 3), (300, 16), (257, 100)] + ([(8192, 384), (28672, 64
                                                      if DEVICE == "cuda" else [])
 
 
+@pytest.mark.parametrize("with_v", [True, False], ids=["V", "no-V"])
 @pytest.mark.parametrize("n,r", NORM_SIZES)
-def test_norm_rows_matches_fp64(fused, n, r):
+def test_norm_rows_matches_fp64(fused, n, r, with_v):
+    """The row kernel against fp64, with V, and without it (V None: the s² term folded into U by the caller)."""
     gen = torch.Generator().manual_seed(n + r)
     base_sq = torch.rand(n, generator=gen) * 4 + 1.0
     B = torch.randn(n, r, generator=gen) * 0.1
     U = torch.randn(r, n, generator=gen).T * 0.2  # a transposed view, as `weight_row_norm` passes it
-    V = torch.randn(n, r, generator=gen) * 0.3
+    V = torch.randn(n, r, generator=gen) * 0.3 if with_v else torch.zeros(n, r)
     s = 0.75
-    got = kernels.norm_rows(*(t.to(DEVICE) for t in (base_sq, B, U, V)), s)
+    got = kernels.norm_rows(*(t.to(DEVICE) for t in (base_sq, B, U)), V.to(DEVICE) if with_v else None, s)
     s32 = float(torch.tensor(s, dtype=torch.float32))
     terms = B.double() * (2 * s32 * U.double() + s32 * s32 * V.double())
     total = base_sq.double() + terms.sum(1)
@@ -380,6 +382,71 @@ def test_norm_rows_gram_clamps(fused):
     G = torch.ones(1, 1, device=DEVICE)  # V = B: ‖·‖² = base_sq + 2·(−0.5) + 1 = base_sq
     assert kernels.norm_rows_gram(base_sq, B, U, G, 1.0).tolist() == [0.0, 1.0, 2.0]
     assert kernels.norm_rows_gram(base_sq, B, U, G, 1.0, eps=1e-6).tolist() == [pytest.approx(1e-6), 1.0, 2.0]
+
+
+BF16X3_SIZES = [(1, 1, 1), (7, 3, 5), (300, 16, 16), (257, 100, 33)] + ([(8192, 384, 384), (4099, 768, 768)]
+                                                                      if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("n,k,m", BF16X3_SIZES)
+def test_addmm_bf16x3_matches_fp64(n, k, m, layout):
+    """C += alpha·a·b through the split bf16 operands: within 3·2⁻¹⁶ of |a|·|b| (what the split leaves out) plus
+    fp32 accumulation, in C's own buffer (either layout); one bf16 product alone, or dropping a_lo, is far off."""
+    from juno_py.lora.adapters import addmm_bf16x3_
+    gen = torch.Generator().manual_seed(n + k + m)
+    a = torch.randn(n, k, generator=gen) * torch.logspace(-2, 1, k)  # columns of different scales
+    b = torch.randn(k, m, generator=gen) * 0.3
+    C0 = torch.randn(n, m, generator=gen) if layout == "contiguous" else torch.randn(m, n, generator=gen).T
+    C = C0.to(DEVICE, copy=True)  # strides kept
+    alpha = 0.375
+    out = addmm_bf16x3_(C, a.to(DEVICE), b.to(DEVICE), alpha)
+    assert out.data_ptr() == C.data_ptr() and out.stride() == C.stride()
+    ref = C0.double() + alpha * (a.double() @ b.double())
+    mag = alpha * (a.double().abs() @ b.double().abs())
+    bound = (3.1 * 2.0 ** -16 + (2 * k + 4) * U32) * mag + 2 * U32 * ref.abs()
+    err = (out.double().cpu() - ref).abs()
+    assert bool((err <= bound).all()), (err / bound).max().item()
+    if k >= 16:
+        hi = a.bfloat16().double()
+        b_hi = b.bfloat16().double()
+        b_lo = (b.double() - b_hi).float().bfloat16().double()
+        without_a_lo = C0.double() + alpha * (hi @ (b_hi + b_lo))
+        assert bool(((without_a_lo - ref).abs() > bound).any())
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the GEMM path of the factored norm runs on CUDA")
+@pytest.mark.parametrize("n,n_in,r", [(8192, 8192, 768), (4099, 1000, 384), (300, 64, 17)])
+def test_factored_norm_gemm_path_matches_the_kernel_path(n, n_in, r, monkeypatch):
+    """Above NORM_GEMM_MIN_FMAS (lowered here for the smaller shapes), V = B·G runs through `addmm_bf16x3_` into
+    U's buffer: against fp64 of the same U, within the fp32 bound of the row sums plus what V's split and G's own
+    products leave out; within 1e-5 of the exact norm (the target); U is overwritten only as scratch."""
+    from juno_py.lora import adapters as ad
+    monkeypatch.setattr(ad, "NORM_GEMM_MIN_FMAS", min(ad.NORM_GEMM_MIN_FMAS, n * r * r))
+    gen = torch.Generator().manual_seed(r)
+    W = torch.randn(n, n_in, generator=gen) * 0.02
+    A = (torch.rand(r, n_in, generator=gen) * 2 - 1) / math.sqrt(n_in)
+    B = torch.randn(n, r, generator=gen) * (0.3 * 0.02 * math.sqrt(n_in) * math.sqrt(3 / r))
+    s = 2.0
+    ref = (W.double() + s * B.double() @ A.double()).norm(dim=1)
+    Wd, Ad, Bd = W.to(DEVICE), A.to(DEVICE), B.to(DEVICE)
+    base_sq = Wd.double().square().sum(1).float()
+    U = (Ad.double() @ Wd.double().T).float().T  # exact U, transposed view as the frozen linear gives it
+    kept = U.clone()
+    got = ad.factored_row_norm(base_sq, U, Ad, Bd, s)
+    assert torch.equal(U, kept)  # not scratch: left as it was
+    scratch = ad.factored_row_norm(base_sq, U, Ad, Bd, s, U_scratch=True)
+    assert torch.equal(scratch, got) and not torch.equal(U, kept)
+    Ud, Bx, Ax = kept.double().cpu(), B.double(), A.double()
+    G, Gabs = Ax @ Ax.T, Ax.abs() @ Ax.abs().T
+    same = (base_sq.double().cpu() + (Bx * (2 * s * Ud + s * s * (Bx @ G))).sum(1)).clamp_min(0).sqrt()
+    g_err = (4 * 2.0 ** -16 if ad._splits_gram(Ad) else (n_in + 2) * U32) * Gabs
+    v_err = (3.1 * 2.0 ** -16 + (2 * r + 4) * U32) * (Bx.abs() @ Gabs) + Bx.abs() @ g_err
+    mag = base_sq.double().cpu() + (Bx.abs() * (2 * s * Ud.abs() + s * s * (Bx.abs() @ Gabs))).sum(1)
+    bound = (3 * r + 8) * U32 * mag / (2 * same) + U32 * same + s * s * (Bx.abs() * v_err).sum(1) / (2 * same)
+    err = (got.double().cpu() - same).abs()
+    assert bool((err <= bound).all()), (err / bound).max().item()
+    assert ((got.double().cpu() - ref).abs() / ref).max().item() <= 1e-5
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the 1e-5 norm target at a real size: GPU")
