@@ -1,8 +1,9 @@
 """Where one juno-py DoRA training step (dense bf16 W) spends its time on the GPU, per shape of
 benchmarks/dora_layer.py: the step's time from an idle GPU (as dora_layer.py measures it) next to PEFT's, the
 CPU time to issue it, the step's pieces (each from an idle GPU), host syncs, and torch.profiler's kernel table.
+`--cprofile`: instead, where the step's CPU time goes (cProfile of juno-py's step on dense and Q4_K W, by own time).
 
-    python benchmarks/dora_step_profile.py [--shapes 0,3] [--trace-dir DIR]
+    python benchmarks/dora_step_profile.py [--shapes 0,3] [--trace-dir DIR] [--cprofile]
 """
 
 from __future__ import annotations
@@ -140,17 +141,54 @@ def profile_shape(T, d_in, d_out, r, trace_dir):
     torch.cuda.empty_cache()
 
 
+def cprofile_shape(T, d_in, d_out, r, steps=100):
+    """cProfile of `steps` juno-py steps (fresh norm each, as dora_layer.py's rows), dense and Q4_K W."""
+    import cProfile
+    import io
+    import pstats
+
+    dev = torch.device("cuda")
+    d = dl.layer_data(T, d_in, d_out, r, dev)
+    x = d["x"].clone().requires_grad_(True)
+    for name, base in (("dense", dl.DenseBase(d["W"])), ("Q4_K", dl.quant_layer("Q4_K", d_in, d_out, dev))):
+        lay = dl.juno_layer(base, d).train()
+        params = [p for p in lay.parameters() if p.requires_grad]
+        f = dl.train_call(lay, x, d["dy"], params, lambda lay=lay: setattr(lay, "_g_cache", None))
+        for _ in range(5):
+            f()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        for _ in range(steps):
+            f()
+        prof.disable()
+        cpu = (time.perf_counter() - t0) * 1e3 / steps
+        torch.cuda.synchronize()
+        out = io.StringIO()
+        st = pstats.Stats(prof, stream=out)
+        st.sort_stats("tottime").print_stats(40)
+        print(f"\n## T={T}, {d_in}->{d_out}, r={r}, {name}: {cpu:.3f} ms of CPU a step under cProfile\n")
+        print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:9000])
+        del lay, base, f
+    torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=None, help="comma-separated indices into dora_layer.SHAPES")
     ap.add_argument("--trace-dir", type=Path, default=None)
+    ap.add_argument("--cprofile", action="store_true", help="only the step's CPU profile (cProfile)")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     idx = range(len(dl.SHAPES)) if args.shapes is None else [int(i) for i in args.shapes.split(",")]
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {__import__('triton').__version__}")
     for i in idx:
-        profile_shape(*dl.SHAPES[i], args.trace_dir)
+        if args.cprofile:
+            cprofile_shape(*dl.SHAPES[i])
+        else:
+            profile_shape(*dl.SHAPES[i], args.trace_dir)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import torch
 from juno_py.gguf import quants
 from juno_py.gguf.constants import GGML_BLOCK_SIZES, GGMLType
 from juno_py.kernels import split_bf16
+from juno_py.kernels.launch import launch
 
 TRITON_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0,
                           GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
@@ -76,7 +77,11 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _on(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    """The device guard of a launch on t's device: none where it is already the current one (a guard costs CPU
+    time every launch)."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
 
 
 def _geometry(ggml_type: int) -> tuple[int, int]:
@@ -136,10 +141,10 @@ def _decode(raw: torch.Tensor, ggml_type: int, n_cols: int, row_bytes: int, r0: 
     nb, warps = KERNEL_CONFIG[ggml_type][:2]
     ra = _row_alignment(row_bytes)
     with _on(raw):
-        kernels().dequant_kernel[(_cdiv((r1 - r0) * n_blk, nb),)](
-            raw, dst, dst if lo_dst is None else lo_dst, row_bytes // ra, r0, blk0, n_blk, r1 - r0, c0, c1, stride,
-            TYPE=int(ggml_type), B=B, BLOCK_BYTES=block_bytes, RA=ra, BF16=bf16, EDGES=bool(c0 % B or c1 % B), NB=nb,
-            SPLIT=lo_dst is not None, num_warps=warps)
+        launch(kernels().dequant_kernel, (_cdiv((r1 - r0) * n_blk, nb),), (
+            raw, dst, dst if lo_dst is None else lo_dst, row_bytes // ra, r0, blk0, n_blk, r1 - r0, c0, c1, stride),
+            warps, TYPE=int(ggml_type), B=B, BLOCK_BYTES=block_bytes, RA=ra, BF16=bf16,
+            EDGES=bool(c0 % B or c1 % B), NB=nb, SPLIT=lo_dst is not None)
 
 
 def dequantize_tile(raw: torch.Tensor, ggml_type: int, n_cols: int, rows: Optional[tuple[int, int]] = None,
@@ -199,9 +204,9 @@ def dequant_matvec(raw: torch.Tensor, ggml_type: int, n_cols: int, x: torch.Tens
         ra = _row_alignment(row_bytes)
         grid = (_cdiv(n_rows, bn), x.shape[0])
         with _on(raw):
-            kernels().matvec_kernel[grid](raw, x, y, n_rows, n_cols, _cdiv(n_cols, B), row_bytes // ra, x.stride(0),
-                                          y.stride(0), TYPE=int(ggml_type), B=B, BLOCK_BYTES=block_bytes, RA=ra,
-                                          ROUND_BF16=round_bf16, BN=bn, KB=kb, num_warps=4)
+            launch(kernels().matvec_kernel, grid, (raw, x, y, n_rows, n_cols, _cdiv(n_cols, B), row_bytes // ra,
+                                                   x.stride(0), y.stride(0)), 4,
+                   TYPE=int(ggml_type), B=B, BLOCK_BYTES=block_bytes, RA=ra, ROUND_BF16=round_bf16, BN=bn, KB=kb)
     return y
 
 

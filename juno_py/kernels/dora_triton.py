@@ -11,7 +11,6 @@ This module imports triton: `juno_py.kernels` loads it only when a fused path ru
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +19,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 # Decided by triton when the kernels below were defined: CPU tensors run only under the interpreter.
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+from juno_py.kernels.launch import INTERPRETED, launch as _launch  # noqa: E402
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -190,54 +189,7 @@ def _norm_finish_kernel(base_sq_ptr, part_ptr, out_ptr, n, eps, J: tl.constexpr,
     _store_norm(base_sq_ptr, out_ptr, rows, row_ok, acc, eps)
 
 
-# ---- launching --------------------------------------------------------------------------------------------------
-# `kernel[grid](...)` spends most of a DoRA step's CPU time on the H200's host (about 0.15 ms a launch, against
-# 0.03 ms for a torch op; benchmarks/dora_step_profile.py): it binds and specializes every argument and builds a
-# cache key on each call. `_launch` keeps the compiled kernel of each specialization and launches it directly
-# (`CompiledKernel[grid]`). Its key is at least as fine as triton's specialization: each tensor's dtype and
-# 16-byte alignment, each int's value class (== 1, divisible by 16, 32-bit range) and every constexpr value.
-# The first launch of a key goes through triton as usual; anything unexpected turns the shortcut off for good.
-_compiled: dict = {}
-_direct = not INTERPRETED
-
-
-def _arg_key(a):
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() % 16 == 0
-    if isinstance(a, bool):
-        return "b", a
-    if isinstance(a, int):
-        return "i", a == 1, a % 16 == 0, -(1 << 31) <= a < (1 << 31), 0 <= a < (1 << 64)
-    if isinstance(a, float):
-        return "f"
-    return "?", type(a).__name__, a
-
-
-def _launch(kernel, grid, args, num_warps=4, num_stages=None, **constexprs):
-    """`kernel[grid](*args, **constexprs, num_warps=num_warps)` (and num_stages when given), the compiled kernel
-    reused when it can be."""
-    global _direct
-    opts = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
-    if not _direct:
-        kernel[grid](*args, **constexprs, **opts)
-        return
-    key = (kernel, num_warps, num_stages, tuple(constexprs.items()), tuple(_arg_key(a) for a in args),
-           args[0].device.index)
-    hit = _compiled.get(key)
-    if hit is not None:
-        compiled, names = hit
-        try:
-            # the compiled kernel's runner reads three grid dimensions (triton's binder pads them; this does too)
-            compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *(constexprs[n] for n in names))
-            return
-        except Exception:  # noqa: BLE001 - a triton whose internals differ: launch the usual way from now on
-            _direct = False
-            _compiled.clear()
-    compiled = kernel[grid](*args, **constexprs, **opts)
-    names = list(getattr(kernel, "arg_names", [])[len(args):])
-    if _direct and hasattr(compiled, "__getitem__") and sorted(names) == sorted(constexprs):
-        _compiled[key] = (compiled, names)
-
+# ---- launching: `juno_py.kernels.launch` (shared with the decode and loss kernels) ------------------------------
 
 # ---- launch configuration --------------------------------------------------------------------------------------
 
@@ -370,7 +322,7 @@ def norm_assemble(base_sq: torch.Tensor, cross: torch.Tensor, ba_sq: torch.Tenso
     if n:
         block = min(NORM_BLOCK, triton.next_power_of_2(n))
         flat = [t.reshape(-1).contiguous() for t in (base_sq, cross, ba_sq)]
-        _norm_assemble_kernel[(triton.cdiv(n, block),)](*flat, out, n, float(s), BLOCK=block)
+        _launch(_norm_assemble_kernel, (triton.cdiv(n, block),), (*flat, out, n, float(s)), 4, BLOCK=block)
     return out
 
 

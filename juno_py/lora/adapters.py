@@ -112,6 +112,12 @@ def _addmm_fp32_(C: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float
     C.add_(torch.mm(a, b, out_dtype=torch.float32), alpha=alpha)
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype; t itself when it has it (a no-op `.to` still costs a dispatch: several µs a call on a slow host,
+    and a DoRA step made eight of them)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _splits_gram(A: torch.Tensor) -> bool:
     """Whether `gram(A)` runs on the split A (fp32 A on CUDA with at least SPLIT_GRAM_MIN_FMAS multiply-adds)."""
     r, k = A.shape
@@ -155,7 +161,7 @@ def factored_row_norm(base_sq: torch.Tensor, U: torch.Tensor, A: torch.Tensor, B
     where `gram` would split A, the Gram matrix of these parts `[2r, 2r]` goes to the kernel as it is (its four
     blocks add up to G) instead of splitting A again.
     """
-    A, B = A.to(dtype), B.to(dtype)
+    A, B, base_sq = _as(A, dtype), _as(B, dtype), _as(base_sq, dtype)
     split = A_split is not None and _splits_gram(A)
     G = mm_fp32(A_split, A_split.T) if split else gram(A)
     n, r = B.shape
@@ -166,8 +172,8 @@ def factored_row_norm(base_sq: torch.Tensor, U: torch.Tensor, A: torch.Tensor, B
         T = U if U_scratch and U.dtype == dtype else U.to(dtype, copy=True)
         if not (T.is_contiguous() or T.T.is_contiguous()):
             T = T.contiguous()
-        return norm_rows(base_sq.to(dtype), B, addmm_bf16x3_(T, B, G, 0.5 * s), None, s, eps)
-    return norm_rows_gram(base_sq.to(dtype), B, U.to(dtype), G, s, eps, split=split)  # fused on CUDA, else eager
+        return norm_rows(base_sq, B, addmm_bf16x3_(T, B, G, 0.5 * s), None, s, eps)
+    return norm_rows_gram(base_sq, B, _as(U, dtype), G, s, eps, split=split)  # fused on CUDA, else eager
 
 
 class LoraAdapter(nn.Module):
@@ -348,20 +354,20 @@ class DoraLinearFn(torch.autograd.Function):
         tk = kernels.triton_kernels()
         ad = layer.dora
         s = float(ad.scale)
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         combined = getattr(layer.base, "matmul_with_exact", None)
         dt = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32  # as `LoraAdapter.delta_input`
         U = A_split = None
         if combined is not None and not layer.norm_is_cached(torch.float32):
             # the norm needs U = W·Aᵀ: one pass over W gives it with the base product (a quantized W decoded once);
             # A is split into its bf16 parts once, for U, for the norm's Gram matrix and (bf16(A)) for the adapter
-            A32 = A.detach().to(torch.float32)
+            A32 = _as(A.detach(), torch.float32)
             A_split = split_bf16(A32)
             base_out, U = combined(x2, A32, A_split=A_split)
             U = U.T
         else:
             base_out = layer.base.matmul(x2)  # first: the big GEMM
-        xc = x2.to(dt)
+        xc = _as(x2, dt)
         r = A.shape[0]
         Ac = A_split[:r] if A_split is not None and dt == torch.bfloat16 else A.detach().to(dt)
         Bc = B.detach().to(dt)
@@ -373,7 +379,7 @@ class DoraLinearFn(torch.autograd.Function):
         ctx.save_for_backward(xc, Ac, Bc, xa, g, norm, inner)
         ctx.layer, ctx.s, ctx.x_shape, ctx.x_dtype = layer, s, x.shape, x.dtype
         ctx.dtypes = (base_out.dtype, lora.dtype)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     @once_differentiable
@@ -381,7 +387,7 @@ class DoraLinearFn(torch.autograd.Function):
         tk = kernels.triton_kernels()
         xc, Ac, Bc, xa, g, norm, inner = ctx.saved_tensors
         need_x, need_A, need_B, need_m = ctx.needs_input_grad[:4]
-        dy2 = dy.reshape(-1, dy.shape[-1])
+        dy2 = dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])
         if not dy2.is_contiguous():
             dy2 = dy2.contiguous()
         dx = dA = dB = d_m = None
@@ -398,7 +404,7 @@ class DoraLinearFn(torch.autograd.Function):
         if shared:
             d_lora = d_base
         if need_x:  # the big GEMM first: the GPU runs it while the CPU issues the adapter's small GEMMs
-            dx = ctx.layer.base.matmul_transposed(d_base).to(ctx.x_dtype)
+            dx = _as(ctx.layer.base.matmul_transposed(d_base), ctx.x_dtype)
         del d_base
         if need_B:
             dB = mm_fp32(d_lora.T, xa, scale)
@@ -411,7 +417,8 @@ class DoraLinearFn(torch.autograd.Function):
                     dx.addmm_(d_xa, Ac)
                 else:
                     dx = dx + torch.mm(d_xa, Ac).to(dx.dtype)
-                dx = dx.reshape(ctx.x_shape)
+                if dx.shape != ctx.x_shape:
+                    dx = dx.reshape(ctx.x_shape)
         if need_m:
             d_m = d_g.div_(norm)
         return dx, dA, dB, d_m, None

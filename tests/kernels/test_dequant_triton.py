@@ -180,3 +180,25 @@ def test_split_decode_rounds_both_halves_to_nearest_even():
     for t, n_cols in ((GGMLType.Q8_0, 256), (GGMLType.Q4_K, 512)):
         raw = torch.from_numpy(wild_rows(t, 16, n_cols, seed=int(t)))
         assert_same_values(dequantize_split_tile(raw.to(DEVICE), t, n_cols), dequantize_split_reference(raw, t, n_cols))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the direct launch runs on the GPU (the interpreter launches as usual)")
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_K, GGMLType.Q8_0], ids=lambda t: t.name)
+def test_decodes_launch_directly_with_the_same_bits(ggml_type):
+    """The decode and the matvec go through `kernels.launch`: from the second launch of a specialization on, the
+    compiled kernel runs without triton's binder, with the same bits; other rectangles (other specializations:
+    offsets that are not multiples of 16, one row) still decode exactly."""
+    from juno_py.kernels import launch
+    from juno_py.kernels.dequant import kernels as dequant_kernels
+    raw = torch.from_numpy(random_rows(ggml_type, 300, 512, seed=3)).to(DEVICE)
+    ref = dequantize_reference(raw, ggml_type, 512).to(DEVICE)
+    first = [dequantize_tile(raw, ggml_type, 512, rows=(0, 256)) for _ in range(3)]
+    assert all(torch.equal(t, ref[:256]) for t in first)
+    for rows in ((1, 2), (17, 299), (0, 300)):
+        for _ in range(2):
+            assert torch.equal(dequantize_tile(raw, ggml_type, 512, rows=rows), ref[rows[0]:rows[1]])
+    x = torch.randn(3, 512, device=DEVICE)
+    y = [dequant_matvec(raw, ggml_type, 512, x) for _ in range(3)]
+    assert torch.equal(y[0], y[1]) and torch.equal(y[1], y[2])
+    live = launch.compiled_kernels()
+    assert launch.direct() and dequant_kernels().dequant_kernel in live and dequant_kernels().matvec_kernel in live
