@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import dora_layer as dl  # noqa: E402
 
 from juno_py.kernels import dora_triton as dt  # noqa: E402
 from juno_py.kernels import norm_rows, split_bf16  # noqa: E402
@@ -38,28 +40,8 @@ BATCH = 20
 
 
 def gpu_us(fn, reps):
-    """Median GPU µs per call of fn, from a CUDA graph of BATCH calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(BATCH):
-            fn()
-    out = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) * 1e3 / BATCH)
-    del graph
-    return statistics.median(out)
+    """Median GPU µs per call of fn, from a CUDA graph of BATCH calls (dora_layer.graphed_ms)."""
+    return dl.graphed_ms(lambda: [fn() for _ in range(BATCH)], reps, warmup=2) * 1e3 / BATCH
 
 
 def cpu_us(fn, reps=50):
@@ -95,7 +77,8 @@ def rel_err(out, d):
 @triton.jit
 def _session5_kernel(base_sq_ptr, b_ptr, u_ptr, g_ptr, out_ptr, n, r, sb0, sb1, su0, su1, sg0, sg1, two_s, s_sq,
                      eps, SPLIT: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, R_TILES: tl.constexpr):
-    """Session 5's `_norm_rows_gram_kernel`, for comparison: one program per row tile, every (j, k) tile pair."""
+    """Session 5's `_norm_rows_gram_kernel`, kept here unchanged for the comparison column (docs/benchmarks.md):
+    one program per row tile, every (j, k) tile pair."""
     rows = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = rows < n
     rows64 = rows.to(tl.int64)
