@@ -189,8 +189,6 @@ def _norm_finish_kernel(base_sq_ptr, part_ptr, out_ptr, n, eps, J: tl.constexpr,
     _store_norm(base_sq_ptr, out_ptr, rows, row_ok, acc, eps)
 
 
-# ---- launching: `juno_py.kernels.launch` (shared with the decode and loss kernels) ------------------------------
-
 # ---- launch configuration --------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)

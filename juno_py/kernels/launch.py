@@ -1,10 +1,10 @@
 """Launching Triton kernels cheaply: `launch(kernel, grid, args, ...)` is `kernel[grid](*args, ...)` with the
 compiled kernel of each specialization kept and launched directly the second time.
 
-`kernel[grid](...)` costs 30 to 80 µs of CPU a launch on the H200's host (benchmarks/dora_step_profile.py
-`--cprofile`): it binds and specializes every argument and builds a cache key on each call. For a kernel launched
-every step (the DoRA composition and norm, the decode of each quantized tile, the loss chunk) that is most of the
-CPU time a training or playback step spends on it. `launch` keeps the compiled kernel (`CompiledKernel[grid]`) under
+`kernel[grid](...)` cost about 31 µs of CPU a launch on the H200's host in session 5, a direct launch about 6
+(docs/kernels.md, "Launching Triton kernels"): triton binds and specializes every argument and builds a cache key
+on each call. For a kernel launched every step (the DoRA composition and norm, the decode of each quantized tile,
+the loss chunk) that is most of the CPU time a training or playback step spends on it. `launch` keeps the compiled kernel (`CompiledKernel[grid]`) under
 a key at least as fine as triton's specialization: each tensor's dtype and 16-byte alignment, each int's value
 class (== 1, divisible by 16, 32-bit range), every constexpr value, the warps, the stages and the device. The first
 launch of a key goes through triton as usual; anything unexpected turns the shortcut off for good (the usual way
