@@ -11,6 +11,7 @@ This module imports triton: `juno_py.kernels` loads it only when a fused path ru
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +19,10 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
+from juno_py.kernels.launch import launch as _launch
+
 # Decided by triton when the kernels below were defined: CPU tensors run only under the interpreter.
-from juno_py.kernels.launch import INTERPRETED, launch as _launch  # noqa: E402
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -17,10 +17,14 @@ import os
 
 import torch
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
-
 _compiled: dict = {}
-_direct = not INTERPRETED
+# decided at the first launch, not at import: this module is imported with `juno_py` (the decode kernels' launcher),
+# before a test's conftest may set TRITON_INTERPRET, and triton itself reads it only when the kernels are defined
+_direct: bool | None = None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 def _arg_key(a):
@@ -39,6 +43,8 @@ def launch(kernel, grid, args, num_warps=4, num_stages=None, **constexprs):
     reused when it can be. Every constexpr must follow the runtime arguments in the kernel's signature."""
     global _direct
     opts = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
+    if _direct is None:
+        _direct = not _interpreting()
     if not _direct:
         kernel[grid](*args, **constexprs, **opts)
         return
@@ -61,8 +67,9 @@ def launch(kernel, grid, args, num_warps=4, num_stages=None, **constexprs):
 
 
 def direct() -> bool:
-    """Whether the shortcut is on (it turns itself off for good on an unexpected error)."""
-    return _direct
+    """Whether the shortcut is on (decided at the first launch; it turns itself off for good on an unexpected
+    error)."""
+    return bool(_direct)
 
 
 def compiled_kernels() -> list:
@@ -70,4 +77,4 @@ def compiled_kernels() -> list:
     return [key[0] for key in _compiled]
 
 
-__all__ = ["INTERPRETED", "launch", "direct", "compiled_kernels"]
+__all__ = ["launch", "direct", "compiled_kernels"]
