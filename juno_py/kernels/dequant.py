@@ -25,7 +25,6 @@ import contextlib
 import importlib
 import importlib.util
 import math
-import os
 from typing import Optional
 
 import torch
@@ -33,7 +32,7 @@ import torch
 from juno_py.gguf import quants
 from juno_py.gguf.constants import GGML_BLOCK_SIZES, GGMLType
 from juno_py.kernels import split_bf16
-from juno_py.kernels.launch import launch
+from juno_py.kernels.launch import interpreting, launch
 
 TRITON_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0,
                           GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
@@ -48,10 +47,6 @@ KERNEL_CONFIG.update({GGMLType.Q5_K: (16, 4, 16, 1), GGMLType.Q6_K: (16, 4, 16, 
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 _kernels = None
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 def triton_ready(device) -> bool:

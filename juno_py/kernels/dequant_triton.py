@@ -21,12 +21,12 @@ Axes of a block's value tensor (`v` is the value's index inside its block):
 - F32/F16/BF16: [NB, 8, 32], v = 32s + l (256 columns a block, the last one masked at the row's end).
 """
 
-import os
-
 import triton
 import triton.language as tl
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+from juno_py.kernels.launch import interpreting
+
+INTERPRETED = interpreting()
 
 # TYPE is the GGML type number: F32 0, F16 1, Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14, BF16 30
 

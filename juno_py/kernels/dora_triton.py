@@ -11,7 +11,6 @@ This module imports triton: `juno_py.kernels` loads it only when a fused path ru
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -19,10 +18,10 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from juno_py.kernels.launch import launch as _launch
+from juno_py.kernels.launch import interpreting, launch as _launch
 
 # Decided by triton when the kernels below were defined: CPU tensors run only under the interpreter.
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+INTERPRETED = interpreting()
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -23,7 +23,8 @@ _compiled: dict = {}
 _direct: bool | None = None
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether TRITON_INTERPRET asks for Triton's interpreter (read now: triton reads it when a kernel is defined)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
@@ -44,7 +45,7 @@ def launch(kernel, grid, args, num_warps=4, num_stages=None, **constexprs):
     global _direct
     opts = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
     if _direct is None:
-        _direct = not _interpreting()
+        _direct = not interpreting()
     if not _direct:
         kernel[grid](*args, **constexprs, **opts)
         return
@@ -77,4 +78,4 @@ def compiled_kernels() -> list:
     return [key[0] for key in _compiled]
 
 
-__all__ = ["launch", "direct", "compiled_kernels"]
+__all__ = ["launch", "interpreting", "direct", "compiled_kernels"]
