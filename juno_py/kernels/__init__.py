@@ -95,6 +95,16 @@ def _fused_kernels(device: torch.device, mode: str):
     return triton_kernels() if device.type == "cuda" else None
 
 
+def _norm_kernels(device: torch.device, *tensors: Optional[torch.Tensor], G: Optional[torch.Tensor] = None):
+    """The kernel module a norm function runs on (fp32/bf16 tensors, an fp32 G if any, CUDA or JUNO_PY_KERNELS=fused),
+    or None for its eager reference; KernelUnavailable as `_fused_kernels`."""
+    mode = kernel_mode()
+    narrow = all(t.dtype in _FUSED_DTYPES for t in tensors if t is not None)
+    if mode == "eager" or not narrow or (G is not None and G.dtype != torch.float32):
+        return None
+    return _fused_kernels(device, mode)
+
+
 def compose_path(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor) -> str:
     """Which path `dora_compose` takes for these tensors now: EAGER, FUSED_INFERENCE or FUSED_TRAINING.
 
@@ -146,9 +156,7 @@ def dora_compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: flo
 def norm_assemble(base_sq: torch.Tensor, cross: torch.Tensor, ba_sq: torch.Tensor, s: float) -> torch.Tensor:
     """‖W + sBA‖_row = sqrt(max(base_sq + 2s·cross + s²·ba_sq, 0)): the fused kernel on CUDA (fp32 or bf16 inputs,
     result fp32), else the eager reference (which keeps fp64 for fp64 inputs). Same JUNO_PY_KERNELS rules."""
-    mode = kernel_mode()
-    narrow = all(t.dtype in _FUSED_DTYPES for t in (base_sq, cross, ba_sq))
-    kernels = _fused_kernels(base_sq.device, mode) if mode != "eager" and narrow else None
+    kernels = _norm_kernels(base_sq.device, base_sq, cross, ba_sq)
     if kernels is None:
         return norm_assemble_eager(base_sq, cross, ba_sq, s)
     return kernels.norm_assemble(base_sq, cross, ba_sq, s)
@@ -160,9 +168,7 @@ def norm_rows(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, V: Option
     V = B·(A·Aᵀ) `[n, r]` (V None: no s² term, the caller folded it into U): one fused kernel on CUDA (fp32 or bf16
     inputs, result fp32), else the eager reference (which keeps fp64 for fp64 inputs). Same JUNO_PY_KERNELS rules
     as `norm_assemble`."""
-    mode = kernel_mode()
-    narrow = all(t.dtype in _FUSED_DTYPES for t in (base_sq, B, U, V) if t is not None)
-    kernels = _fused_kernels(B.device, mode) if mode != "eager" and narrow else None
+    kernels = _norm_kernels(B.device, base_sq, B, U, V)
     if kernels is None:
         return norm_rows_eager(base_sq, B, U, V, s, eps)
     return kernels.norm_rows(base_sq, B, U, V, s, eps)
@@ -173,9 +179,7 @@ def norm_rows_gram(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, G: t
     """`norm_rows` with V = B·G formed inside one fused kernel on CUDA: G = A·Aᵀ fp32 `[r, r]`, or with `split` the
     fp32 Gram matrix `[2r, 2r]` of the split A (`split_bf16`), whose four r×r blocks add up to G. Else the eager
     reference (fp64 stays fp64). Same JUNO_PY_KERNELS rules as `norm_assemble`."""
-    mode = kernel_mode()
-    narrow = all(t.dtype in _FUSED_DTYPES for t in (base_sq, B, U)) and G.dtype == torch.float32
-    kernels = _fused_kernels(B.device, mode) if mode != "eager" and narrow else None
+    kernels = _norm_kernels(B.device, base_sq, B, U, G=G)
     if kernels is None:
         return norm_rows_gram_eager(base_sq, B, U, G, s, eps, split)
     return kernels.norm_rows_gram(base_sq, B, U, G, s, eps, split)
