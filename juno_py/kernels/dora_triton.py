@@ -58,6 +58,41 @@ def _compose_fwd_kernel(base_ptr, lora_ptr, g_ptr, y_ptr, inner_ptr, M, N, s,
 
 
 @triton.jit
+def _compose_xa_fwd_kernel(base_ptr, xa_ptr, b_ptr, g_ptr, y_ptr, inner_ptr, M, N, R, s,
+                           WRITE_INNER: tl.constexpr, Y_BF16: tl.constexpr, INNER_BF16: tl.constexpr,
+                           IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           K_TILES: tl.constexpr):
+    """`_compose_fwd_kernel` with the adapter's product formed here: lora = xa·Bᵀ over the rank (xa `[M, R]`, B
+    `[N, R]`, both contiguous, tensor-core dots with fp32 accumulation; IEEE: fp32 dots without TF32, for fp32
+    operands and under the interpreter, whose bf16 dot is wrong in triton 3.9, so bf16 tiles are widened first, which
+    is exact), kept in
+    fp32 (never rounded to xa's dtype) and added to the base tile. The [M, N] lora array is neither written nor
+    read back. K_TILES (constexpr) steps of BLOCK_K rank columns."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(K_TILES):
+        ks = k * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = ks < R
+        a = tl.load(xa_ptr + rows64[:, None] * R + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + cols64[None, :] * R + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc=acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc=acc)
+    g = tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    mask = row_ok[:, None] & col_ok[None, :]
+    offs = rows64[:, None] * N + cols64[None, :]
+    inner = tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32) + s * acc
+    _store(y_ptr + offs, g[None, :] * inner, mask, Y_BF16)
+    if WRITE_INNER:
+        _store(inner_ptr + offs, inner, mask, INNER_BF16)
+
+
+@triton.jit
 def _compose_bwd_kernel(dy_ptr, g_ptr, inner_ptr, d_base_ptr, d_lora_ptr, partial_ptr, M, N, s,
                         WRITE_D_BASE: tl.constexpr, WRITE_D_LORA: tl.constexpr, REDUCE_D_G: tl.constexpr,
                         D_BASE_BF16: tl.constexpr, D_LORA_BF16: tl.constexpr,
@@ -230,6 +265,23 @@ class NormGramConfig:
 
 
 NORM_GRAM_CONFIG = NormGramConfig()
+
+@dataclass(frozen=True)
+class ComposeXaConfig:
+    """Tile of `_compose_xa_fwd_kernel`: output rows × columns, rank step, warps and pipeline stages.
+
+    Measured on the H200 (benchmarks/compose_xa_sweep.py --sweep, bf16, with inner): 64 × 128 × 64, 4 warps, 3
+    stages was the best or within 1 % of it at 4096 × 8192, r = 384 (100 µs) and 8192 × 4096, r = 16 and 384 (61 and
+    99 µs); 66 against 62 µs at r = 64 (64 × 64 tiles, 4 stages). Loading the base tile before the rank loop gained
+    nothing elsewhere."""
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int | None = 3
+
+
+COMPOSE_XA_CONFIG = ComposeXaConfig()
 NORM_FINISH_BLOCK = 256
 
 
@@ -274,21 +326,58 @@ def compose_forward(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: 
     return y, inner
 
 
+def compose_forward_xa(base: torch.Tensor, xa: torch.Tensor, B: torch.Tensor, g: torch.Tensor, s: float,
+                       write_inner: bool = False, cfg: ComposeXaConfig = COMPOSE_XA_CONFIG
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """y = g·(base + s·xa·Bᵀ) for base `[M, N]`, the adapter's input product xa = x·Aᵀ `[M, r]`, B `[N, r]` (xa's
+    dtype) and g `[N]` fp32, with the product xa·Bᵀ formed inside the kernel in fp32; also inner = base + s·xa·Bᵀ
+    if asked. What `compose_forward(base, xa @ B.T, g, s)` gives, without the [M, N] lora array (written once and
+    read once there) and with lora unrounded. y has base's dtype; inner the wider of base's and xa's."""
+    base, xa, B = _check_2d("base", base), _check_2d("xa", xa), _check_2d("B", B)
+    M, N = base.shape
+    r = xa.shape[1]
+    if xa.shape[0] != M or B.shape != (N, r) or B.dtype != xa.dtype or g.shape != (N,) or g.dtype != torch.float32:
+        raise ValueError(f"fused DoRA compose: base {tuple(base.shape)}, xa {tuple(xa.shape)} {xa.dtype}, B "
+                         f"{tuple(B.shape)} {B.dtype}, g {tuple(g.shape)} {g.dtype}: expected [M, N], [M, r], "
+                         f"[N, r] of xa's dtype and float32 g of {N} values")
+    g = g.contiguous()
+    y = torch.empty_like(base)
+    inner = torch.empty_like(base, dtype=torch.promote_types(base.dtype, xa.dtype)) if write_inner else None
+    if M == 0 or N == 0:
+        return y, inner
+    if r == 0:
+        return compose_forward(base, torch.zeros_like(base), g, s, write_inner)
+    # tl.dot takes tiles of 16 and more in every dimension; small problems get small tiles
+    bm = max(16, min(cfg.block_m, triton.next_power_of_2(M)))
+    bn = max(16, min(cfg.block_n, triton.next_power_of_2(N)))
+    bk = max(16, min(cfg.block_k, triton.next_power_of_2(r)))
+    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm))
+    _launch(_compose_xa_fwd_kernel, grid, (base, xa, B, g, _out_arg(y), _out_arg(inner) if write_inner else y, M, N, r,
+                                           float(s)),
+            cfg.num_warps, cfg.num_stages, WRITE_INNER=write_inner, Y_BF16=y.dtype == torch.bfloat16,
+            INNER_BF16=write_inner and inner.dtype == torch.bfloat16, IEEE=xa.dtype == torch.float32 or INTERPRETED,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=triton.cdiv(r, bk))
+    return y, inner
+
+
 def compose_backward(dy: torch.Tensor, g: torch.Tensor, inner: torch.Tensor | None, s: float,
                      base_dtype: torch.dtype | None, lora_dtype: torch.dtype | None,
-                     cfg: TileConfig = BACKWARD_CONFIG):
+                     cfg: TileConfig = BACKWARD_CONFIG, reduce_d_g: bool = True):
     """(d_base, d_lora, d_g) of y = g·(base + s·lora) in one pass over dy (and inner, when d_g is wanted).
 
     `base_dtype` / `lora_dtype` None: that gradient is not written. `inner` None: no d_g. d_g (fp32 `[N]`) is
     reduced deterministically in two stages: each row group writes its column sums to a partial buffer
     `[groups, N]`, then torch's sum over the buffer's first dimension adds the groups (a fixed-order reduction;
-    one torch op launches faster than a second Triton kernel). No atomics: the same inputs give the same bits."""
+    one torch op launches faster than a second Triton kernel). No atomics: the same inputs give the same bits.
+    `reduce_d_g` False: the third result is the partial buffer itself, for the caller to sum over its first
+    dimension later (DoRA's layer step issues its big GEMM first)."""
     dy = _check_2d("dy", dy)
     M, N = dy.shape
     d_base = torch.empty(M, N, dtype=base_dtype, device=dy.device) if base_dtype is not None else None
     d_lora = torch.empty(M, N, dtype=lora_dtype, device=dy.device) if lora_dtype is not None else None
     if M == 0 or N == 0 or (d_base is None and d_lora is None and inner is None):
-        d_g = torch.zeros(N, dtype=torch.float32, device=dy.device) if inner is not None else None
+        d_g = torch.zeros(N if reduce_d_g else (1, N), dtype=torch.float32, device=dy.device) \
+            if inner is not None else None
         return d_base, d_lora, d_g
     if inner is not None:
         inner = _check_2d("inner", inner)
@@ -308,6 +397,8 @@ def compose_backward(dy: torch.Tensor, g: torch.Tensor, inner: torch.Tensor | No
         WRITE_D_BASE=d_base is not None, WRITE_D_LORA=d_lora is not None, REDUCE_D_G=partial is not None,
         D_BASE_BF16=base_dtype == torch.bfloat16, D_LORA_BF16=lora_dtype == torch.bfloat16,
         BLOCK_M=bm, BLOCK_N=bn, TILES=tiles)
+    if not reduce_d_g:
+        return d_base, d_lora, partial
     d_g = partial.sum(dim=0) if partial is not None else None  # stage two
     return d_base, d_lora, d_g
 
@@ -411,5 +502,5 @@ class DoraComposeFn(torch.autograd.Function):
                 d_lora.reshape(lora_shape) if d_lora is not None else None, d_g, None)
 
 
-__all__ = ["DoraComposeFn", "compose_forward", "compose_backward", "norm_assemble", "norm_rows", "norm_rows_gram",
-           "TileConfig", "NormGramConfig", "INTERPRETED", "FUSED_DTYPES"]
+__all__ = ["DoraComposeFn", "compose_forward", "compose_forward_xa", "compose_backward", "norm_assemble", "norm_rows",
+           "norm_rows_gram", "TileConfig", "NormGramConfig", "ComposeXaConfig", "INTERPRETED", "FUSED_DTYPES"]

@@ -147,3 +147,76 @@ def test_leading_dimensions_are_kept(fused):
     assert y.shape == shape and grads[0].shape == shape and grads[1].shape == shape
     assert rel(y.reshape(24, 33), y_ref, base.double()) <= 1e-4
     assert rel(grads[2], d_g, (base.double() * dy.double()).sum(0)) <= 1e-4
+
+
+# ------------------------------------------------------------------------ the adapter's product inside the kernel
+# (M, N, r): one row, one column, a rank of one, sizes that are not multiples of the tiles (64 × 128 × 64)
+XA_SHAPES = [(1, 1, 1), (5, 7, 3), (37, 129, 16), (130, 33, 70), (65, 300, 129)] + (
+    [(4096, 8192, 384), (4097, 4095, 16)] if DEVICE == "cuda" else [])
+
+
+def xa_inputs(shape, dtype, seed=0):
+    """base `[M, N]`, xa `[M, r]`, B `[N, r]` in `dtype` (lora = xa·Bᵀ about as large as base), g fp32 around 1."""
+    gen = torch.Generator().manual_seed(seed)
+    M, N, r = shape
+    base = torch.randn(M, N, generator=gen)
+    xa = torch.randn(M, r, generator=gen)
+    B = torch.randn(N, r, generator=gen) / r ** 0.5
+    g = 1.0 + (torch.rand(N, generator=gen) * 2 - 1) * 0.5
+    return tuple(t.to(DEVICE, dtype) for t in (base, xa, B)) + (g.to(DEVICE),)
+
+
+@pytest.mark.parametrize("write_inner", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", XA_SHAPES)
+def test_compose_forward_xa_matches_fp64(fused, shape, dtype, write_inner):
+    """y = g·(base + s·xa·Bᵀ) with the rank product inside the kernel. fp32: within 1e-4 of the adapter's effect
+    (fp32 dots, no TF32: a TF32 product would be about 1e-3 off). bf16: every element within half a bf16 ulp plus
+    the fp32 roundings of the sum of r exact products and of the two adds; inner likewise."""
+    from juno_py.kernels import dora_triton as tk
+
+    base, xa, B, g = xa_inputs(shape, dtype)
+    y, inner = tk.compose_forward_xa(base, xa, B, g, S, write_inner=write_inner)
+    b, a, bb, gd = (t.double() for t in (base, xa, B, g))
+    inner_ref = b + S * a @ bb.T
+    y_ref = gd * inner_ref
+    assert y.dtype == dtype and y.shape == base.shape and (inner is not None) == write_inner
+    assert ((y_ref - gd * b).norm() / y_ref.norm()).item() > 0.2  # the adapter's effect is not tiny
+    if dtype == torch.float32:
+        assert rel(y, y_ref, gd * b) <= 1e-4
+        if write_inner:
+            assert rel(inner, inner_ref, b) <= 1e-4
+        return
+    r = shape[2]
+    size = b.abs() + S * a.abs() @ bb.abs().T
+    fp32_err = (r + 3) * U32 * size
+    assert within_bound(y, y_ref, gd * fp32_err, bf16=True)
+    if write_inner:
+        assert inner.dtype == torch.bfloat16 and within_bound(inner, inner_ref, fp32_err, bf16=True)
+
+
+def test_compose_forward_xa_is_compose_forward_of_the_product(fused):
+    """The same y as the two-step path (xa·Bᵀ as a GEMM, then `compose_forward`) to fp32 rounding: fp32 inputs."""
+    from juno_py.kernels import dora_triton as tk
+
+    base, xa, B, g = xa_inputs((37, 129, 16), torch.float32)
+    y, inner = tk.compose_forward_xa(base, xa, B, g, S, write_inner=True)
+    y2, inner2 = tk.compose_forward(base, xa @ B.T, g, S, write_inner=True)
+    assert torch.allclose(y, y2, rtol=1e-5, atol=1e-5) and torch.allclose(inner, inner2, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="xa"):
+        tk.compose_forward_xa(base, xa, B.to(torch.bfloat16), g, S)
+
+
+def test_backward_can_leave_d_g_in_its_partial_sums(fused):
+    """`reduce_d_g=False` returns the row groups' partial sums `[groups, N]`: summed over the groups they are d_g,
+    bit for bit; d_base is the same either way."""
+    from juno_py.kernels import dora_triton as tk
+
+    base, lora, g, dy = make_inputs((1000, 300) if DEVICE == "cpu" else (8192, 4096), torch.float32)
+    inner = base + S * lora
+    d_base, _, d_g = tk.compose_backward(dy, g, inner, S, torch.float32, None)
+    d_base2, _, parts = tk.compose_backward(dy, g, inner, S, torch.float32, None, reduce_d_g=False)
+    assert parts.dim() == 2 and parts.shape[0] > 1 and parts.shape[1] == g.numel()
+    assert torch.equal(parts.sum(dim=0), d_g) and torch.equal(d_base2, d_base)
+    _, _, empty = tk.compose_backward(dy[:0], g, inner[:0], S, torch.float32, None, reduce_d_g=False)
+    assert empty.shape == (1, g.numel()) and not empty.any()
