@@ -103,17 +103,24 @@ class DenseBase(nn.Module):
             torch.add(both[:r], both[r:], out=out[:, a:b])
         return out
 
-    def matmul_with_exact(self, x: torch.Tensor, A: torch.Tensor,
-                          A_split: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def matmul_with_exact(self, x: torch.Tensor, A: torch.Tensor, A_split: torch.Tensor | None = None,
+                          return_split: bool = False):
         """(x·Wᵀ, A·Wᵀ) as `matmul` and `matmul_exact` give them (see the class docstring for `stacked`); `A_split`:
-        A's two bf16 parts when the caller has them (as the frozen linear's method takes them)."""
+        A's two bf16 parts when the caller has them (as the frozen linear's method takes them); `return_split`: A
+        split here (after the base GEMM is issued, unless stacked) and returned third, as the frozen linear does."""
         if not self.stacked:
-            return self.matmul(x), self.matmul_exact(A, A_split)
+            base = self.matmul(x)
+            if return_split and A_split is None:
+                A_split = kernels.split_bf16(A)
+            U = self.matmul_exact(A, A_split)
+            return (base, U, A_split) if return_split else (base, U)
         t, r = x.shape[0], A.shape[0]
-        X = torch.cat([x.to(torch.bfloat16), kernels.split_bf16(A) if A_split is None else A_split])
+        A_split = kernels.split_bf16(A) if A_split is None else A_split
+        X = torch.cat([x.to(torch.bfloat16), A_split])
         out = mm_out(X, self.W.t(), torch.float32)
         base = out[:t].to(torch.bfloat16) if x.dtype == torch.bfloat16 else out[:t]
-        return base, out[t:t + r].add_(out[t + r:])
+        U = out[t:t + r].add_(out[t + r:])
+        return (base, U, A_split) if return_split else (base, U)
 
     def matmul_transposed(self, g: torch.Tensor) -> torch.Tensor:
         """g·W (the input gradient, no autograd)."""

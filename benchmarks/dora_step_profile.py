@@ -2,8 +2,9 @@
 benchmarks/dora_layer.py: the step's time from an idle GPU (as dora_layer.py measures it) next to PEFT's, the
 CPU time to issue it, the step's pieces (each from an idle GPU), host syncs, and torch.profiler's kernel table.
 `--cprofile`: instead, where the step's CPU time goes (cProfile of juno-py's step on dense and Q4_K W, by own time).
+`--graphed`: instead, each step eager and replayed as a CUDA graph, with the GPU kernels of both.
 
-    python benchmarks/dora_step_profile.py [--shapes 0,3] [--trace-dir DIR] [--cprofile]
+    python benchmarks/dora_step_profile.py [--shapes 0,3] [--trace-dir DIR] [--cprofile | --graphed]
 """
 
 from __future__ import annotations
@@ -141,6 +142,62 @@ def profile_shape(T, d_in, d_out, r, trace_dir):
     torch.cuda.empty_cache()
 
 
+def kernel_table(fn, reps=3, rows=18, trace=None):
+    """torch.profiler's GPU kernel table (by own GPU time) of `reps` calls of fn, each followed by a sync; the
+    chrome trace to `trace` if given."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+            torch.cuda.synchronize()
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
+    ka = prof.key_averages()
+    try:
+        return ka.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70)
+    except Exception:
+        return ka.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70)
+
+
+def graphed_shape(T, d_in, d_out, r, trace_dir=None):
+    """juno-py's step (both forms of the dense stand-in's combined product) and PEFT DoRA bf16's, eager and replayed
+    as a CUDA graph: ms from an idle GPU, and the GPU kernels of each, to see what a graph changes."""
+    dev = torch.device("cuda")
+    d = dl.layer_data(T, d_in, d_out, r, dev)
+    x = d["x"].clone().requires_grad_(True)
+    print(f"\n## T={T}, {d_in}->{d_out}, r={r}: eager against graphed\n")
+    makers = {"juno stacked=False": lambda: dl.juno_layer(dl.DenseBase(d["W"], stacked=False), d),
+              "juno stacked=True": lambda: dl.juno_layer(dl.DenseBase(d["W"], stacked=True), d),
+              "PEFT DoRA bf16": lambda: dl.peft_layer(d, True, torch.bfloat16)}
+    for name, make in makers.items():
+        lay = make().train()
+        params = [p for p in lay.parameters() if p.requires_grad]
+        fresh = (lambda lay=lay: setattr(lay, "_g_cache", None)) if name.startswith("juno") else None
+        f = dl.train_call(lay, x, d["dy"], params, fresh)
+        for _ in range(5):
+            f()
+        eager = idle_ms(f)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                f()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            f()
+        graph.replay()
+        replayed = idle_ms(graph.replay)
+        print(f"{name}: eager {eager:.3f} ms, graphed {replayed:.3f} ms from an idle GPU")
+        tag = f"{name.split()[0]}{'_stacked' if name.endswith('True') else ''}_{T}_{d_in}_{d_out}_{r}"
+        traces = [None, None] if trace_dir is None else [trace_dir / f"eager_{tag}.json", trace_dir / f"graph_{tag}.json"]
+        print(f"\n### {name}, eager, 3 steps\n\n{kernel_table(f, trace=traces[0])}")
+        print(f"\n### {name}, graphed, 3 replays\n\n{kernel_table(graph.replay, trace=traces[1])}")
+        del graph, lay, f
+        torch.cuda.empty_cache()
+
+
 def cprofile_shape(T, d_in, d_out, r, steps=100):
     """cProfile of `steps` juno-py steps (fresh norm each, as dora_layer.py's rows), dense and Q4_K W."""
     import cProfile
@@ -179,6 +236,8 @@ def main():
     ap.add_argument("--shapes", default=None, help="comma-separated indices into dora_layer.SHAPES")
     ap.add_argument("--trace-dir", type=Path, default=None)
     ap.add_argument("--cprofile", action="store_true", help="only the step's CPU profile (cProfile)")
+    ap.add_argument("--graphed", action="store_true",
+                    help="only eager against CUDA-graph replay: times and kernel tables of juno-py and PEFT DoRA")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -187,6 +246,8 @@ def main():
     for i in idx:
         if args.cprofile:
             cprofile_shape(*dl.SHAPES[i])
+        elif args.graphed:
+            graphed_shape(*dl.SHAPES[i], args.trace_dir)
         else:
             profile_shape(*dl.SHAPES[i], args.trace_dir)
 

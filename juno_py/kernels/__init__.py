@@ -30,6 +30,12 @@ _MODES = ("auto", "eager", "fused")
 # docs/kernels.md for the sweep.
 FUSED_TRAIN_MIN_ELEMENTS = 1 << 24
 
+# Up to this rank the bf16 composition forms the adapter's product xa·Bᵀ inside its kernel (`compose_forward_xa`)
+# instead of after a GEMM that writes it out. On the H200 (benchmarks/compose_xa_sweep.py, GPU µs, with inner): 61
+# against 93 at 8192 × 4096, r = 16; 100 against 114 at 4096 × 8192, r = 384; but 157 against 142 at r = 768, where
+# the kernel's dots (about half of cuBLAS's rate there) cost more than the traffic they save.
+COMPOSE_XA_MAX_RANK = 512
+
 EAGER, FUSED_INFERENCE, FUSED_TRAINING, FUSED = "eager", "fused-inference", "fused-training", "fused"
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)
@@ -153,6 +159,25 @@ def dora_compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: flo
     return y.reshape(base.shape)
 
 
+def dora_compose_xa(base: torch.Tensor, xa: torch.Tensor, B: torch.Tensor, g: torch.Tensor, s: float) -> torch.Tensor:
+    """`dora_compose(base, xa·Bᵀ, g, s)` given the adapter's input product xa = x·Aᵀ `[..., r]` and B `[N, r]`.
+    Where no gradient is wanted (inference, playback), xa and B are bf16 on a fused path and the rank is at most
+    COMPOSE_XA_MAX_RANK, one kernel forms xa·Bᵀ
+    in fp32 inside the composition (`compose_forward_xa`: no [tokens, N] lora array written and read back, lora not
+    rounded to bf16); everywhere else exactly `dora_compose(base, xa @ B.T, g, s)`."""
+    mode = kernel_mode()
+    N, r = B.shape
+    if (mode != "eager" and r <= COMPOSE_XA_MAX_RANK and xa.dtype == B.dtype == torch.bfloat16
+            and base.dtype in _FUSED_DTYPES
+            and base.dim() >= 1 and base.shape[-1] == N and xa.shape[:-1] == base.shape[:-1] and xa.shape[-1] == r
+            and g.numel() == N and g.dtype in _FUSED_DTYPES and base.device == xa.device == B.device == g.device
+            and not _wants_grad(base, xa, B, g) and _fused_kernels(base.device, mode) is not None):
+        y, _ = triton_kernels().compose_forward_xa(base.reshape(-1, N), xa.reshape(-1, r), B,
+                                                   g.reshape(-1).to(torch.float32), float(s))
+        return y.reshape(base.shape)
+    return dora_compose(base, xa @ B.T, g, s)
+
+
 def norm_assemble(base_sq: torch.Tensor, cross: torch.Tensor, ba_sq: torch.Tensor, s: float) -> torch.Tensor:
     """‖W + sBA‖_row = sqrt(max(base_sq + 2s·cross + s²·ba_sq, 0)): the fused kernel on CUDA (fp32 or bf16 inputs,
     result fp32), else the eager reference (which keeps fp64 for fp64 inputs). Same JUNO_PY_KERNELS rules."""
@@ -208,7 +233,7 @@ def cross_entropy_grad_(z: torch.Tensor, targets: torch.Tensor, ignore_index: in
     return losses.sum(), grad
 
 
-__all__ = ["dora_compose", "norm_assemble", "norm_rows", "norm_rows_gram", "compose_path", "layer_training_fused",
+__all__ = ["dora_compose", "dora_compose_xa", "norm_assemble", "norm_rows", "norm_rows_gram", "compose_path", "layer_training_fused",
            "compose_eager", "norm_assemble_eager", "norm_rows_eager", "norm_rows_gram_eager", "cross_entropy_grad_",
            "cross_entropy_path", "cross_entropy_grad_eager", "kernel_mode", "triton_kernels", "KernelUnavailable",
-           "FUSED_TRAIN_MIN_ELEMENTS", "EAGER", "FUSED_INFERENCE", "FUSED_TRAINING", "FUSED"]
+           "FUSED_TRAIN_MIN_ELEMENTS", "COMPOSE_XA_MAX_RANK", "EAGER", "FUSED_INFERENCE", "FUSED_TRAINING", "FUSED"]

@@ -18,7 +18,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from juno_py import kernels
-from juno_py.kernels import dora_compose, norm_rows, norm_rows_gram, split_bf16
+from juno_py.kernels import norm_rows, norm_rows_gram, split_bf16
 from juno_py.lora.format import AdapterEntry, Fingerprint, Init, Mode, Scaling
 
 DORA_EPS = 1e-6
@@ -209,11 +209,16 @@ class LoraAdapter(nn.Module):
     def delta_input(self, x: torch.Tensor) -> torch.Tensor:
         """B·A·drop(x) (unscaled), in fp32 (float64 when x is: exactness checks; bf16 when x is: the GPU's bf16
         activations: the fp32 A and B are cast per call, as under torch autocast)."""
+        xa, B = self.delta_parts(x)
+        return xa @ B.T
+
+    def delta_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(drop(x)·Aᵀ, B), both in `delta_input`'s dtype: B·A·drop(x) is the first times the second's transpose."""
         dt = x.dtype if x.dtype in (torch.float64, torch.bfloat16) else torch.float32
         x = x.to(dt)
         if self.training and self.config.dropout > 0:
             x = F.dropout(x, self.config.dropout, training=True)
-        return (x @ self.lora_A.T.to(dt)) @ self.lora_B.T.to(dt)
+        return x @ self.lora_A.T.to(dt), self.lora_B.to(dt)
 
     def to_entry(self, key: str, fingerprint: Optional[Fingerprint] = None) -> AdapterEntry:
         c = self.config
@@ -310,7 +315,8 @@ class AdaptedLinear(nn.Module):
         elif ad is not None:
             base_out = self.base.matmul(x)
             dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-            y = dora_compose(base_out, ad.delta_input(x), self.dora_scale(dt), ad.scale)
+            # inference on bf16 activations: the adapter's product xa·Bᵀ is formed inside the composition kernel
+            y = kernels.dora_compose_xa(base_out, *ad.delta_parts(x), self.dora_scale(dt), ad.scale)
         else:
             y = self.base.matmul(x)
             for w, a in zip(self.weights, self.adapters):
@@ -333,15 +339,19 @@ class DoraLinearFn(torch.autograd.Function):
     """One DoRA layer's training step, `y = g ⊙ (x·Wᵀ + s·(x·Aᵀ)·Bᵀ)` with `g = m / max(‖W + sBA‖_row, 1e-6)`
     (the norm detached), as one autograd node, so the order of the GPU work is ours and not autograd's:
 
-    - forward: the base GEMM first (the GPU runs it while the CPU issues the rest), the adapter's two small
-      GEMMs, the norm (recomputed when A or B changed: `AdaptedLinear.dora_norm`), g, then the fused composition
-      (`compose_forward`, writing inner = base + s·lora when m trains). When the norm is recomputed and the base
-      has `matmul_with_exact`, the base product and the norm's U = W·Aᵀ come from that one call (a quantized W is
-      decoded once for both), A split once into its bf16 parts for U, the norm's Gram matrix and bf16(A);
-    - backward: the fused kernel for d_base = g·dy and Σ_tokens inner·dy (d_lora = s·d_base is not written: s is
-      the alpha of the adapter's GEMMs, unless base and lora differ in dtype), then at once the input gradient's
-      big GEMM `d_base·W` (`base.matmul_transposed`; autograd would run it last), then the adapter's GEMMs while it
-      runs, `dx += d_xa·A` accumulated in place, `d_m = d_g / norm`.
+    - forward: the base GEMM first (the GPU runs it while the CPU issues the rest), the adapter's GEMM x·Aᵀ, the
+      norm (recomputed when A or B changed: `AdaptedLinear.dora_norm`), g, then the fused composition, writing
+      inner = base + s·lora when m trains: with bf16 activations (rank ≤ `COMPOSE_XA_MAX_RANK`)
+      `compose_forward_xa`, which forms lora = (x·Aᵀ)·Bᵀ
+      in the kernel (no [tokens, d_out] lora array written and read back), else a second GEMM and
+      `compose_forward`. When the norm is recomputed and the base has `matmul_with_exact`, the base product and the
+      norm's U = W·Aᵀ come from that one call (a quantized W is decoded once for both), A split once into its bf16
+      parts for U, the norm's Gram matrix and bf16(A);
+    - backward: the fused kernel for d_base = g·dy and the partial sums of Σ_tokens inner·dy (d_lora = s·d_base is
+      not written: s is the alpha of the adapter's GEMMs, unless base and lora differ in dtype), then at once the
+      input gradient's big GEMM `d_base·W` (`base.matmul_transposed`; autograd would run it last), then the
+      adapter's GEMMs while it runs, `dx += d_xa·A` accumulated in place, `d_m = d_g / norm` (d_g's partial sums
+      added last).
 
     Gradients of A and B come out of the GEMMs in fp32 (bf16 operands, fp32 accumulation, no bf16 rounding).
     Saved: x, x·Aᵀ `[tokens, r]`, the adapter's A and B in the activations' dtype (with a fresh norm and bf16
@@ -360,10 +370,9 @@ class DoraLinearFn(torch.autograd.Function):
         U = A_split = None
         if combined is not None and not layer.norm_is_cached(torch.float32):
             # the norm needs U = W·Aᵀ: one pass over W gives it with the base product (a quantized W decoded once);
-            # A is split into its bf16 parts once, for U, for the norm's Gram matrix and (bf16(A)) for the adapter
-            A32 = _as(A.detach(), torch.float32)
-            A_split = split_bf16(A32)
-            base_out, U = combined(x2, A32, A_split=A_split)
+            # A is split into its bf16 parts once (after the base GEMM is issued), for U, for the norm's Gram matrix
+            # and (bf16(A)) for the adapter
+            base_out, U, A_split = combined(x2, _as(A.detach(), torch.float32), return_split=True)
             U = U.T
         else:
             base_out = layer.base.matmul(x2)  # first: the big GEMM
@@ -372,13 +381,18 @@ class DoraLinearFn(torch.autograd.Function):
         Ac = A_split[:r] if A_split is not None and dt == torch.bfloat16 else A.detach().to(dt)
         Bc = B.detach().to(dt)
         xa = torch.mm(xc, Ac.T)
-        lora = torch.mm(xa, Bc.T)
+        # bf16 up to COMPOSE_XA_MAX_RANK: lora = xa·Bᵀ is formed inside the composition kernel
+        lora = None if dt == torch.bfloat16 and r <= kernels.COMPOSE_XA_MAX_RANK else torch.mm(xa, Bc.T)
         norm = layer.dora_norm(torch.float32, U=U, A_split=A_split, U_scratch=True)  # U is not used after it
         g = torch.div(m.detach(), norm)
-        y, inner = tk.compose_forward(base_out, lora, g, s, write_inner=ctx.needs_input_grad[3])
+        want_inner = ctx.needs_input_grad[3]
+        if lora is None:
+            y, inner = tk.compose_forward_xa(base_out, xa, Bc, g, s, write_inner=want_inner)
+        else:
+            y, inner = tk.compose_forward(base_out, lora, g, s, write_inner=want_inner)
         ctx.save_for_backward(xc, Ac, Bc, xa, g, norm, inner)
         ctx.layer, ctx.s, ctx.x_shape, ctx.x_dtype = layer, s, x.shape, x.dtype
-        ctx.dtypes = (base_out.dtype, lora.dtype)
+        ctx.dtypes = (base_out.dtype, dt)  # dt: the adapter's product's dtype (lora's, where it is written)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -397,9 +411,11 @@ class DoraLinearFn(torch.autograd.Function):
         # d_lora = s·d_base: where both have one dtype, the kernel writes d_base alone and s goes into the adapter's
         # GEMMs (their alpha), one [tokens, d_out] tensor fewer to write
         shared = base_dtype == lora_dtype
-        d_base, d_lora, d_g = tk.compose_backward(dy2, g, inner if need_m else None, s,
-                                                  base_dtype if need_x or (shared and need_lora) else None,
-                                                  lora_dtype if need_lora and not shared else None)
+        # d_g's partial sums, added up at the end: the big GEMM is issued first
+        d_base, d_lora, d_g_parts = tk.compose_backward(dy2, g, inner if need_m else None, s,
+                                                        base_dtype if need_x or (shared and need_lora) else None,
+                                                        lora_dtype if need_lora and not shared else None,
+                                                        reduce_d_g=False)
         scale = s if shared else 1.0
         if shared:
             d_lora = d_base
@@ -420,7 +436,7 @@ class DoraLinearFn(torch.autograd.Function):
                 if dx.shape != ctx.x_shape:
                     dx = dx.reshape(ctx.x_shape)
         if need_m:
-            d_m = d_g.div_(norm)
+            d_m = d_g_parts.sum(dim=0).div_(norm)
         return dx, dA, dB, d_m, None
 
 

@@ -414,13 +414,16 @@ class FrozenQuantLinear(nn.Module):
                 and x.numel() // max(x.shape[-1], 1) > MATVEC_MAX_TOKENS and self._use_triton())
 
     def _device_forward_with_exact(self, x: torch.Tensor, A: torch.Tensor,
-                                   A_split: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                   A_split: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                    torch.Tensor]:
         """x·Wᵀ (bf16 operands, as `_device_forward`) and A·Wᵀ to fp32 accuracy from one split decode per tile:
         `dequantize_split_tile` writes W_hi = bf16(W) and W_lo = bf16(W − W_hi) of the tile's rows in one pass, and
         x·W_hiᵀ is the forward's own tile product (same tiles, same GEMMs: bit-identical), while
         U = [A_hi; A_lo]·W_hiᵀ (halves added) + A_hi·W_loᵀ (A split by `split_bf16`; A_lo·W_loᵀ, 2⁻¹⁸ of U, left
         out) as in `_device_split_exact`, without its fp32 tile, its split and its second decode of W. Transient: the
-        two bf16 halves of one forward tile (2 × `device_scratch_bytes`, what `_device_split_exact` holds too)."""
+        two bf16 halves of one forward tile (2 × `device_scratch_bytes`, what `_device_split_exact` holds too).
+        Returns (x·Wᵀ, U `[r, n_out]`, the split A): A is split here, when not given, after the first tile's base
+        product is issued, so that the GPU starts on the big GEMM without waiting for the split's launches."""
         if x.shape[-1] != self._n_in or A.shape[-1] != self._n_in:
             raise ValueError(f"{self.name or 'frozen linear'}: inputs have {x.shape[-1]} and {A.shape[-1]} features, "
                              f"expected {self._n_in}")
@@ -428,7 +431,7 @@ class FrozenQuantLinear(nn.Module):
         op, res = self._device_dtypes(x)
         xc = x2.to(op)
         r = A.shape[0]
-        As = split_bf16(A) if A_split is None else A_split
+        As = A_split
         step = self._forward_step(xc)
         halves = torch.empty(2, min(step, self._n_out), self._n_in, dtype=torch.bfloat16, device=x.device)
         u = torch.empty(r, self._n_out, dtype=torch.float32, device=x.device)
@@ -437,11 +440,13 @@ class FrozenQuantLinear(nn.Module):
             b = min(a + step, self._n_out)
             hi, lo = device_dequant.dequantize_split_tile(self.raw, self._ggml_type, self._n_in, (a, b), out=halves)
             y = self._rows_product(xc, hi, y, a, b, res)
+            if As is None:
+                As = split_bf16(A)
             both = mm_out(As, hi.t(), torch.float32)
             torch.add(both[:r], both[r:], out=u[:, a:b])
             u[:, a:b] += mm_out(As[:r], lo.t(), torch.float32)
             del hi, lo, both
-        return y.reshape(*x.shape[:-1], self._n_out), u
+        return y.reshape(*x.shape[:-1], self._n_out), u, As
 
     def _device_transpose(self, g: torch.Tensor) -> torch.Tensor:
         """`g·W` by blocks of columns of W: every product reduces over all n_out rows at once (fp32 accumulation)."""
@@ -525,17 +530,23 @@ class FrozenQuantLinear(nn.Module):
         with torch.no_grad():
             return self._stream_forward(x, exact=True)
 
-    def matmul_with_exact(self, x: torch.Tensor, A: torch.Tensor,
-                          A_split: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def matmul_with_exact(self, x: torch.Tensor, A: torch.Tensor, A_split: Optional[torch.Tensor] = None,
+                          return_split: bool = False):
         """`(x·Wᵀ, A·Wᵀ)`, no bias, no autograd: the base product as `matmul` gives it and A's rows to fp32 accuracy as
         `matmul_exact` gives them. DoRA's training step needs both every step (U = W·Aᵀ for the norm); on the device
         path with bf16 compute each tile of W is decoded once for both (`_device_forward_with_exact`: the base
         product bit-identical to `matmul`'s, U about 2⁻¹⁷ relative), elsewhere the two run one after the other.
-        `A_split`: `split_bf16(A)` when the caller has it already (the device path uses it instead of splitting A)."""
+        `A_split`: `split_bf16(A)` when the caller has it already (the device path uses it instead of splitting A).
+        `return_split`: also return `split_bf16(A)` (A_split if given), computed after the base product is issued
+        (DoRA's step needs it for its Gram matrix and bf16(A); the GPU starts on the big GEMM first)."""
         with torch.no_grad():
             if self._fuses_exact(x, A):
-                return self._device_forward_with_exact(x, A, A_split)
-            return self._stream_forward(x), self._stream_forward(A, exact=True)
+                y, u, As = self._device_forward_with_exact(x, A, A_split)
+            else:
+                y, u, As = self._stream_forward(x), self._stream_forward(A, exact=True), A_split
+                if return_split and As is None:
+                    As = split_bf16(A)
+            return (y, u, As) if return_split else (y, u)
 
     def _apply_fn(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if torch.is_grad_enabled() and x.requires_grad:

@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 from juno_py.gguf import GGMLType  # noqa: E402
+from juno_py.kernels import split_bf16  # noqa: E402
 from juno_py.kernels.dequant import dequantize_reference  # noqa: E402
 from juno_py.weights import FrozenQuantLinear  # noqa: E402
 from juno_py.weights.frozen import MATVEC_MAX_TOKENS  # noqa: E402
@@ -217,6 +218,11 @@ def test_matmul_with_exact_decodes_each_tile_once(ggml_type, monkeypatch):
         assert U.dtype == torch.float32 and U.shape == (6, n_out)
         assert torch.equal(U, today) or _rel_fp64(U, ref_u) <= max(2.0 ** -16, _rel_fp64(today, ref_u))
         check(U, A.cpu(), w, torch.float32)
+        # A split inside (after the first tile's base product) or by the caller: the same bits, and the split back
+        y2, U2, A_split = dev.matmul_with_exact(x, A, return_split=True)
+        assert torch.equal(A_split, split_bf16(A)) and torch.equal(y2, y) and torch.equal(U2, U)
+        y3, U3, given = dev.matmul_with_exact(x, A, A_split=A_split, return_split=True)
+        assert given is A_split and torch.equal(y3, y) and torch.equal(U3, U)
 
 
 def test_matmul_with_exact_elsewhere_runs_the_two_products():
@@ -234,6 +240,8 @@ def test_matmul_with_exact_elsewhere_runs_the_two_products():
         assert not dev._fuses_exact(x, A)
         y, U = dev.matmul_with_exact(x, A)
         assert torch.equal(y, dev.matmul(x)) and torch.equal(U, dev.matmul_exact(A))
+        y2, U2, A_split = dev.matmul_with_exact(x, A, return_split=True)
+        assert torch.equal(y2, y) and torch.equal(U2, U) and torch.equal(A_split, split_bf16(A))
     dev, _, w = make(GGMLType.Q4_K, torch.bfloat16)
     x64, A64 = torch.randn(9, w.shape[1], dtype=torch.float64), torch.randn(2, w.shape[1], dtype=torch.float64)
     y, U = dev.matmul_with_exact(x64.to(DEVICE), A64.to(DEVICE))

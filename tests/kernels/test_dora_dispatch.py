@@ -178,3 +178,30 @@ def test_whole_model_logits_fused_match_eager(monkeypatch, tiny_gguf):
         fused_logits = model.logits(ids)
     assert (eager - base).norm().item() > 1e-3 * base.norm().item()  # the adapter changes the logits
     assert (fused_logits - eager).norm().item() <= 1e-2 * (eager - base).norm().item()
+
+
+def test_bf16_inference_forms_the_adapter_product_in_the_kernel(fused, monkeypatch):
+    """A DoRA layer's inference forward on bf16 activations runs one composition kernel that forms xa·Bᵀ itself
+    (`compose_forward_xa`), and gives the eager path's output to within bf16 rounding; fp32 activations, or a
+    forward that needs gradients, keep the two-step path."""
+    pytest.importorskip("triton")
+    from juno_py import kernels
+
+    tk = kernels.triton_kernels()
+    layer = _dora_layer()
+    calls = []
+    real = tk.compose_forward_xa
+    monkeypatch.setattr(tk, "compose_forward_xa", lambda *a, **kw: calls.append(a[1].dtype) or real(*a, **kw))
+    x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
+    layer.eval()
+    with torch.no_grad():
+        y = layer(x)
+        assert calls == [torch.bfloat16]
+        layer(x.float())
+        assert len(calls) == 1
+        monkeypatch.setenv("JUNO_PY_KERNELS", "eager")
+        y_e = layer(x)
+        base = layer.base.matmul(x)
+    assert y.dtype == y_e.dtype == base.dtype  # the base product's dtype (fp32 from the CPU's frozen linear)
+    # the eager path rounds lora to bf16 before adding it (2⁻⁹ of it); the kernel does not
+    assert ((y.float() - y_e.float()).norm() / (y_e.float() - base.float()).norm()).item() <= 1e-2
