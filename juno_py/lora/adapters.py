@@ -19,6 +19,7 @@ from torch.nn import functional as F
 
 from juno_py import kernels
 from juno_py.kernels import norm_rows, norm_rows_gram, split_bf16
+from juno_py.kernels.gemm import addmm_out_, mm_out
 from juno_py.lora.format import AdapterEntry, Fingerprint, Init, Mode, Scaling
 
 DORA_EPS = 1e-6
@@ -95,21 +96,12 @@ def addmm_bf16x3_(C: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: floa
 
 
 def _addmm_fp32_(C: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
-    """C += alpha·(a·b) for contiguous fp32 C and bf16 a, b: cuBLAS's bf16 GEMM accumulating into C in fp32 where
-    torch has addmm's out_dtype, else an fp32 product added (on the CPU, the exact bf16 values in fp32)."""
+    """C += alpha·(a·b) for contiguous fp32 C and bf16 a, b (`kernels.gemm.addmm_out_`: cuBLAS's bf16 GEMM
+    accumulating into C in fp32; on the CPU, the exact bf16 values in fp32)."""
     if not C.is_contiguous():
         raise ValueError(f"addmm_bf16x3_: C {tuple(C.shape)} with strides {C.stride()}: expected a contiguous "
                          f"tensor or a transposed view of one")
-    if not a.is_cuda:
-        C.addmm_(a.float(), b.float(), alpha=alpha)
-        return
-    if _ADDMM_OUT_DTYPE[0]:
-        try:
-            torch.addmm(C, a, b, alpha=alpha, out_dtype=torch.float32, out=C)
-            return
-        except (TypeError, RuntimeError, NotImplementedError):  # a torch without addmm's out_dtype
-            _ADDMM_OUT_DTYPE[0] = False
-    C.add_(torch.mm(a, b, out_dtype=torch.float32), alpha=alpha)
+    addmm_out_(C, a, b, alpha)
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -124,25 +116,17 @@ def _splits_gram(A: torch.Tensor) -> bool:
     return A.is_cuda and A.dtype == torch.float32 and r * r * k >= SPLIT_GRAM_MIN_FMAS
 
 
-_ADDMM_OUT_DTYPE = [True]  # whether torch.addmm takes out_dtype here (checked on first use)
-
-
 def mm_fp32(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
     """alpha·(a·b) with an fp32 result: fp32 operands as they are, bf16 operands with fp32 accumulation and no
     rounding of the result to bf16 (cuBLAS's fp32 output; on the CPU the exact bf16 values multiplied in fp32).
-    alpha ≠ 1 is the GEMM's own alpha where it can be (one kernel), else a multiply after it."""
+    alpha ≠ 1 is the GEMM's own alpha (one kernel)."""
     if a.dtype == torch.float32 and b.dtype == torch.float32:
         return _mm_scaled(a, b, alpha)
     if not a.is_cuda:
         return _mm_scaled(a.float(), b.float(), alpha)
-    if alpha != 1.0 and _ADDMM_OUT_DTYPE[0]:
-        try:
-            return torch.addmm(torch.empty((), dtype=torch.float32, device=a.device), a, b, beta=0, alpha=alpha,
-                               out_dtype=torch.float32)
-        except (TypeError, RuntimeError, NotImplementedError):  # a torch without addmm's out_dtype
-            _ADDMM_OUT_DTYPE[0] = False
-    out = torch.mm(a, b, out_dtype=torch.float32)
-    return out.mul_(alpha) if alpha != 1.0 else out
+    if alpha == 1.0:
+        return mm_out(a, b, torch.float32)
+    return addmm_out_(torch.empty(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device), a, b, alpha, beta=0)
 
 
 def factored_row_norm(base_sq: torch.Tensor, U: torch.Tensor, A: torch.Tensor, B: torch.Tensor, s: float,
