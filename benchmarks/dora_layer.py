@@ -50,6 +50,7 @@ SHAPES = [(4096, 8192, 8192, 384), (4096, 28672, 8192, 384), (8192, 4096, 4096, 
           (8192, 4096, 4096, 384), (4096, 8192, 8192, 768)]
 QUICK_SHAPES = [(64, 256, 128, 8), (33, 512, 256, 16)]
 QUANT_TYPES = ("Q4_K", "Q6_K", "Q8_0")
+DEVICE_SCRATCH_BYTES = None  # the quantized layers' decode tile (`--device-scratch-mib`); None: the product default
 G_SPREAD = 1.5e-3
 U_TILE_ROWS = 2048  # rows of W per GEMM of the dense stand-in's U alone (`DenseBase.matmul_exact`)
 
@@ -200,7 +201,8 @@ def quant_layer(type_name, d_in, d_out, device):
 
     ggml_type = GGMLType[type_name]
     raw = torch.from_numpy(random_rows(ggml_type, d_out, d_in, seed=7)).to(device)
-    layer = FrozenQuantLinear(raw, ggml_type, d_in, compute_dtype=torch.bfloat16)
+    kw = {} if DEVICE_SCRATCH_BYTES is None else {"device_scratch_bytes": DEVICE_SCRATCH_BYTES}
+    layer = FrozenQuantLinear(raw, ggml_type, d_in, compute_dtype=torch.bfloat16, **kw)
     if not hasattr(layer, "_on_device_path"):
         raise RuntimeError("FrozenQuantLinear has no GPU path in this tree")
     layer.row_norms_sq()  # frozen: once, at load
@@ -647,7 +649,12 @@ def main():
     ap.add_argument("--graphed", action="store_true",
                     help="also time each fwd+bwd captured in a CUDA graph (GPU time without launches)")
     ap.add_argument("--json", type=Path, help="also write every number here")
+    ap.add_argument("--device-scratch-mib", type=int, default=None,
+                    help="the quantized layers' decode tile in MiB (default: FrozenQuantLinear's)")
     args = ap.parse_args()
+    global DEVICE_SCRATCH_BYTES
+    if args.device_scratch_mib is not None:
+        DEVICE_SCRATCH_BYTES = args.device_scratch_mib << 20
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -29,6 +29,7 @@ from juno_py.errors import GGUFFormatError, UnsupportedQuantType
 from juno_py.gguf import quants
 from juno_py.kernels import dequant as device_dequant
 from juno_py.kernels import split_bf16
+from juno_py.kernels.gemm import addmm_out_, mm_out
 
 # fp32 bytes of dequantized rows per chunk. 8 MiB holds every SmolLM2 projection in one chunk (one codec
 # call, one BLAS call: best at every T we measured, see docs/benchmarks.md) and keeps an 8192-wide layer
@@ -417,36 +418,41 @@ class FrozenQuantLinear(nn.Module):
                                    A_split: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor,
                                                                                     torch.Tensor]:
         """x·Wᵀ (bf16 operands, as `_device_forward`) and A·Wᵀ to fp32 accuracy from one split decode per tile:
-        `dequantize_split_tile` writes W_hi = bf16(W) and W_lo = bf16(W − W_hi) of the tile's rows in one pass, and
-        x·W_hiᵀ is the forward's own tile product (same tiles, same GEMMs: bit-identical), while
-        U = [A_hi; A_lo]·W_hiᵀ (halves added) + A_hi·W_loᵀ (A split by `split_bf16`; A_lo·W_loᵀ, 2⁻¹⁸ of U, left
-        out) as in `_device_split_exact`, without its fp32 tile, its split and its second decode of W. Transient: the
-        two bf16 halves of one forward tile (2 × `device_scratch_bytes`, what `_device_split_exact` holds too).
-        Returns (x·Wᵀ, U `[r, n_out]`, the split A): A is split here, when not given, after the first tile's base
-        product is issued, so that the GPU starts on the big GEMM without waiting for the split's launches."""
-        if x.shape[-1] != self._n_in or A.shape[-1] != self._n_in:
+        `dequantize_split_tile` writes W_hi = bf16(W) and W_lo = bf16(W − W_hi) of the tile's rows in one pass, side
+        by side in each row of a `[rows, 2·n_in]` buffer, and x·W_hiᵀ is the forward's own tile product (same tiles,
+        same GEMMs), while U = A_hi·W_hiᵀ + A_hi·W_loᵀ + A_lo·W_hiᵀ (A split by `split_bf16`; A_lo·W_loᵀ, 2⁻¹⁸ of U,
+        left out) takes two GEMMs accumulating in fp32 straight into U's rows: [W_hi | W_lo]·[A_hi | A_hi]ᵀ over
+        the concatenated inner dimension, then W_hi·A_loᵀ added (cuBLAS's beta = 1). That is `_device_split_exact`'s
+        U without its fp32 tile, its split, its second decode of W and its separate adds. Transient: the two bf16
+        halves of one forward tile (2 × `device_scratch_bytes`, what `_device_split_exact` holds too) and
+        [A_hi | A_hi] (r × 2·n_in bf16). Returns (x·Wᵀ, U `[r, n_out]` as the transpose of a contiguous
+        `[n_out, r]`, the split A): A is split here, when not given, after the first tile's base product is issued,
+        so that the GPU starts on the big GEMM without waiting for the split's launches."""
+        n_in = self._n_in
+        if x.shape[-1] != n_in or A.shape[-1] != n_in:
             raise ValueError(f"{self.name or 'frozen linear'}: inputs have {x.shape[-1]} and {A.shape[-1]} features, "
-                             f"expected {self._n_in}")
-        x2 = x.reshape(-1, self._n_in)
+                             f"expected {n_in}")
+        x2 = x.reshape(-1, n_in)
         op, res = self._device_dtypes(x)
         xc = x2.to(op)
         r = A.shape[0]
         As = A_split
         step = self._forward_step(xc)
-        halves = torch.empty(2, min(step, self._n_out), self._n_in, dtype=torch.bfloat16, device=x.device)
-        u = torch.empty(r, self._n_out, dtype=torch.float32, device=x.device)
-        y = None
+        pair = torch.empty(min(step, self._n_out), 2, n_in, dtype=torch.bfloat16, device=x.device)  # [hi | lo] rows
+        ut = torch.empty(self._n_out, r, dtype=torch.float32, device=x.device)
+        y = A_hi2 = None
         for a in range(0, self._n_out, step):
             b = min(a + step, self._n_out)
-            hi, lo = device_dequant.dequantize_split_tile(self.raw, self._ggml_type, self._n_in, (a, b), out=halves)
+            hi, lo = device_dequant.dequantize_split_tile(self.raw, self._ggml_type, n_in, (a, b),
+                                                          out=pair.transpose(0, 1))
             y = self._rows_product(xc, hi, y, a, b, res)
-            if As is None:
-                As = split_bf16(A)
-            both = mm_out(As, hi.t(), torch.float32)
-            torch.add(both[:r], both[r:], out=u[:, a:b])
-            u[:, a:b] += mm_out(As[:r], lo.t(), torch.float32)
-            del hi, lo, both
-        return y.reshape(*x.shape[:-1], self._n_out), u, As
+            if A_hi2 is None:
+                As = split_bf16(A) if As is None else As
+                A_hi2 = As[:r].repeat(1, 2)  # [A_hi | A_hi]
+            addmm_out_(ut[a:b], pair[:b - a].view(b - a, 2 * n_in), A_hi2.t(), beta=0)
+            addmm_out_(ut[a:b], hi, As[r:].t())
+            del hi, lo
+        return y.reshape(*x.shape[:-1], self._n_out), ut.t(), As
 
     def _device_transpose(self, g: torch.Tensor) -> torch.Tensor:
         """`g·W` by blocks of columns of W: every product reduces over all n_out rows at once (fp32 accumulation)."""
@@ -597,24 +603,6 @@ def _aligned_step(step: int, n: int) -> int:
     blocks of every type (a K-quant super-block is 256 wide), and tile widths cuBLAS multiplies at full speed (an
     odd width such as 1170, from 64 MiB over 28672 columns, made a 28672-wide layer 3× slower)."""
     return step - step % 256 if 256 < step < n else step
-
-
-_MM_OUT_DTYPE = [True]  # whether torch.mm takes out_dtype here (checked on first use)
-
-
-def mm_out(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """`a @ b` with the result in `out_dtype`: bf16 operands with an fp32 result use cuBLAS's fp32 output (the
-    accumulator, never rounded to bf16 first); elsewhere the bf16 values are widened (exact) and multiplied in fp32."""
-    if a.dtype == out_dtype:
-        return torch.mm(a, b)
-    if a.dtype == torch.bfloat16 and out_dtype == torch.float32:
-        if a.is_cuda and _MM_OUT_DTYPE[0]:
-            try:
-                return torch.mm(a, b, torch.float32)
-            except (TypeError, RuntimeError, NotImplementedError):  # a torch without mm's out_dtype (before 2.8)
-                _MM_OUT_DTYPE[0] = False
-        return torch.mm(a.float(), b.float())
-    return torch.mm(a, b).to(out_dtype)
 
 
 def scratch_bytes_for(layer: FrozenQuantLinear) -> int:
