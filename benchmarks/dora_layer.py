@@ -264,9 +264,8 @@ def interleaved(calls: dict, reps: int, warmup: int, device, batch: int = 1) -> 
     return {n: statistics.median(clock.ms(m) for m in marks[n]) / batch for n in names}
 
 
-def graphed_ms(step, reps: int, warmup: int) -> float:
-    """Median GPU ms of `step` (forward and backward) captured once in a CUDA graph and replayed from an idle GPU:
-    the GPU's time alone, no launches (juno-py's whole-model training replays each step's graph this way)."""
+def capture(step) -> "torch.cuda.CUDAGraph":
+    """`step` captured once in a CUDA graph, after three warm-up calls on a side stream (as torch asks)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -276,6 +275,13 @@ def graphed_ms(step, reps: int, warmup: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
+    return graph
+
+
+def graphed_ms(step, reps: int, warmup: int) -> float:
+    """Median GPU ms of `step` (forward and backward) captured once in a CUDA graph and replayed from an idle GPU:
+    the GPU's time alone, no launches (juno-py's whole-model training replays each step's graph this way)."""
+    graph = capture(step)
     for _ in range(warmup):
         graph.replay()
     times = []

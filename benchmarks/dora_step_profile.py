@@ -178,15 +178,7 @@ def graphed_shape(T, d_in, d_out, r, trace_dir=None):
         for _ in range(5):
             f()
         eager = idle_ms(f)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                f()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            f()
+        graph = dl.capture(f)
         graph.replay()
         replayed = idle_ms(graph.replay)
         print(f"{name}: eager {eager:.3f} ms, graphed {replayed:.3f} ms from an idle GPU")

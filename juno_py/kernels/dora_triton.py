@@ -302,6 +302,13 @@ def _check_2d(name: str, t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
+def _forward_outputs(base: torch.Tensor, lora_dtype: torch.dtype, write_inner: bool):
+    """(y, inner) of a composition forward: y like base, inner (when written) in the wider of base's and lora's
+    dtypes, or None."""
+    inner = torch.empty_like(base, dtype=torch.promote_types(base.dtype, lora_dtype)) if write_inner else None
+    return torch.empty_like(base), inner
+
+
 def compose_forward(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: float, write_inner: bool = False,
                     cfg: TileConfig = FORWARD_CONFIG) -> tuple[torch.Tensor, torch.Tensor | None]:
     """y = g·(base + s·lora) for base, lora `[M, N]` and g `[N]` fp32; also inner = base + s·lora if asked.
@@ -313,8 +320,7 @@ def compose_forward(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: 
         raise ValueError(f"fused DoRA compose: base {tuple(base.shape)}, lora {tuple(lora.shape)}, g "
                          f"{tuple(g.shape)} {g.dtype}: expected equal shapes and float32 g of {N} values")
     g = g.contiguous()
-    y = torch.empty_like(base)
-    inner = torch.empty_like(base, dtype=torch.promote_types(base.dtype, lora.dtype)) if write_inner else None
+    y, inner = _forward_outputs(base, lora.dtype, write_inner)
     if M == 0 or N == 0:
         return y, inner
     bm, bn = _tile(cfg, M, N)
@@ -341,8 +347,7 @@ def compose_forward_xa(base: torch.Tensor, xa: torch.Tensor, B: torch.Tensor, g:
                          f"{tuple(B.shape)} {B.dtype}, g {tuple(g.shape)} {g.dtype}: expected [M, N], [M, r], "
                          f"[N, r] of xa's dtype and float32 g of {N} values")
     g = g.contiguous()
-    y = torch.empty_like(base)
-    inner = torch.empty_like(base, dtype=torch.promote_types(base.dtype, xa.dtype)) if write_inner else None
+    y, inner = _forward_outputs(base, xa.dtype, write_inner)
     if M == 0 or N == 0:
         return y, inner
     if r == 0:

@@ -205,6 +205,9 @@ def test_compose_forward_xa_is_compose_forward_of_the_product(fused):
     assert torch.allclose(y, y2, rtol=1e-5, atol=1e-5) and torch.allclose(inner, inner2, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="xa"):
         tk.compose_forward_xa(base, xa, B.to(torch.bfloat16), g, S)
+    # no rank at all: g·base, and inner = base
+    y0, inner0 = tk.compose_forward_xa(base, xa[:, :0], B[:, :0], g, S, write_inner=True)
+    assert torch.equal(inner0, base) and torch.equal(y0, g * base)
 
 
 def test_backward_can_leave_d_g_in_its_partial_sums(fused):
