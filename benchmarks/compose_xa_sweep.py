@@ -5,7 +5,8 @@ benchmarks/dora_layer.py (tokens T, d_out, rank r), bf16. Also the traffic bound
 kernel must move (base in; y, and inner, out) takes in the same run.
 
 GPU µs: 20 calls captured as one CUDA graph, replayed `--reps` times, median per call (no launch costs). CPU µs:
-the time to issue one call. `--sweep` adds other tiles of the fused kernel (rows with inner). Errors: max |y − y_fp64| / max |y_fp64|.
+the time to issue one call. `--sweep` adds other tiles of the fused kernel (rows with inner). Errors:
+max |y − y_fp64| / max |y_fp64|.
 
     python benchmarks/compose_xa_sweep.py [--reps 15] [--sweep]
 """

@@ -162,9 +162,9 @@ def dora_compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: flo
 def dora_compose_xa(base: torch.Tensor, xa: torch.Tensor, B: torch.Tensor, g: torch.Tensor, s: float) -> torch.Tensor:
     """`dora_compose(base, xa·Bᵀ, g, s)` given the adapter's input product xa = x·Aᵀ `[..., r]` and B `[N, r]`.
     Where no gradient is wanted (inference, playback), xa and B are bf16 on a fused path and the rank is at most
-    COMPOSE_XA_MAX_RANK, one kernel forms xa·Bᵀ
-    in fp32 inside the composition (`compose_forward_xa`: no [tokens, N] lora array written and read back, lora not
-    rounded to bf16); everywhere else exactly `dora_compose(base, xa @ B.T, g, s)`."""
+    COMPOSE_XA_MAX_RANK, one kernel forms xa·Bᵀ in fp32 inside the composition (`compose_forward_xa`: no
+    [tokens, N] lora array written and read back, lora not rounded to bf16); everywhere else exactly
+    `dora_compose(base, xa @ B.T, g, s)`."""
     mode = kernel_mode()
     N, r = B.shape
     if (mode != "eager" and r <= COMPOSE_XA_MAX_RANK and xa.dtype == B.dtype == torch.bfloat16
@@ -233,7 +233,7 @@ def cross_entropy_grad_(z: torch.Tensor, targets: torch.Tensor, ignore_index: in
     return losses.sum(), grad
 
 
-__all__ = ["dora_compose", "dora_compose_xa", "norm_assemble", "norm_rows", "norm_rows_gram", "compose_path", "layer_training_fused",
-           "compose_eager", "norm_assemble_eager", "norm_rows_eager", "norm_rows_gram_eager", "cross_entropy_grad_",
-           "cross_entropy_path", "cross_entropy_grad_eager", "kernel_mode", "triton_kernels", "KernelUnavailable",
+__all__ = ["dora_compose", "dora_compose_xa", "norm_assemble", "norm_rows", "norm_rows_gram", "compose_path",
+           "layer_training_fused", "compose_eager", "norm_assemble_eager", "norm_rows_eager", "norm_rows_gram_eager",
+           "cross_entropy_grad_", "cross_entropy_path", "cross_entropy_grad_eager", "kernel_mode", "triton_kernels", "KernelUnavailable",
            "FUSED_TRAIN_MIN_ELEMENTS", "COMPOSE_XA_MAX_RANK", "EAGER", "FUSED_INFERENCE", "FUSED_TRAINING", "FUSED"]
