@@ -50,3 +50,45 @@ def test_adjacent_pairs_on_permuted_rows_equal_halves_on_hf_rows():
     norm = apply_rope((x @ llama_permute(w, n_head).t()).view(1, 6, n_head, head_dim), cos, sin, "norm")
     perm = llama_permute(torch.arange(head_dim).float().unsqueeze(1), 1).long().squeeze(1)
     assert torch.allclose(norm, neox[..., perm], atol=1e-6)
+
+
+def _real_rope(x, cos, sin):
+    """The adjacent-pairs rotation in its real formulas, element by element (the reference for the complex path)."""
+    n_rot = 2 * cos.shape[-1]
+    a, b = x[..., 0:n_rot:2], x[..., 1:n_rot:2]
+    rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    return torch.cat((rot, x[..., n_rot:]), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("head_dim,rope_dim,layout", [(8, 8, "contiguous"), (16, 8, "contiguous"),
+                                                       (8, 8, "qkv slice"), (6, 6, "odd offset")])
+def test_adjacent_pairs_as_complex_match_the_real_formulas(dtype, head_dim, rope_dim, layout):
+    """fp32/fp64 pairs rotate as one complex multiply: the real formulas' values (one rounding each of a product
+    and a sum: within 2 ulps, the same bits where the CPU's complex multiply does no fused multiply-add), and their
+    gradients, on whole heads, partially rotated heads and strided views (a slice of a fused QKV projection, and one
+    whose pairs start at an odd element, which must be copied first)."""
+    g = torch.Generator().manual_seed(1)
+    B, T, H = 2, 5, 3
+    cos, sin = (t.to(dtype) for t in rope_cos_sin(torch.arange(T).expand(B, T), rope_inv_freq(rope_dim, 10000.0)))
+    if layout == "contiguous":
+        base = torch.randn(B, T, H, head_dim, generator=g, dtype=dtype)
+        take = lambda t: t  # noqa: E731
+    elif layout == "qkv slice":
+        base = torch.randn(B, T, 3 * H * head_dim, generator=g, dtype=dtype)
+        take = lambda t: t[..., H * head_dim: 2 * H * head_dim].view(B, T, H, head_dim)  # noqa: E731
+    else:
+        base = torch.randn(B, T, H * head_dim + 1, generator=g, dtype=dtype)
+        take = lambda t: t[..., 1:].view(B, T, H, head_dim)  # noqa: E731
+    dy = torch.randn(B, T, H, head_dim, generator=g, dtype=dtype)
+    outs = []
+    for fn in (lambda t: apply_rope(t, cos, sin, "norm"), lambda t: _real_rope(t, cos, sin)):
+        leaf = base.clone().requires_grad_(True)
+        y = fn(take(leaf))
+        y.backward(dy)
+        outs.append((y.detach(), leaf.grad))
+    (y, gx), (y_ref, g_ref) = outs
+    ulp = torch.finfo(dtype).eps
+    assert torch.allclose(y, y_ref, rtol=2 * ulp, atol=4 * ulp) and torch.allclose(gx, g_ref, rtol=2 * ulp, atol=4 * ulp)
+    assert not torch.equal(y[..., :rope_dim], take(base)[..., :rope_dim])  # it rotated
+    assert torch.equal(y[..., rope_dim:], take(base)[..., rope_dim:])  # the rest passed through
