@@ -103,19 +103,19 @@ def rope_cos_sin(positions: Tensor, inv_freq: Tensor, attn_factor: float = 1.0,
 _COMPLEX_ROPE_DTYPES = (torch.float32, torch.float64)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, style: str) -> Tensor:
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, style: str, complex_pairs: bool = True) -> Tensor:
     """Rotate the first rope_dim features of each head of `x` `[B, T, H, D]`; the rest pass through.
 
     Adjacent pairs ("norm") of fp32/fp64 x rotate as one complex multiply, (a + ib)·(cos + i·sin): the same products
     and sums as the real formulas (a·cos − b·sin, a·sin + b·cos; on the CPU the same bits, forward and backward),
     in one vectorized kernel instead of six strided ones and a stack (about 3× faster for a step's fwd+bwd on the
-    CPU). bf16 (no complex dtype) and the halves style ("neox") use the real formulas."""
+    CPU). bf16 (no complex dtype), the halves style ("neox") and `complex_pairs=False` use the real formulas."""
     n_rot = 2 * cos.shape[-1]
     rot, rest = x[..., :n_rot], x[..., n_rot:]
     if style == "neox":
         a, b = rot[..., : n_rot // 2], rot[..., n_rot // 2:]
         rot = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
-    elif x.dtype in _COMPLEX_ROPE_DTYPES and cos.dtype == x.dtype:
+    elif complex_pairs and x.dtype in _COMPLEX_ROPE_DTYPES and cos.dtype == x.dtype:
         pairs = rot.unflatten(-1, (-1, 2))
         if pairs.stride(-1) != 1 or any(st % 2 for st in pairs.stride()[:-1]) or pairs.storage_offset() % 2:
             pairs = pairs.contiguous()  # view_as_complex needs whole complex numbers in memory
