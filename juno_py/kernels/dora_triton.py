@@ -346,12 +346,12 @@ def compose_forward_xa(base: torch.Tensor, xa: torch.Tensor, B: torch.Tensor, g:
         raise ValueError(f"fused DoRA compose: base {tuple(base.shape)}, xa {tuple(xa.shape)} {xa.dtype}, B "
                          f"{tuple(B.shape)} {B.dtype}, g {tuple(g.shape)} {g.dtype}: expected [M, N], [M, r], "
                          f"[N, r] of xa's dtype and float32 g of {N} values")
+    if r == 0:  # no rank: the composition of a zero lora
+        return compose_forward(base, torch.zeros_like(base), g, s, write_inner)
     g = g.contiguous()
     y, inner = _forward_outputs(base, xa.dtype, write_inner)
     if M == 0 or N == 0:
         return y, inner
-    if r == 0:
-        return compose_forward(base, torch.zeros_like(base), g, s, write_inner)
     # tl.dot takes tiles of 16 and more in every dimension; small problems get small tiles
     bm = max(16, min(cfg.block_m, triton.next_power_of_2(M)))
     bn = max(16, min(cfg.block_n, triton.next_power_of_2(N)))

@@ -37,14 +37,12 @@ def addmm_out_(C: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float =
     if C.dtype != torch.float32 or not C.is_contiguous():
         raise ValueError(f"addmm_out_: C {tuple(C.shape)} {C.dtype} with strides {C.stride()}: expected a contiguous "
                          f"float32 tensor")
-    if a.is_cuda and (a.dtype == b.dtype == torch.float32 or _ADDMM_OUT_DTYPE[0]):
+    if a.is_cuda and a.dtype == b.dtype == torch.float32:
+        return torch.addmm(C, a, b, beta=beta, alpha=alpha, out=C)
+    if a.is_cuda and _ADDMM_OUT_DTYPE[0]:
         try:
-            if a.dtype == torch.float32:
-                return torch.addmm(C, a, b, beta=beta, alpha=alpha, out=C)
             return torch.addmm(C, a, b, beta=beta, alpha=alpha, out_dtype=torch.float32, out=C)
         except _OLD_TORCH:  # a torch without addmm's out_dtype
-            if a.dtype == torch.float32:
-                raise
             _ADDMM_OUT_DTYPE[0] = False
     if not a.is_cuda:  # the exact bf16 values in fp32 (beta = 0: torch's addmm ignores C)
         return C.addmm_(a.float(), b.float(), beta=beta, alpha=alpha)
