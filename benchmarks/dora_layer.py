@@ -28,6 +28,7 @@ import argparse
 import json
 import math
 import platform
+import random
 import statistics
 import sys
 import time
@@ -43,7 +44,7 @@ from juno_py import kernels  # noqa: E402
 from juno_py.kernels.reference import compose_eager  # noqa: E402
 from juno_py.lora.adapters import AdaptedLinear, AdapterConfig, LoraAdapter  # noqa: E402
 from juno_py.lora.format import Mode  # noqa: E402
-from juno_py.weights.frozen import mm_out  # noqa: E402
+from juno_py.kernels.gemm import addmm_out_, mm_out  # noqa: E402
 
 # (tokens, d_in, d_out, rank): DESIGN.md §6 and issue 8
 SHAPES = [(4096, 8192, 8192, 384), (4096, 28672, 8192, 384), (8192, 4096, 4096, 16), (8192, 4096, 4096, 64),
@@ -123,6 +124,17 @@ class DenseBase(nn.Module):
         U = out[t:t + r].add_(out[t + r:])
         return (base, U, A_split) if return_split else (base, U)
 
+    def matmul_with_update(self, x: torch.Tensor, A: torch.Tensor, A_ref: torch.Tensor, ut: torch.Tensor,
+                           return_split: bool = False):
+        """x·Wᵀ as `matmul`, and the running U `ut` `[d_out, r]` moved from A_ref to A as the frozen linear's method
+        of that name moves it: ut += W·Dᵀ with D = bf16(A − A_ref) (`kernels.track_delta`, A_ref moved by D), one
+        GEMM of r rows accumulating into ut in fp32. W is exactly bf16, so that is the quantized layer's
+        [W_hi | W_lo]·[D | D]ᵀ without W_lo: r rows of products instead of 2r."""
+        base = self.matmul(x)
+        A_split = kernels.split_bf16(A) if return_split else None
+        addmm_out_(ut, self.W, kernels.track_delta(A, A_ref).t())
+        return (base, A_split) if return_split else base
+
     def matmul_transposed(self, g: torch.Tensor) -> torch.Tensor:
         """g·W (the input gradient, no autograd)."""
         return g @ self.W if g.dtype == self.W.dtype else g @ self.W.to(g.dtype)
@@ -157,13 +169,15 @@ def row_norm_fp64(W, A, B, s, chunk=2048):
 
 
 # ---------------------------------------------------------------------------------------------------- layers
-def juno_layer(base, d):
+def juno_layer(base, d, track_u=None):
     cfg = AdapterConfig(rank=d["r"], alpha=d["alpha"], mode=Mode.DORA)
     ad = LoraAdapter(base.in_features, base.out_features, cfg, magnitude=d["m"].cpu())
     with torch.no_grad():
         ad.lora_A.copy_(d["A"].cpu())
         ad.lora_B.copy_(d["B"].cpu())
-    return AdaptedLinear(base, [ad]).to(d["W"].device)
+    layer = AdaptedLinear(base, [ad]).to(d["W"].device)
+    layer.track_u = track_u  # None: the product's default (a running U on CUDA); False: U afresh every step
+    return layer
 
 
 class _One(nn.Module):
@@ -241,7 +255,10 @@ class Clock:
 
 
 def interleaved(calls: dict, reps: int, warmup: int, device, batch: int = 1) -> dict:
-    """Median ms per call of each callable, called in turn (rotating the order) `reps` times after warm-up.
+    """Median ms per call of each callable, called in turn `reps` times after warm-up, in a new (seeded) random order
+    each round: with a fixed or rotating order each call always follows the same other one, and a call right after
+    PEFT's fp32 DoRA layer measured slower than it does elsewhere (juno-py Q4_K, next in the list: 1.36× the dense
+    layer's time interleaved with PEFT, 1.14× without; the same code on Q6_K, two places later, 1.26×).
 
     batch 1: each call is timed alone from an idle GPU (its CPU time to launch counts where it is the longer).
     batch > 1: each sample times `batch` calls back to back from an idle GPU, divided by `batch`: the launches
@@ -253,8 +270,9 @@ def interleaved(calls: dict, reps: int, warmup: int, device, batch: int = 1) -> 
             calls[n]()
     clock.sync()
     marks = {n: [] for n in names}
-    for i in range(reps):
-        for n in names[i % len(names):] + names[:i % len(names)]:
+    rng = random.Random(0)
+    for _ in range(reps):
+        for n in rng.sample(names, len(names)):
             clock.sync()  # each call starts on an idle GPU: no queued work of another implementation hides its CPU time
             t0 = clock.start()
             for _ in range(batch):
@@ -328,7 +346,24 @@ def infer_call(layer, x):
 
 
 # ---------------------------------------------------------------------------------------------------- layer table
-def bench_shape(T, d_in, d_out, r, device, reps, warmup, with_quant, peers=True, graphed=False):
+def optimizer_nudge(layer):
+    """What a training step sees of an optimizer step, for a juno-py layer: A moved (by ±2⁻²⁰ of its scale, the sign
+    alternating so A stays put over pairs of calls) and the norm stale. The DoRA step then recomputes the norm, and
+    its running U (`AdaptedLinear.running_u`) updates by a D that is not zero. PEFT recomputes its norm every
+    call anyway."""
+    A = layer.dora.lora_A
+    step = (A.detach().abs().mean() * 2.0 ** -20).item()
+    sign = [1.0]
+
+    def nudge():
+        with torch.no_grad():
+            A.add_(sign[0] * step)
+        sign[0] = -sign[0]
+        layer._g_cache = None
+    return nudge
+
+
+def bench_shape(T, d_in, d_out, r, device, reps, warmup, with_quant, peers=True, graphed=False, u_ab=False):
     d = layer_data(T, d_in, d_out, r, device)
     x = d["x"].clone().requires_grad_(True)
     layers, resident, notes = {}, {}, {}
@@ -360,6 +395,8 @@ def bench_shape(T, d_in, d_out, r, device, reps, warmup, with_quant, peers=True,
         del probe, forms
     stacked = bool(dense_choice) and dense_choice["stacked=True"] < dense_choice["stacked=False"]
     build("juno-py dense", lambda: juno_layer(DenseBase(d["W"], stacked=stacked), d))
+    if u_ab:  # the same layer recomputing U = W·Aᵀ at every stale norm (no running U)
+        build("juno-py dense, U afresh", lambda: juno_layer(DenseBase(d["W"], stacked=stacked), d, track_u=False))
     if peers:
         build("PEFT LoRA bf16", lambda: peft_layer(d, False, torch.bfloat16))
         build("PEFT DoRA bf16", lambda: peft_layer(d, True, torch.bfloat16))
@@ -367,6 +404,9 @@ def bench_shape(T, d_in, d_out, r, device, reps, warmup, with_quant, peers=True,
     if with_quant:
         for t in QUANT_TYPES:
             build(f"juno-py {t}", lambda t=t: juno_layer(quant_layer(t, d_in, d_out, device), d))
+            if u_ab:
+                build(f"juno-py {t}, U afresh",
+                      lambda t=t: juno_layer(quant_layer(t, d_in, d_out, device), d, track_u=False))
 
     # the juno layer computes what PEFT's fp32-adapter DoRA computes (both round to bf16 at the end)
     agree = {}
@@ -381,7 +421,7 @@ def bench_shape(T, d_in, d_out, r, device, reps, warmup, with_quant, peers=True,
     train, infer = {}, {}
     for name, layer in layers.items():
         params = [p for p in layer.parameters() if p.requires_grad]
-        fresh = (lambda lay=layer: setattr(lay, "_g_cache", None)) if isinstance(layer, AdaptedLinear) else None
+        fresh = optimizer_nudge(layer) if isinstance(layer, AdaptedLinear) else None
         train[name] = train_call(layer, x, d["dy"], params, fresh)
         infer[name] = infer_call(layer, d["x"])
     for layer in layers.values():
@@ -390,11 +430,16 @@ def bench_shape(T, d_in, d_out, r, device, reps, warmup, with_quant, peers=True,
     mem_train = {n: peak_mib(f, device) for n, f in train.items()}
     t_graphed = {}
     if graphed and device.type == "cuda":  # the same steps, each captured in a CUDA graph: GPU time alone
+        graphs = {}
         for n, f in train.items():
             try:
-                t_graphed[n] = graphed_ms(f, reps, warmup)
+                graphs[n] = capture(f)
             except Exception as e:  # noqa: BLE001 - a step that cannot be captured: say so instead of a number
                 notes[f"{n} (graphed)"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        # replays interleaved in random order, as the eager calls: drift of the machine's speed during the run
+        # reaches every implementation alike
+        t_graphed = interleaved({n: g.replay for n, g in graphs.items()}, reps, warmup, device)
+        del graphs
     for layer in layers.values():
         layer.eval()
     for name, layer in layers.items():
@@ -449,6 +494,14 @@ def print_layer_table(res):
                  f"{by[f'juno-py {t}']['infer_ms'] / j['infer_ms']:.2f}×" for t in QUANT_TYPES if f"juno-py {t}" in by]
         if quant:
             print("juno-py quantized time / juno-py dense: " + "; ".join(quant))
+        ab = [(n, n + ", U afresh") for n in by if n.startswith("juno-py") and n + ", U afresh" in by]
+        if ab:
+            print("running U against U afresh at every step (fwd+bwd ms, then graphed): " + "; ".join(
+                f"{n}: {by[n]['train_ms']:.3f} / {by[m]['train_ms']:.3f} ({by[n]['train_ms'] / by[m]['train_ms']:.3f}×)"
+                + (f", graphed {by[n]['graphed_train_ms']:.3f} / {by[m]['graphed_train_ms']:.3f} "
+                   f"({by[n]['graphed_train_ms'] / by[m]['graphed_train_ms']:.3f}×)"
+                   if by[n].get("graphed_train_ms") and by[m].get("graphed_train_ms") else "")
+                for n, m in ab))
         g = {n: row["graphed_train_ms"] for n, row in by.items() if row.get("graphed_train_ms")}
         if "juno-py dense" in g:
             print("fwd+bwd as CUDA graphs (GPU time alone), ms: " + ", ".join(f"{n} {v:.3f}" for n, v in g.items())
@@ -655,6 +708,8 @@ def main():
     ap.add_argument("--graphed", action="store_true",
                     help="also time each fwd+bwd captured in a CUDA graph (GPU time without launches)")
     ap.add_argument("--json", type=Path, help="also write every number here")
+    ap.add_argument("--u-ab", action="store_true",
+                    help="also juno-py layers that recompute U = W·Aᵀ at every step (no running U), interleaved")
     ap.add_argument("--device-scratch-mib", type=int, default=None,
                     help="the quantized layers' decode tile in MiB (default: FrozenQuantLinear's)")
     args = ap.parse_args()
@@ -694,7 +749,7 @@ def main():
         for T, d_in, d_out, r in shapes:
             res = bench_shape(T, d_in, d_out, r, device, reps, 1 if args.quick else args.warmup,
                               with_quant=not args.no_quant and device.type == "cuda", peers=not args.quant_only,
-                              graphed=args.graphed)
+                              graphed=args.graphed, u_ab=args.u_ab)
             print_layer_table(res)
             out["layers"].append(res)
             if device.type == "cuda":

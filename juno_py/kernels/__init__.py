@@ -55,6 +55,25 @@ def split_bf16(x: torch.Tensor) -> torch.Tensor:
     return parts
 
 
+def track_delta(A: torch.Tensor, A_ref: torch.Tensor, copies: int = 1) -> torch.Tensor:
+    """D = bf16(A − A_ref) `[r, copies·k]` (the difference repeated `copies` times along each row: `[D | D]` for a
+    product over a split W's concatenated halves), then A_ref += D in place, for fp32 A and A_ref `[r, k]`.
+
+    A running U = W·A_refᵀ updated by W·Dᵀ then stays the product of W with what A_ref holds: the part of the
+    difference that D's rounding drops (at most 2⁻⁹ of it) stays in A − A_ref and enters the next difference
+    instead of being lost (error feedback). Two kernels (three with copies = 2)."""
+    if A.shape != A_ref.shape or A.dtype != torch.float32 or A_ref.dtype != torch.float32:
+        raise ValueError(f"track_delta: A {tuple(A.shape)} {A.dtype} and A_ref {tuple(A_ref.shape)} {A_ref.dtype}: "
+                         f"expected two fp32 tensors of one shape")
+    r, k = A.shape
+    D = torch.empty(r, copies, k, dtype=torch.bfloat16, device=A.device)
+    torch.sub(A, A_ref, out=D[:, 0])  # the fp32 difference, rounded to nearest even
+    A_ref.add_(D[:, 0])
+    if copies > 1:
+        D[:, 1:].copy_(D[:, :1].expand(r, copies - 1, k))
+    return D.view(r, copies * k)
+
+
 def kernel_mode() -> str:
     mode = os.environ.get("JUNO_PY_KERNELS", "auto").strip().lower()
     if mode not in _MODES:

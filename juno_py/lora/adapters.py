@@ -236,6 +236,13 @@ class AdaptedLinear(nn.Module):
                 raise ValueError(f"{name or 'linear'}: a DoRA adapter plays alone and at scale 1")
         self._g_cache: Optional[tuple[tuple, torch.Tensor]] = None
         self.norm_held = False  # reuse the cached norm even if A or B change (finite-difference checks)
+        self._running_u: Optional[tuple[tuple, torch.Tensor, torch.Tensor]] = None  # (key, U [d_out, r], A_ref)
+
+    # DoRA's training step keeps a running U = W·A_refᵀ and moves it by W·bf16(A − A_ref)ᵀ when A changed
+    # (`running_u`): None (the default) on CUDA, where the base's `matmul_with_update` costs two products of W's
+    # size per row of A instead of three (a dense W: one instead of two); True also elsewhere (the CPU tests of the
+    # device path); False never (every stale norm recomputes U: the benchmarks' comparison).
+    track_u: Optional[bool] = None
 
     @property
     def in_features(self) -> int:
@@ -277,6 +284,42 @@ class AdaptedLinear(nn.Module):
         """Whether `dora_norm(dtype)` would return the cached norm (A and B unchanged, or the norm held)."""
         held = self.norm_held and self._g_cache is not None and self._g_cache[0][-1] == dtype
         return held or (self._g_cache is not None and self._g_cache[0] == self._norm_key(dtype))
+
+    def running_u(self, A: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(U, A_ref) of the running U for A (fp32, detached), if this layer keeps one for it: U `[d_out, r]`
+        contiguous fp32 with U = W·A_refᵀ to fp32 accuracy over the exact W. None when tracking is off here
+        (`track_u`), the base has no `matmul_with_update`, or none was started for this A (`start_running_u`).
+
+        How far it is from W·Aᵀ: the step's update D = bf16(A − A_ref) drops at most 2⁻⁹ of A's change since the
+        last update, and that part stays in A − A_ref for the next one instead of being lost, so the error does not
+        grow with the steps. After a step in which A changed by a whole A (not an optimizer step: a load into the
+        same tensor), U is one bf16 rounding of A off for that step; `reset_running_u` makes the next step exact."""
+        if not self._tracks_u(A):
+            return None
+        run = self._running_u
+        if run is None or run[0] != self._running_key(A):
+            return None
+        return run[1], run[2]
+
+    def start_running_u(self, A: torch.Tensor, U: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Keep U = W·Aᵀ `[d_out, r]` (exact, just computed) as this layer's running U for A, if tracking applies
+        here. Returns (U as kept, whether the caller may still overwrite U's buffer)."""
+        if not self._tracks_u(A):
+            return U, True
+        kept = U if U.is_contiguous() and U.dtype == torch.float32 else U.to(torch.float32).contiguous()
+        self._running_u = (self._running_key(A), kept, A.detach().to(torch.float32, copy=True))
+        return kept, False
+
+    def reset_running_u(self) -> None:
+        """Forget the running U: the next step with a stale norm computes U = W·Aᵀ afresh."""
+        self._running_u = None
+
+    def _tracks_u(self, A: torch.Tensor) -> bool:
+        on = self.track_u if self.track_u is not None else A.is_cuda
+        return bool(on) and hasattr(self.base, "matmul_with_update")
+
+    def _running_key(self, A: torch.Tensor) -> tuple:
+        return id(self.dora.lora_A), tuple(A.shape), A.device
 
     def dora_norm(self, dtype: torch.dtype = torch.float32, U: Optional[torch.Tensor] = None,
                   A_split: Optional[torch.Tensor] = None, U_scratch: bool = False) -> torch.Tensor:
@@ -330,7 +373,9 @@ class DoraLinearFn(torch.autograd.Function):
       in the kernel (no [tokens, d_out] lora array written and read back), else a second GEMM and
       `compose_forward`. When the norm is recomputed and the base has `matmul_with_exact`, the base product and the
       norm's U = W·Aᵀ come from that one call (a quantized W is decoded once for both), A split once into its bf16
-      parts for U, the norm's Gram matrix and bf16(A);
+      parts for U, the norm's Gram matrix and bf16(A). Where the layer keeps a running U (`running_u`: on CUDA),
+      only the first such step does; the later ones move U by W·bf16(A − A_ref)ᵀ in the base's
+      `matmul_with_update`, one product of W's size per row of A fewer;
     - backward: the fused kernel for d_base = g·dy and the partial sums of Σ_tokens inner·dy (d_lora = s·d_base is
       not written: s is the alpha of the adapter's GEMMs, unless base and lora differ in dtype), then at once the
       input gradient's big GEMM `d_base·W` (`base.matmul_transposed`; autograd would run it last), then the
@@ -352,12 +397,20 @@ class DoraLinearFn(torch.autograd.Function):
         combined = getattr(layer.base, "matmul_with_exact", None)
         dt = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32  # as `LoraAdapter.delta_input`
         U = A_split = None
+        U_scratch = True
         if combined is not None and not layer.norm_is_cached(torch.float32):
             # the norm needs U = W·Aᵀ: one pass over W gives it with the base product (a quantized W decoded once);
             # A is split into its bf16 parts once (after the base GEMM is issued), for U, for the norm's Gram matrix
-            # and (bf16(A)) for the adapter
-            base_out, U, A_split = combined(x2, _as(A.detach(), torch.float32), return_split=True)
-            U = U.T
+            # and (bf16(A)) for the adapter. Where the layer keeps a running U, that pass moves it to A instead.
+            A32 = _as(A.detach(), torch.float32)
+            run = layer.running_u(A32)
+            if run is not None:
+                U, A_ref = run
+                base_out, A_split = layer.base.matmul_with_update(x2, A32, A_ref, U, return_split=True)
+                U_scratch = False
+            else:
+                base_out, U, A_split = combined(x2, A32, return_split=True)
+                U, U_scratch = layer.start_running_u(A32, U.T)
         else:
             base_out = layer.base.matmul(x2)  # first: the big GEMM
         xc = _as(x2, dt)
@@ -367,7 +420,7 @@ class DoraLinearFn(torch.autograd.Function):
         xa = torch.mm(xc, Ac.T)
         # bf16 up to COMPOSE_XA_MAX_RANK: lora = xa·Bᵀ is formed inside the composition kernel
         lora = None if dt == torch.bfloat16 and r <= kernels.COMPOSE_XA_MAX_RANK else torch.mm(xa, Bc.T)
-        norm = layer.dora_norm(torch.float32, U=U, A_split=A_split, U_scratch=True)  # U is not used after it
+        norm = layer.dora_norm(torch.float32, U=U, A_split=A_split, U_scratch=U_scratch)
         g = torch.div(m.detach(), norm)
         want_inner = ctx.needs_input_grad[3]
         if lora is None:

@@ -28,7 +28,7 @@ from torch.autograd.function import once_differentiable
 from juno_py.errors import GGUFFormatError, UnsupportedQuantType
 from juno_py.gguf import quants
 from juno_py.kernels import dequant as device_dequant
-from juno_py.kernels import split_bf16
+from juno_py.kernels import split_bf16, track_delta
 from juno_py.kernels.gemm import addmm_out_, mm_out
 
 # fp32 bytes of dequantized rows per chunk. 8 MiB holds every SmolLM2 projection in one chunk (one codec
@@ -457,6 +457,32 @@ class FrozenQuantLinear(nn.Module):
             del hi, lo
         return y.reshape(*x.shape[:-1], self._n_out), ut.t(), As
 
+    def _device_forward_with_update(self, x: torch.Tensor, A: torch.Tensor, A_ref: torch.Tensor, ut: torch.Tensor,
+                                    return_split: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """`_device_forward_with_exact` for a running U: the same split decode and base product per tile, and
+        ut[a:b] += [W_hi | W_lo]·[D | D]ᵀ (one GEMM, cuBLAS's beta = 1) with D = bf16(A − A_ref) (`track_delta`,
+        which moves A_ref by D). W_hi·D + W_lo·D is W·D to fp32 accuracy (W_lo·D's own rounding is 2⁻⁹ of a term
+        2⁻⁹ the size of W·D), so U stays W·A_refᵀ over the exact W; against `_device_forward_with_exact` this is
+        two products per tile instead of three, one GEMM instead of two. Returns (x·Wᵀ, `split_bf16(A)` or None)."""
+        n_in = self._n_in
+        x2 = x.reshape(-1, n_in)
+        op, res = self._device_dtypes(x)
+        xc = x2.to(op)
+        step = self._forward_step(xc)
+        pair = torch.empty(min(step, self._n_out), 2, n_in, dtype=torch.bfloat16, device=x.device)  # [hi | lo] rows
+        y = D2 = As = None
+        for a in range(0, self._n_out, step):
+            b = min(a + step, self._n_out)
+            hi, lo = device_dequant.dequantize_split_tile(self.raw, self._ggml_type, n_in, (a, b),
+                                                          out=pair.transpose(0, 1))
+            y = self._rows_product(xc, hi, y, a, b, res)
+            if D2 is None:  # after the first base product is issued
+                As = split_bf16(A) if return_split else None
+                D2 = track_delta(A, A_ref, copies=2)  # [D | D]
+            addmm_out_(ut[a:b], pair[:b - a].view(b - a, 2 * n_in), D2.t())
+            del hi, lo
+        return y.reshape(*x.shape[:-1], self._n_out), As
+
     def _device_transpose(self, g: torch.Tensor) -> torch.Tensor:
         """`g·W` by blocks of columns of W: every product reduces over all n_out rows at once (fp32 accumulation)."""
         if g.shape[-1] != self._n_out:
@@ -556,6 +582,32 @@ class FrozenQuantLinear(nn.Module):
                 if return_split and As is None:
                     As = split_bf16(A)
             return (y, u, As) if return_split else (y, u)
+
+    def matmul_with_update(self, x: torch.Tensor, A: torch.Tensor, A_ref: torch.Tensor, ut: torch.Tensor,
+                           return_split: bool = False):
+        """x·Wᵀ as `matmul` gives it, and a running U moved to A: `ut` `[n_out, r]` (fp32, contiguous) holds
+        W·A_refᵀ for `A_ref` (fp32 `[r, n_in]`) and afterwards holds W·Aᵀ's update by D = bf16(A − A_ref), with
+        A_ref moved by D (`kernels.track_delta`): to fp32 accuracy over the exact W, within W·(A − A_ref)ᵀ of
+        W·Aᵀ, where A − A_ref is what D's rounding left (at most 2⁻⁹ of the step's change of A, carried into the next
+        update). No autograd. DoRA's training step calls it where A moved by an optimizer step: on the device path
+        (where `matmul_with_exact` fuses) one split decode per tile gives both, with two products of W's size per
+        row of A instead of `matmul_with_exact`'s three; elsewhere U is recomputed (`ut` = (A·Wᵀ)ᵀ by
+        `matmul_exact`, A_ref = A). `return_split`: also return `split_bf16(A)`, as `matmul_with_exact` does."""
+        with torch.no_grad():
+            if ut.shape != (self._n_out, A.shape[0]) or ut.dtype != torch.float32 or not ut.is_contiguous():
+                raise ValueError(f"{self.name or 'frozen linear'}: running U {tuple(ut.shape)} {ut.dtype}: expected "
+                                 f"a contiguous fp32 [{self._n_out}, {A.shape[0]}]")
+            if self._fuses_exact(x, A):
+                if x.shape[-1] != self._n_in or A.shape[-1] != self._n_in:
+                    raise ValueError(f"{self.name or 'frozen linear'}: inputs have {x.shape[-1]} and {A.shape[-1]} "
+                                     f"features, expected {self._n_in}")
+                y, As = self._device_forward_with_update(x, A, A_ref, ut, return_split)
+            else:
+                y = self._stream_forward(x)
+                ut.copy_(self._stream_forward(A, exact=True).t())
+                A_ref.copy_(A)
+                As = split_bf16(A) if return_split else None
+            return (y, As) if return_split else y
 
     def _apply_fn(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if torch.is_grad_enabled() and x.requires_grad:

@@ -248,6 +248,58 @@ def test_matmul_with_exact_elsewhere_runs_the_two_products():
     assert y.dtype == U.dtype == torch.float64
 
 
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
+def test_matmul_with_update_moves_u_by_the_rounded_difference(ggml_type, monkeypatch):
+    """`matmul_with_update(x, A, A_ref, U)` on the fused path: one split decode per forward tile and no other; the
+    base bit-identical to `matmul`; A_ref moved by D = bf16(A − A_ref) exactly as `track_delta` moves it; U moved
+    by W·Dᵀ over the exact W (within the fp32 accumulation bound of fp64, W_lo included: bf16(W)·D alone misses
+    by more than 8 times its error); the split A returned as `split_bf16` gives it. A running U of the wrong shape
+    is refused."""
+    from juno_py.kernels import track_delta
+
+    dev, _, w = make(ggml_type, torch.bfloat16)
+    n_out, n_in = w.shape
+    if DEVICE == "cpu":
+        dev.device_scratch_bytes = 2 * n_in * 8
+    gen = torch.Generator().manual_seed(12)
+    A_ref = ((torch.rand(5, n_in, generator=gen) * 2 - 1) / n_in ** 0.5).to(DEVICE)
+    A = A_ref + 0.01 * torch.randn(5, n_in, generator=gen).to(DEVICE) / n_in ** 0.5
+    U0 = (A_ref.double().cpu() @ w.double().T).float().T.contiguous().to(DEVICE)  # [n_out, r]
+    x = torch.randn(2, 7, n_in, generator=gen).bfloat16().to(DEVICE)
+    U, R = U0.clone(), A_ref.clone()
+    plain, split = _count_split_decodes(monkeypatch)
+    y, As = dev.matmul_with_update(x, A, R, U, return_split=True)
+    tiles = -(-n_out // dev._forward_step(x.to(torch.bfloat16)))
+    assert (len(plain), len(split)) == (0, tiles) and (tiles > 1 or DEVICE == "cuda")
+    monkeypatch.undo()
+    assert torch.equal(y, dev.matmul(x)) and torch.equal(As, split_bf16(A))
+    R_want = A_ref.clone()
+    D = track_delta(A, R_want).float().cpu()
+    assert torch.equal(R, R_want)
+    want = U0.double().cpu() + w.double() @ D.double().T
+    bound = U32 * (n_in + 2) * (U0.double().cpu().abs() + w.double().abs() @ D.double().abs().T)
+    assert ((U.double().cpu() - want).abs() <= bound).all()
+    hi_only = U0.double().cpu() + w.bfloat16().double() @ D.double().T  # what W_hi alone would give
+    assert (hi_only - want).norm() > 8 * (U.double().cpu() - want).norm()
+    with pytest.raises(ValueError, match="running U"):
+        dev.matmul_with_update(x, A, R, U.T)
+
+
+def test_matmul_with_update_elsewhere_recomputes_u():
+    """Where `matmul_with_exact` cannot fuse (fp32 compute, a resident cache), `matmul_with_update` is `matmul` and U
+    = (A·Wᵀ)ᵀ by `matmul_exact`, A_ref = A: the exact U, not an update."""
+    gen = torch.Generator().manual_seed(13)
+    for t, compute, cache in ((GGMLType.Q4_K, torch.float32, "none"), (GGMLType.Q8_0, torch.bfloat16, "bf16")):
+        dev, _, w = make(t, compute)
+        dev.set_weights_cache(cache)
+        x = torch.randn(9, w.shape[1], generator=gen).to(DEVICE)
+        A = torch.randn(3, w.shape[1], generator=gen).to(DEVICE)
+        R = torch.zeros_like(A)
+        U = torch.full((w.shape[0], 3), float("nan"), device=DEVICE)
+        y = dev.matmul_with_update(x, A, R, U)
+        assert torch.equal(y, dev.matmul(x)) and torch.equal(U, dev.matmul_exact(A).T) and torch.equal(R, A)
+
+
 def test_dora_norm_from_the_combined_product_meets_the_target():
     """The DoRA norm built from `matmul_with_exact`'s U (what a training step computes when A or B changed) within
     1e-5 relative of fp64 over the exact W and 1 % of the adapter's effect, as the norm from `matmul_exact`'s U."""

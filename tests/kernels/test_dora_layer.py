@@ -254,6 +254,92 @@ def test_quantized_step_decodes_w_once_for_base_and_norm(fused, x_dtype, T, n_in
     assert type(y.grad_fn).__name__ == "DoraLinearFnBackward" and splits == []
 
 
+def _u_error(layer, W64):
+    """‖U − W·Aᵀ‖ / ‖W·Aᵀ‖ of the layer's running U against fp64 over the exact W, and ‖W·Aᵀ‖."""
+    exact = W64 @ layer.dora.lora_A.detach().double().cpu().T
+    U = layer.running_u(layer.dora.lora_A.detach())[0]
+    return ((U.double().cpu() - exact).norm() / exact.norm()).item(), exact.norm().item()
+
+
+@pytest.mark.parametrize("T,n_in,n_out,r,scratch", QUANT_STEP_SIZES)
+def test_running_u_follows_a_through_optimizer_steps(fused, T, n_in, n_out, r, scratch):
+    """With a running U (`track_u`), the first step computes U = W·Aᵀ exactly (`matmul_with_exact`), and every
+    later step whose A moved updates it from the forward's own split decode by W·bf16(A − A_ref)ᵀ
+    (`matmul_with_update`; no exact U, no other decode). Over Adam steps the norm stays within 1e-5 of fp64 over the
+    exact W and U within 2⁻⁸ of the step's change of W·Aᵀ (plus 2⁻¹⁶ of U) of fp64. When A is replaced by another
+    A, U is off by about a bf16 rounding of the difference for that step, and the next step, with A unchanged,
+    brings it back to fp32 accuracy: the part of D its rounding dropped was carried (error feedback); without it
+    U would stay off. `reset_running_u` makes the next step exact again."""
+    from juno_py.weights import FrozenQuantLinear
+
+    p, layer = _quant_layer(T, n_in, n_out, r, scratch)
+    layer.track_u = True
+    ad = layer.dora
+    W64 = p["W"].double()
+    x, dy = p["x"].to(DEVICE, torch.bfloat16), p["dy"].to(DEVICE, torch.bfloat16)
+    calls = {"_device_forward_with_exact": 0, "_device_forward_with_update": 0}
+
+    def step():
+        with pytest.MonkeyPatch.context() as mp:
+            for name in calls:
+                def counted(*a, real=getattr(FrozenQuantLinear, name), name=name, **kw):
+                    calls[name] += 1
+                    return real(*a, **kw)
+
+                mp.setattr(FrozenQuantLinear, name, counted)
+            for t in ad.parameters():
+                t.grad = None
+            y = layer(x)
+            assert type(y.grad_fn).__name__ == "DoraLinearFnBackward"
+            y.backward(dy)
+        A64, B64 = ad.lora_A.detach().double().cpu(), ad.lora_B.detach().double().cpu()
+        ref = (W64 + p["s"] * B64 @ A64).norm(dim=1)
+        return ((layer._g_cache[1].double().cpu() - ref).abs() / ref).max().item()
+
+    opt = torch.optim.Adam(ad.parameters(), lr=1e-3)
+    assert step() <= 1e-5 and calls == {"_device_forward_with_exact": 1, "_device_forward_with_update": 0}
+    assert _u_error(layer, W64)[0] <= 2 ** -16
+    for i in range(5):
+        A_prev = ad.lora_A.detach().double().cpu().clone()
+        opt.step()
+        assert step() <= 1e-5
+        assert calls == {"_device_forward_with_exact": 1, "_device_forward_with_update": i + 1}
+        err, size = _u_error(layer, W64)
+        change = (W64 @ (ad.lora_A.detach().double().cpu() - A_prev).T).norm().item()
+        assert change > 1e-3 * size  # the optimizer moved A: D is not zero
+        assert err * size <= 2 ** -8 * change + 2 ** -16 * size, (i, err, change / size)
+
+    with torch.no_grad():  # another A altogether, into the same tensor (a load, not an optimizer step)
+        ad.lora_A.copy_(torch.rand(ad.lora_A.shape, generator=torch.Generator().manual_seed(5)) * 0.05 - 0.025)
+    step()
+    jumped = _u_error(layer, W64)[0]
+    layer._g_cache = None  # A unchanged: D is what the last rounding dropped
+    step()
+    back = _u_error(layer, W64)[0]
+    assert back <= 2 ** -16 and back <= jumped / 16, (jumped, back)
+    assert calls["_device_forward_with_exact"] == 1
+
+    layer.reset_running_u()
+    layer._g_cache = None
+    assert step() <= 1e-5 and calls["_device_forward_with_exact"] == 2
+
+
+def test_running_u_is_off_where_it_does_not_apply():
+    """No running U: on the CPU by default, with `track_u = False`, or on a base without `matmul_with_update`."""
+    p, layer = _quant_layer(37, 512, 96, 8, 2 * 512 * 32)
+    A = layer.dora.lora_A.detach()
+    if not A.is_cuda:
+        assert layer.track_u is None and not layer._tracks_u(A)
+    layer.track_u = False
+    assert not layer._tracks_u(A)
+    layer.track_u = True
+    assert layer._tracks_u(A)
+    dense = _layer(_problem(5, 16, 8, 2))
+    dense.track_u = True
+    assert not dense._tracks_u(dense.dora.lora_A.detach())
+    assert dense.running_u(dense.dora.lora_A.detach()) is None
+
+
 # ------------------------------------------------------------------------------------------- norm pieces
 @pytest.mark.skipif(DEVICE != "cuda", reason="the split-bf16 product runs on CUDA only")
 def test_gram_split_removes_the_bf16_rounding_of_A():
