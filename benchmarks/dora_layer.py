@@ -127,12 +127,12 @@ class DenseBase(nn.Module):
     def matmul_with_update(self, x: torch.Tensor, A: torch.Tensor, A_ref: torch.Tensor, ut: torch.Tensor,
                            return_split: bool = False):
         """x·Wᵀ as `matmul`, and the running U `ut` `[d_out, r]` moved from A_ref to A as the frozen linear's method
-        of that name moves it: ut += W·Dᵀ with D = bf16(A − A_ref) (`kernels.track_delta`, A_ref moved by D), one
+        of that name moves it: ut += W·Dᵀ with D = bf16(A − A_ref) (`kernels.split_track`, A_ref moved by D), one
         GEMM of r rows accumulating into ut in fp32. W is exactly bf16, so that is the quantized layer's
         [W_hi | W_lo]·[D | D]ᵀ without W_lo: r rows of products instead of 2r."""
         base = self.matmul(x)
-        A_split = kernels.split_bf16(A) if return_split else None
-        addmm_out_(ut, self.W, kernels.track_delta(A, A_ref).t())
+        A_split, D = kernels.split_track(A, A_ref)  # one kernel on CUDA
+        addmm_out_(ut, self.W, D.t())
         return (base, A_split) if return_split else base
 
     def matmul_transposed(self, g: torch.Tensor) -> torch.Tensor:

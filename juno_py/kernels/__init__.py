@@ -48,11 +48,34 @@ class KernelUnavailable(RuntimeError):
 def split_bf16(x: torch.Tensor) -> torch.Tensor:
     """x `[n, k]` (fp32) as `[x_hi; x_lo]` `[2n, k]` bf16, x_hi = bf16(x), x_lo = bf16(x − x_hi): together within
     about 2⁻¹⁷ of x, so that bf16 tensor-core products of the parts (fp32 accumulation) reach fp32 accuracy."""
+    tk = _split_kernels(x)
+    if tk is not None:  # one launch (`dora_triton.split_track`), the same bits
+        return tk.split_track(x)
     n = x.shape[0]
     parts = torch.empty(2 * n, x.shape[1], dtype=torch.bfloat16, device=x.device)
     parts[:n].copy_(x)
     torch.sub(x, parts[:n], out=parts[n:])
     return parts
+
+
+def split_track(A: torch.Tensor, A_ref: torch.Tensor, copies: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`split_bf16(A)`, `track_delta(A, A_ref, copies)`), A_ref moved by D: one kernel on CUDA
+    (`dora_triton.split_track`) instead of four or five, the same bits; the torch operations elsewhere."""
+    tk = _split_kernels(A, A_ref)
+    if tk is not None:
+        return tk.split_track(A, A_ref, copies)
+    parts = split_bf16(A)
+    return parts, track_delta(A, A_ref, copies)
+
+
+def _split_kernels(*ts: torch.Tensor):
+    """The kernel module for `split_track` on these tensors (contiguous fp32 matrices on CUDA, JUNO_PY_KERNELS not
+    eager, triton importable), else None."""
+    if not all(t.is_cuda and t.dtype == torch.float32 and t.dim() == 2 and t.is_contiguous() for t in ts):
+        return None
+    if kernel_mode() == "eager":
+        return None
+    return triton_kernels()
 
 
 def track_delta(A: torch.Tensor, A_ref: torch.Tensor, copies: int = 1) -> torch.Tensor:

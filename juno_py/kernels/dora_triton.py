@@ -12,12 +12,14 @@ This module imports triton: `juno_py.kernels` loads it only when a fused path ru
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
+from juno_py.kernels.dequant_triton import _bf16_bits
 from juno_py.kernels.launch import interpreting, launch as _launch
 
 # Decided by triton when the kernels below were defined: CPU tensors run only under the interpreter.
@@ -226,6 +228,30 @@ def _norm_finish_kernel(base_sq_ptr, part_ptr, out_ptr, n, eps, J: tl.constexpr,
     _store_norm(base_sq_ptr, out_ptr, rows, row_ok, acc, eps)
 
 
+@triton.jit
+def _split_track_kernel(a_ptr, ref_ptr, parts_ptr, d_ptr, n, k, TRACK: tl.constexpr, COPIES: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """Elements [pid·BLOCK, +BLOCK) of fp32 A `[n, k]` (contiguous): its two bf16 parts A_hi = bf16(A) and
+    A_lo = bf16(A − A_hi) into `parts` `[2n, k]` (int16 view); with TRACK also D = bf16(A − A_ref), written COPIES
+    times along each row of `d` `[n, COPIES·k]` (int16 view), and A_ref += D in place. Every rounding is to
+    nearest even with integer operations, each difference one fp32 subtraction: the bits of `split_bf16` and
+    `track_delta`'s torch operations."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n * k
+    a = tl.load(a_ptr + offs, mask=ok, other=0.0)
+    top = _bf16_bits(a)
+    tl.store(parts_ptr + offs, top.to(tl.int16), mask=ok)
+    tl.store(parts_ptr + n * k + offs, _bf16_bits(a - (top << 16).to(tl.float32, bitcast=True)).to(tl.int16),
+             mask=ok)
+    if TRACK:
+        ref = tl.load(ref_ptr + offs, mask=ok, other=0.0)
+        d = _bf16_bits(a - ref)
+        tl.store(ref_ptr + offs, ref + (d << 16).to(tl.float32, bitcast=True), mask=ok)
+        at = (offs // k) * (COPIES * k) + offs % k
+        for c in tl.static_range(COPIES):
+            tl.store(d_ptr + at + c * k, d.to(tl.int16), mask=ok)
+
+
 # ---- launch configuration --------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -243,6 +269,7 @@ class TileConfig:
 FORWARD_CONFIG = TileConfig()
 BACKWARD_CONFIG = TileConfig(block_m=32, block_n=128, num_warps=4)
 NORM_BLOCK = 1024
+SPLIT_BLOCK = 1024  # elements of A per program of `_split_track_kernel`
 NORM_ROWS_ELEMENTS = 1024  # rows × rank columns per step of `_norm_rows_kernel` (8192 rows, r 384: 512 programs)
 
 
@@ -443,6 +470,26 @@ def norm_rows(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, V: torch.
     return out
 
 
+def split_track(A: torch.Tensor, A_ref: Optional[torch.Tensor] = None, copies: int = 1):
+    """`split_bf16(A)` `[2n, k]` bf16 in one launch; with A_ref (fp32 `[n, k]`, contiguous) also
+    `track_delta(A, A_ref, copies)` in the same pass: returns (parts, D), D `[n, copies·k]` bf16, A_ref moved by D.
+    Bit-identical to the torch operations they replace (four or five launches)."""
+    if A.dtype != torch.float32 or A.dim() != 2 or not A.is_contiguous():
+        raise ValueError(f"split_track: A {tuple(A.shape)} {A.dtype}: expected a contiguous fp32 matrix")
+    n, k = A.shape
+    track = A_ref is not None
+    if track and (A_ref.shape != A.shape or A_ref.dtype != torch.float32 or not A_ref.is_contiguous()):
+        raise ValueError(f"split_track: A_ref {tuple(A_ref.shape)} {A_ref.dtype}: expected a contiguous fp32 "
+                         f"{tuple(A.shape)}")
+    parts = torch.empty(2 * n, k, dtype=torch.bfloat16, device=A.device)
+    D = torch.empty(n, copies * k, dtype=torch.bfloat16, device=A.device) if track else None
+    if n * k:
+        _launch(_split_track_kernel, (triton.cdiv(n * k, SPLIT_BLOCK),), (
+            A, A_ref if track else A, parts.view(torch.int16), D.view(torch.int16) if track else parts, n, k), 4,
+            TRACK=track, COPIES=copies if track else 1, BLOCK=SPLIT_BLOCK)
+    return (parts, D) if track else parts
+
+
 def norm_rows_gram(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, G: torch.Tensor, s: float,
                    eps: float = 0.0, split: bool = False, cfg: NormGramConfig = NORM_GRAM_CONFIG) -> torch.Tensor:
     """`norm_rows` with V = B·G formed inside the kernel: G = A·Aᵀ fp32 `[r, r]`, or with `split` the fp32 Gram
@@ -508,4 +555,4 @@ class DoraComposeFn(torch.autograd.Function):
 
 
 __all__ = ["DoraComposeFn", "compose_forward", "compose_forward_xa", "compose_backward", "norm_assemble", "norm_rows",
-           "norm_rows_gram", "TileConfig", "NormGramConfig", "ComposeXaConfig", "INTERPRETED", "FUSED_DTYPES"]
+           "norm_rows_gram", "split_track", "TileConfig", "NormGramConfig", "ComposeXaConfig", "INTERPRETED", "FUSED_DTYPES"]

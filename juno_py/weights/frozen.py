@@ -28,7 +28,7 @@ from torch.autograd.function import once_differentiable
 from juno_py.errors import GGUFFormatError, UnsupportedQuantType
 from juno_py.gguf import quants
 from juno_py.kernels import dequant as device_dequant
-from juno_py.kernels import split_bf16, track_delta
+from juno_py.kernels import split_bf16, split_track
 from juno_py.kernels.gemm import addmm_out_, mm_out
 
 # fp32 bytes of dequantized rows per chunk. 8 MiB holds every SmolLM2 projection in one chunk (one codec
@@ -460,7 +460,7 @@ class FrozenQuantLinear(nn.Module):
     def _device_forward_with_update(self, x: torch.Tensor, A: torch.Tensor, A_ref: torch.Tensor, ut: torch.Tensor,
                                     return_split: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """`_device_forward_with_exact` for a running U: the same split decode and base product per tile, and
-        ut[a:b] += [W_hi | W_lo]·[D | D]ᵀ (one GEMM, cuBLAS's beta = 1) with D = bf16(A − A_ref) (`track_delta`,
+        ut[a:b] += [W_hi | W_lo]·[D | D]ᵀ (one GEMM, cuBLAS's beta = 1) with D = bf16(A − A_ref) (`split_track`,
         which moves A_ref by D). W_hi·D + W_lo·D is W·D to fp32 accuracy (W_lo·D's own rounding is 2⁻⁹ of a term
         2⁻⁹ the size of W·D), so U stays W·A_refᵀ over the exact W; against `_device_forward_with_exact` this is
         two products per tile instead of three, one GEMM instead of two. Returns (x·Wᵀ, `split_bf16(A)` or None)."""
@@ -477,11 +477,10 @@ class FrozenQuantLinear(nn.Module):
                                                           out=pair.transpose(0, 1))
             y = self._rows_product(xc, hi, y, a, b, res)
             if D2 is None:  # after the first base product is issued
-                As = split_bf16(A) if return_split else None
-                D2 = track_delta(A, A_ref, copies=2)  # [D | D]
+                As, D2 = split_track(A, A_ref, copies=2)  # A's bf16 parts, [D | D]
             addmm_out_(ut[a:b], pair[:b - a].view(b - a, 2 * n_in), D2.t())
             del hi, lo
-        return y.reshape(*x.shape[:-1], self._n_out), As
+        return y.reshape(*x.shape[:-1], self._n_out), As if return_split else None
 
     def _device_transpose(self, g: torch.Tensor) -> torch.Tensor:
         """`g·W` by blocks of columns of W: every product reduces over all n_out rows at once (fp32 accumulation)."""

@@ -324,6 +324,44 @@ def test_running_u_follows_a_through_optimizer_steps(fused, T, n_in, n_out, r, s
     assert step() <= 1e-5 and calls["_device_forward_with_exact"] == 2
 
 
+def _same_bits(a, b):
+    """Equal bf16 bit patterns, any NaN equal to any NaN (the CPU's conversion keeps a NaN's payload)."""
+    nan = torch.isnan(a.float())
+    return torch.equal(nan, torch.isnan(b.float())) and torch.equal(a.view(torch.int16)[~nan],
+                                                                    b.view(torch.int16)[~nan])
+
+
+@pytest.mark.parametrize("n,k,copies", [(1, 1, 1), (3, 1000, 2), (7, 1037, 1),
+                                        (64, 4099 if DEVICE == "cuda" else 515, 2)])
+def test_split_track_kernel_gives_the_torch_bits(n, k, copies):
+    """`dora_triton.split_track`: A's two bf16 parts, D = bf16(A − A_ref) repeated `copies` times and A_ref += D in
+    one kernel, bit for bit what `split_bf16` and `track_delta` give with torch's operations, on one row, one column
+    and odd sizes, over values from subnormal to the largest finite ones (ties of bf16 rounding, ±∞, NaN,
+    overflow to ∞ included); without A_ref, the split alone."""
+    from juno_py.kernels import split_bf16, track_delta
+
+    tk = kernels.triton_kernels()
+    gen = torch.Generator().manual_seed(n + k)
+    A = torch.randn(n, k, generator=gen) * torch.logspace(-40, 38, k).float()
+    R = A + torch.randn(n, k, generator=gen) * A.abs().clamp(max=1e30) * 2.0 ** -torch.randint(0, 30, (n, k),
+                                                                                               generator=gen)
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.3895314e38, -3.39e38, 1.0 + 2.0 ** -8,
+                            1.0 + 3 * 2.0 ** -8, 1e-45, -0.0])
+    A.view(-1)[:min(special.numel(), n * k)] = special[:n * k]
+    A, R = A.to(DEVICE), R.to(DEVICE)
+    want_parts, R_want = split_bf16(A.cpu()), R.cpu().clone()
+    want_D = track_delta(A.cpu(), R_want, copies)
+    parts, D = tk.split_track(A, R, copies)
+    assert parts.shape == (2 * n, k) and D.shape == (n, copies * k)
+    assert _same_bits(parts.cpu(), want_parts) and _same_bits(D.cpu(), want_D)
+    assert torch.equal(torch.isnan(R.cpu()), torch.isnan(R_want))
+    ok = ~torch.isnan(R_want)
+    assert torch.equal(R.cpu()[ok], R_want[ok])
+    assert _same_bits(tk.split_track(A).cpu(), want_parts)
+    with pytest.raises(ValueError, match="split_track"):
+        tk.split_track(torch.zeros(2, 4, device=DEVICE)[:, ::2])
+
+
 def test_running_u_is_off_where_it_does_not_apply():
     """No running U: on the CPU by default, with `track_u = False`, or on a base without `matmul_with_update`."""
     p, layer = _quant_layer(37, 512, 96, 8, 2 * 512 * 32)
