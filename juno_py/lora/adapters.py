@@ -202,7 +202,25 @@ class LoraAdapter(nn.Module):
         x = x.to(dt)
         if self.training and self.config.dropout > 0:
             x = F.dropout(x, self.config.dropout, training=True)
-        return x @ self.lora_A.T.to(dt), self.lora_B.to(dt)
+        A, B = self.factors(dt)
+        return x @ A.T, B
+
+    def factors(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A, B) in `dtype`. Where no gradient flows through them (inference, playback) a cast is kept while A and B
+        are unchanged: each cast is a launch per call and layer, and a playback step on a GPU is bound by its
+        launches."""
+        A, B = self.lora_A, self.lora_B
+        if A.dtype == dtype and B.dtype == dtype:
+            return A, B
+        if torch.is_grad_enabled() and (A.requires_grad or B.requires_grad):
+            return A.to(dtype), B.to(dtype)
+        key = (dtype, A.device, id(A), id(B), A._version, B._version, torch.is_inference_mode_enabled())
+        kept = self.__dict__.get("_factors_kept")
+        if kept is None or kept[0] != key:
+            with torch.no_grad():
+                kept = (key, A.detach().to(dtype), B.detach().to(dtype))
+            self.__dict__["_factors_kept"] = kept
+        return kept[1], kept[2]
 
     def to_entry(self, key: str, fingerprint: Optional[Fingerprint] = None) -> AdapterEntry:
         c = self.config
@@ -332,8 +350,19 @@ class AdaptedLinear(nn.Module):
         return self._g_cache[1]
 
     def dora_scale(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """g = m / max(‖W + sBA‖_row, 1e-6), the norm detached. Reused while A and B are unchanged (playback)."""
-        return self.dora.magnitude.to(dtype) / self.dora_norm(dtype)
+        """g = m / max(‖W + sBA‖_row, 1e-6), the norm detached. Reused while A and B are unchanged (playback), and g
+        itself while the norm and m are, where no gradient flows into m (one division fewer per call)."""
+        m = self.dora.magnitude
+        norm = self.dora_norm(dtype)
+        if torch.is_grad_enabled() and m.requires_grad:
+            return m.to(dtype) / norm
+        key = (id(m), m._version, dtype, torch.is_inference_mode_enabled())
+        kept = self.__dict__.get("_scale_kept")
+        if kept is None or kept[0] is not norm or kept[1] != key:  # the norm itself is held: its id stays its own
+            with torch.no_grad():
+                kept = (norm, key, m.detach().to(dtype) / norm)
+            self.__dict__["_scale_kept"] = kept
+        return kept[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ad = self.dora

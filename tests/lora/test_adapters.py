@@ -118,6 +118,41 @@ def test_dora_scale_cached_while_frozen_and_refreshed_when_trained():
     assert lin._g_cache[0] != key and not torch.equal(g1, g2)
 
 
+@pytest.mark.parametrize("mode", [Mode.LORA, Mode.DORA])
+def test_playback_keeps_casts_and_g_until_the_adapter_changes(mode):
+    """bf16 playback without gradients casts A and B (and forms g) once and reuses them while the adapter is
+    unchanged; an in-place change of A, B or m is seen at the next call (the output of a layer built afresh from the
+    changed adapter, bit for bit); with gradients nothing is kept and the output stays connected to the adapter."""
+    dora = mode == Mode.DORA
+    base = _random_layer(GGMLType.Q8_0, 48, 64)
+    ad = LoraAdapter(64, 48, AdapterConfig(rank=4, mode=mode),
+                     magnitude=base.row_norms_sq().sqrt() if dora else None)
+    with torch.no_grad():
+        ad.lora_B.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
+    lin = AdaptedLinear(base, [ad]).eval()
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+
+    def afresh():
+        return AdaptedLinear(base, [LoraAdapter.from_entry(ad.to_entry("w"))]).eval()(x)
+
+    with torch.no_grad():
+        y = lin(x)
+        kept = ad._factors_kept
+        assert kept[1].dtype == torch.bfloat16 and torch.equal(lin(x), y) and ad._factors_kept is kept
+        assert torch.equal(y, afresh())
+        changes = [lambda: ad.lora_A.mul_(1.5), lambda: ad.lora_B.add_(0.01)]
+        changes += [lambda: ad.magnitude.mul_(1.1)] if dora else []
+        for change in changes:
+            change()
+            y2 = lin(x)
+            assert torch.equal(y2, afresh()) and not torch.equal(y2, y)
+            y = y2
+    y = lin(x)  # gradients on: the casts are the parameters' own
+    y.float().sum().backward()
+    assert ad.lora_A.grad is not None and ad.lora_B.grad is not None
+    assert not dora or ad.magnitude.grad is not None
+
+
 # ------------------------------------------------------------------------------------------------ playback
 def test_saved_adapter_plays_back_identically(tiny_gguf, tmp_path):
     path = tiny_gguf("phi3", GGMLType.Q8_0)
