@@ -202,7 +202,7 @@ def cprofile_shape(T, d_in, d_out, r, steps=100):
     for name, base in (("dense", dl.DenseBase(d["W"])), ("Q4_K", dl.quant_layer("Q4_K", d_in, d_out, dev))):
         lay = dl.juno_layer(base, d).train()
         params = [p for p in lay.parameters() if p.requires_grad]
-        f = dl.train_call(lay, x, d["dy"], params, lambda lay=lay: setattr(lay, "_g_cache", None))
+        f = dl.train_call(lay, x, d["dy"], params, dl.optimizer_nudge(lay))
         for _ in range(5):
             f()
         torch.cuda.synchronize()
@@ -219,6 +219,9 @@ def cprofile_shape(T, d_in, d_out, r, steps=100):
         st.sort_stats("tottime").print_stats(40)
         print(f"\n## T={T}, {d_in}->{d_out}, r={r}, {name}: {cpu:.3f} ms of CPU a step under cProfile\n")
         print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:9000])
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(45)
+        print("\nby cumulative time:\n" + "\n".join(line for line in out.getvalue().splitlines() if line.strip())[:9000])
         del lay, base, f
     torch.cuda.empty_cache()
 

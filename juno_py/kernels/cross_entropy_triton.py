@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from juno_py.kernels.dora_triton import FUSED_DTYPES, INTERPRETED, _launch, _out_arg, _store
+from juno_py.kernels.launch import cdiv, next_pow2
 
 # Columns a program step and warps a program. Not swept on the H200 yet: 4096 columns over 8 warps is 16 values a
 # thread per block, little register pressure, and 1046 rows × 128256 columns make 1046 programs of 32 blocks.
@@ -88,11 +89,11 @@ def cross_entropy_grad(z: torch.Tensor, targets: torch.Tensor, ignore_index: int
         raise ValueError("fused cross-entropy: logits over an empty vocabulary")
     if n == 0:
         return loss, grad
-    block = min(block, triton.next_power_of_2(V))
+    block = min(block, next_pow2(V))
     _launch(_cross_entropy_kernel, (n,), (z, targets, loss, _out_arg(grad), V, *z.stride(), *grad.stride(),
                                           int(ignore_index)),
             NUM_WARPS if block >= 1024 else 4, G_BF16=grad.dtype == torch.bfloat16, BLOCK=block,
-            BLOCKS=triton.cdiv(V, block))
+            BLOCKS=cdiv(V, block))
     return loss, grad
 
 

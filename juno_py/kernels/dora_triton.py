@@ -20,7 +20,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from juno_py.kernels.dequant_triton import _bf16_bits
-from juno_py.kernels.launch import interpreting, launch as _launch
+from juno_py.kernels.launch import cdiv, interpreting, launch as _launch, next_pow2
 
 # Decided by triton when the kernels below were defined: CPU tensors run only under the interpreter.
 INTERPRETED = interpreting()
@@ -314,7 +314,7 @@ NORM_FINISH_BLOCK = 256
 
 def _tile(cfg: TileConfig, M: int, N: int) -> tuple[int, int]:
     # small problems get smaller tiles (fewer masked lanes; under the interpreter, less numpy work)
-    return min(cfg.block_m, triton.next_power_of_2(M)), min(cfg.block_n, triton.next_power_of_2(N))
+    return min(cfg.block_m, next_pow2(M)), min(cfg.block_n, next_pow2(N))
 
 
 def _out_arg(t: torch.Tensor) -> torch.Tensor:
@@ -351,7 +351,7 @@ def compose_forward(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: 
     if M == 0 or N == 0:
         return y, inner
     bm, bn = _tile(cfg, M, N)
-    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm))
+    grid = (cdiv(N, bn), cdiv(M, bm))
     _launch(_compose_fwd_kernel, grid, (base, lora, g, _out_arg(y), _out_arg(inner) if write_inner else y, M, N,
                                         float(s)),
             cfg.num_warps, WRITE_INNER=write_inner, Y_BF16=y.dtype == torch.bfloat16,
@@ -380,15 +380,15 @@ def compose_forward_xa(base: torch.Tensor, xa: torch.Tensor, B: torch.Tensor, g:
     if M == 0 or N == 0:
         return y, inner
     # tl.dot takes tiles of 16 and more in every dimension; small problems get small tiles
-    bm = max(16, min(cfg.block_m, triton.next_power_of_2(M)))
-    bn = max(16, min(cfg.block_n, triton.next_power_of_2(N)))
-    bk = max(16, min(cfg.block_k, triton.next_power_of_2(r)))
-    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm))
+    bm = max(16, min(cfg.block_m, next_pow2(M)))
+    bn = max(16, min(cfg.block_n, next_pow2(N)))
+    bk = max(16, min(cfg.block_k, next_pow2(r)))
+    grid = (cdiv(N, bn), cdiv(M, bm))
     _launch(_compose_xa_fwd_kernel, grid, (base, xa, B, g, _out_arg(y), _out_arg(inner) if write_inner else y, M, N, r,
                                            float(s)),
             cfg.num_warps, cfg.num_stages, WRITE_INNER=write_inner, Y_BF16=y.dtype == torch.bfloat16,
             INNER_BF16=write_inner and inner.dtype == torch.bfloat16, IEEE=xa.dtype == torch.float32 or INTERPRETED,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=triton.cdiv(r, bk))
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_TILES=cdiv(r, bk))
     return y, inner
 
 
@@ -414,11 +414,11 @@ def compose_backward(dy: torch.Tensor, g: torch.Tensor, inner: torch.Tensor | No
     if inner is not None:
         inner = _check_2d("inner", inner)
     bm, bn = _tile(cfg, M, N)
-    col_blocks = triton.cdiv(N, bn)
-    row_tiles = triton.cdiv(M, bm)
-    groups = max(1, min(row_tiles, triton.cdiv(cfg.groups_target, col_blocks)))
-    tiles = triton.next_power_of_2(triton.cdiv(row_tiles, groups))
-    groups = triton.cdiv(row_tiles, tiles)
+    col_blocks = cdiv(N, bn)
+    row_tiles = cdiv(M, bm)
+    groups = max(1, min(row_tiles, cdiv(cfg.groups_target, col_blocks)))
+    tiles = next_pow2(cdiv(row_tiles, groups))
+    groups = cdiv(row_tiles, tiles)
     partial = torch.empty(groups, N, dtype=torch.float32, device=dy.device) if inner is not None else None
     placeholder = dy  # never touched: the constexpr flags switch its use off
     _launch(_compose_bwd_kernel, (col_blocks, groups), (
@@ -443,9 +443,9 @@ def norm_assemble(base_sq: torch.Tensor, cross: torch.Tensor, ba_sq: torch.Tenso
                          f"expected equal lengths")
     out = torch.empty(n, dtype=torch.float32, device=base_sq.device)
     if n:
-        block = min(NORM_BLOCK, triton.next_power_of_2(n))
+        block = min(NORM_BLOCK, next_pow2(n))
         flat = [t.reshape(-1).contiguous() for t in (base_sq, cross, ba_sq)]
-        _launch(_norm_assemble_kernel, (triton.cdiv(n, block),), (*flat, out, n, float(s)), 4, BLOCK=block)
+        _launch(_norm_assemble_kernel, (cdiv(n, block),), (*flat, out, n, float(s)), 4, BLOCK=block)
     return out
 
 
@@ -461,12 +461,12 @@ def norm_rows(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, V: torch.
     out = torch.empty(n, dtype=torch.float32, device=B.device)
     if n == 0:
         return out
-    block_r = min(64, triton.next_power_of_2(max(r, 1)))
-    block_d = min(max(1, NORM_ROWS_ELEMENTS // block_r), triton.next_power_of_2(n))
+    block_r = min(64, next_pow2(max(r, 1)))
+    block_d = min(max(1, NORM_ROWS_ELEMENTS // block_r), next_pow2(n))
     Vt = U if V is None else V  # never read without HAS_V
-    _launch(_norm_rows_kernel, (triton.cdiv(n, block_d),), (
+    _launch(_norm_rows_kernel, (cdiv(n, block_d),), (
         base_sq.reshape(-1).contiguous(), B, U, Vt, out, n, r, *B.stride(), *U.stride(), *Vt.stride(), 2.0 * s,
-        s * s, float(eps)), 4, HAS_V=V is not None, BLOCK_D=block_d, BLOCK_R=block_r, R_TILES=triton.cdiv(r, block_r))
+        s * s, float(eps)), 4, HAS_V=V is not None, BLOCK_D=block_d, BLOCK_R=block_r, R_TILES=cdiv(r, block_r))
     return out
 
 
@@ -484,7 +484,7 @@ def split_track(A: torch.Tensor, A_ref: Optional[torch.Tensor] = None, copies: i
     parts = torch.empty(2 * n, k, dtype=torch.bfloat16, device=A.device)
     D = torch.empty(n, copies * k, dtype=torch.bfloat16, device=A.device) if track else None
     if n * k:
-        _launch(_split_track_kernel, (triton.cdiv(n * k, SPLIT_BLOCK),), (
+        _launch(_split_track_kernel, (cdiv(n * k, SPLIT_BLOCK),), (
             A, A_ref if track else A, parts.view(torch.int16), D.view(torch.int16) if track else parts, n, k), 4,
             TRACK=track, COPIES=copies if track else 1, BLOCK=SPLIT_BLOCK)
     return (parts, D) if track else parts
@@ -504,22 +504,22 @@ def norm_rows_gram(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, G: t
     out = torch.empty(n, dtype=torch.float32, device=B.device)
     if n == 0:
         return out
-    r2 = max(16, triton.next_power_of_2(max(r, 1)))  # tl.dot takes tiles of 16 and more
+    r2 = max(16, next_pow2(max(r, 1)))  # tl.dot takes tiles of 16 and more
     one = r2 <= cfg.one_tile_rank
     block_r = r2 if one else max(16, min(cfg.block_r, r2))
     block_k = r2 if one else max(16, min(cfg.block_k, r2))
-    block_d = max(16, min(cfg.one_tile_block_d if one else cfg.block_d, triton.next_power_of_2(n)))
-    J = triton.cdiv(r, block_r)
+    block_d = max(16, min(cfg.one_tile_block_d if one else cfg.block_d, next_pow2(n)))
+    J = cdiv(r, block_r)
     base_sq = base_sq.reshape(-1).contiguous()
     part = torch.empty(J, n, dtype=torch.float32, device=B.device) if J > 1 else out  # (unused with one tile)
-    _launch(_norm_rows_gram_kernel, (triton.cdiv(n, block_d), J), (
+    _launch(_norm_rows_gram_kernel, (cdiv(n, block_d), J), (
         base_sq, B, U, G, part, out, n, r, *B.stride(), *U.stride(), *G.stride(), 2.0 * s, s * s, float(eps)),
         cfg.num_warps, cfg.num_stages, SPLIT=bool(split), FINISH=J == 1, BLOCK_D=block_d, BLOCK_R=block_r,
-        BLOCK_K=block_k, K_TILES=triton.cdiv(r, block_k))
+        BLOCK_K=block_k, K_TILES=cdiv(r, block_k))
     if J > 1:
-        block = min(NORM_FINISH_BLOCK, triton.next_power_of_2(n))
-        _launch(_norm_finish_kernel, (triton.cdiv(n, block),), (base_sq, part, out, n, float(eps)), 4,
-                J=J, J_POW=triton.next_power_of_2(J), BLOCK=block)
+        block = min(NORM_FINISH_BLOCK, next_pow2(n))
+        _launch(_norm_finish_kernel, (cdiv(n, block),), (base_sq, part, out, n, float(eps)), 4,
+                J=J, J_POW=next_pow2(J), BLOCK=block)
     return out
 
 

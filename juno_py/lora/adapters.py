@@ -272,7 +272,12 @@ class AdaptedLinear(nn.Module):
 
     @property
     def dora(self) -> Optional[LoraAdapter]:
-        return self.adapters[0] if len(self.adapters) == 1 and self.adapters[0].is_dora else None
+        # read through the module dicts: ModuleList indexing cost several µs a call, and a step asks five times
+        mods = self._modules["adapters"]._modules
+        if len(mods) != 1:
+            return None
+        ad = next(iter(mods.values()))
+        return ad if ad.config.mode == Mode.DORA else None
 
     def base_row_norms_sq(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.base.row_norms_sq(dtype)  # frozen: computed once by the base and kept
