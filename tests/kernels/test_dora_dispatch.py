@@ -182,8 +182,9 @@ def test_whole_model_logits_fused_match_eager(monkeypatch, tiny_gguf):
 
 def test_bf16_inference_forms_the_adapter_product_in_the_kernel(fused, monkeypatch):
     """A DoRA layer's inference forward on bf16 activations runs one composition kernel that forms xa·Bᵀ itself
-    (`compose_forward_xa`), and gives the eager path's output to within bf16 rounding; fp32 activations, or a
-    forward that needs gradients, keep the two-step path."""
+    (`compose_forward_xa`), and gives the eager path's output to within bf16 rounding (on CUDA, where the eager path
+    keeps lora in fp32 too, to within a tenth of that); fp32 activations, or a forward that needs gradients, keep the
+    two-step path."""
     pytest.importorskip("triton")
     from juno_py import kernels
 
@@ -203,5 +204,7 @@ def test_bf16_inference_forms_the_adapter_product_in_the_kernel(fused, monkeypat
         y_e = layer(x)
         base = layer.base.matmul(x)
     assert y.dtype == y_e.dtype == base.dtype  # the base product's dtype (fp32 from the CPU's frozen linear)
-    # the eager path rounds lora to bf16 before adding it (2⁻⁹ of it); the kernel does not
-    assert ((y.float() - y_e.float()).norm() / (y_e.float() - base.float()).norm()).item() <= 1e-2
+    # on the CPU the eager path rounds lora to bf16 before adding it (2⁻⁹ of it) and the kernel does not; on CUDA the
+    # eager path keeps lora in fp32 as the kernel does, so only the order of fp32 sums differs
+    tol = 1e-3 if DEVICE == "cuda" else 1e-2
+    assert ((y.float() - y_e.float()).norm() / (y_e.float() - base.float()).norm()).item() <= tol

@@ -63,14 +63,15 @@ def _graph(y):
     return {type(n).__name__ for n in seen}
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("head_dim,rope_dim,layout", [(8, 8, "contiguous"), (16, 8, "contiguous"),
                                                        (8, 8, "qkv slice"), (6, 6, "odd offset")])
-def test_adjacent_pairs_as_complex_match_the_real_formulas(dtype, head_dim, rope_dim, layout):
+def test_adjacent_pairs_as_complex_match_the_real_formulas(dtype, head_dim, rope_dim, layout, device):
     """fp32/fp64 pairs rotate as one complex multiply: the real formulas' values (one rounding each of a product
     and a sum: within 2 ulps, the same bits where the CPU's complex multiply does no fused multiply-add), and their
     gradients, on whole heads, partially rotated heads and strided views (a slice of a fused QKV projection, and one
-    whose pairs start at an odd element, which must be copied first)."""
+    whose pairs start at an odd element, which must be copied first); on the CPU and, where there is one, a GPU."""
     g = torch.Generator().manual_seed(1)
     B, T, H = 2, 5, 3
     cos, sin = (t.to(dtype) for t in rope_cos_sin(torch.arange(T).expand(B, T), rope_inv_freq(rope_dim, 10000.0)))
@@ -83,7 +84,8 @@ def test_adjacent_pairs_as_complex_match_the_real_formulas(dtype, head_dim, rope
     else:
         base = torch.randn(B, T, H * head_dim + 1, generator=g, dtype=dtype)
         take = lambda t: t[..., 1:].view(B, T, H, head_dim)  # noqa: E731
-    dy = torch.randn(B, T, H, head_dim, generator=g, dtype=dtype)
+    dy = torch.randn(B, T, H, head_dim, generator=g, dtype=dtype).to(device)
+    base, cos, sin = base.to(device), cos.to(device), sin.to(device)  # on a GPU its complex multiply may fuse
     outs = []
     for complex_pairs in (True, False):
         leaf = base.clone().requires_grad_(True)
