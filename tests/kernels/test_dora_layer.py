@@ -195,18 +195,23 @@ def _quant_layer(T, n_in, n_out, r, scratch):
     return p, AdaptedLinear(base, [ad]).to(DEVICE)
 
 
+def _count_calls(mp, owner, counts):
+    """Patch each function `owner.<name>` for the names in `counts` to count its calls there."""
+    for name in counts:
+        def counted(*a, real=getattr(owner, name), name=name, **kw):
+            counts[name] += 1
+            return real(*a, **kw)
+
+        mp.setattr(owner, name, counted)
+
+
 def _counted_step(layer, p, x_dtype):
     """A training step with a fresh norm: (y, gradients, norm, {decoder: tile decodes it ran})."""
     from juno_py.kernels import dequant as device_dequant
 
     counts = {"dequantize_tile": 0, "dequantize_split_tile": 0}
     with pytest.MonkeyPatch.context() as mp:
-        for name in counts:
-            def counted(*a, real=getattr(device_dequant, name), name=name, **kw):
-                counts[name] += 1
-                return real(*a, **kw)
-
-            mp.setattr(device_dequant, name, counted)
+        _count_calls(mp, device_dequant, counts)
         layer._g_cache = None
         for t in layer.parameters():
             t.grad = None
@@ -281,12 +286,7 @@ def test_running_u_follows_a_through_optimizer_steps(fused, T, n_in, n_out, r, s
 
     def step():
         with pytest.MonkeyPatch.context() as mp:
-            for name in calls:
-                def counted(*a, real=getattr(FrozenQuantLinear, name), name=name, **kw):
-                    calls[name] += 1
-                    return real(*a, **kw)
-
-                mp.setattr(FrozenQuantLinear, name, counted)
+            _count_calls(mp, FrozenQuantLinear, calls)
             for t in ad.parameters():
                 t.grad = None
             y = layer(x)
