@@ -221,7 +221,8 @@ def cprofile_shape(T, d_in, d_out, r, steps=100):
         print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:9000])
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(45)
-        print("\nby cumulative time:\n" + "\n".join(line for line in out.getvalue().splitlines() if line.strip())[:9000])
+        lines = [line for line in out.getvalue().splitlines() if line.strip()]
+        print("\nby cumulative time:\n" + "\n".join(lines)[:9000])
         del lay, base, f
     torch.cuda.empty_cache()
 

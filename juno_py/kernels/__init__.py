@@ -209,9 +209,9 @@ def dora_compose_xa(base: torch.Tensor, xa: torch.Tensor, B: torch.Tensor, g: to
     [tokens, N] lora array written and read back, lora not rounded to bf16); everywhere else
     `dora_compose(base, lora, g, s)` with lora = xa @ B.T, which on CUDA without a gradient, up to that rank, is
     also left in fp32 (cuBLAS's fp32 output of the bf16 product, `mm_out`): the eager path then computes what the
-    kernel does, up to the order of fp32 sums. Rounding lora to bf16 there had put the eager playback of a trained tiny model 1.04 %
-    of the adapter's effect away from the fused one (the GPU acceptance allows 1 %), all of it the eager side's
-    rounding."""
+    kernel does, up to the order of fp32 sums. Rounding lora to bf16 there had put the eager playback of a trained
+    tiny model 1.04 % of the adapter's effect away from the fused one (the GPU acceptance allows 1 %), all of it
+    the eager side's rounding."""
     mode = kernel_mode()
     N, r = B.shape
     if (mode != "eager" and r <= COMPOSE_XA_MAX_RANK and xa.dtype == B.dtype == torch.bfloat16

@@ -555,4 +555,5 @@ class DoraComposeFn(torch.autograd.Function):
 
 
 __all__ = ["DoraComposeFn", "compose_forward", "compose_forward_xa", "compose_backward", "norm_assemble", "norm_rows",
-           "norm_rows_gram", "split_track", "TileConfig", "NormGramConfig", "ComposeXaConfig", "INTERPRETED", "FUSED_DTYPES"]
+           "norm_rows_gram", "split_track", "TileConfig", "NormGramConfig", "ComposeXaConfig", "INTERPRETED",
+           "FUSED_DTYPES"]
