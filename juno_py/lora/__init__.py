@@ -106,11 +106,12 @@ class AdapterSet:
                     ad.magnitude.copy_(torch.from_numpy(e.magnitude))
 
     def weights_changed(self) -> None:
-        """Drop every cached DoRA norm: A or B changed in a way their version counters may not show. A DoRA layer
-        caches ‖W + sBA‖ keyed by A's and B's `_version`, which in-place ops bump but torch's fused AdamW (the GPU
-        optimizer) does not: without this call after such a step, every later step would reuse the first norm."""
+        """Drop every cached DoRA norm (and g, and the playback casts of A and B: `AdaptedLinear.weights_changed`):
+        A or B changed in a way their version counters may not show. A DoRA layer caches ‖W + sBA‖ keyed by A's and
+        B's `_version`, which in-place ops bump but torch's fused AdamW (the GPU optimizer) does not: without this
+        call after such a step, every later step would reuse the first norm, and a validation pass the first casts."""
         for m in self.modules.values():
-            m._g_cache = None
+            m.weights_changed()
 
     def train(self, mode: bool = True) -> "AdapterSet":
         for ad in self.adapters.values():

@@ -333,6 +333,15 @@ class AdaptedLinear(nn.Module):
         self._running_u = (self._running_key(A), kept, A.detach().to(torch.float32, copy=True))
         return kept, False
 
+    def weights_changed(self) -> None:
+        """Drop what is kept from the adapters' values: DoRA's norm and g, and the playback casts of A and B. They
+        are keyed on version counters, which in-place ops bump and torch's fused AdamW (the GPU optimizer) does not.
+        The running U needs nothing: its update is computed from A's values."""
+        self._g_cache = None
+        self.__dict__.pop("_scale_kept", None)
+        for ad in self.adapters:
+            ad.__dict__.pop("_factors_kept", None)
+
     def reset_running_u(self) -> None:
         """Forget the running U: the next step with a stale norm computes U = W·Aᵀ afresh."""
         self._running_u = None

@@ -301,6 +301,11 @@ def train(model, adapters, train_set: Sequence[Example], cfg: TrainConfig, val_s
         best_weights = _restore(cfg, run, params, names, optimizer, identity,
                                 getattr(adapters, "state_format", FORMAT))
         say(f"resumed from {state_path(cfg.lora_path)} at step {run.step} (epoch {run.epoch}, batch {run.batch})")
+    # A may hold other values than a DoRA layer's running U was moved to (a resume, an earlier run in this
+    # process): the first step computes U afresh
+    for mod in getattr(adapters, "modules", {}).values():
+        if hasattr(mod, "reset_running_u"):
+            mod.reset_running_u()
 
     def checkpoint(reason: str) -> None:
         if cfg.lora_path is None:

@@ -153,6 +153,36 @@ def test_playback_keeps_casts_and_g_until_the_adapter_changes(mode):
     assert not dora or ad.magnitude.grad is not None
 
 
+@pytest.mark.parametrize("mode", [Mode.LORA, Mode.DORA])
+def test_a_fused_optimizer_step_is_seen_once_the_loop_says_so(mode):
+    """torch's fused AdamW moves A, B and m without bumping their version counters, which key the playback casts
+    (and DoRA's norm and g): `weights_changed`, which the training loop calls after every step, drops them, so a
+    validation pass between steps plays the adapter as it is then (bit for bit a layer built afresh from it)."""
+    dora = mode == Mode.DORA
+    base = _random_layer(GGMLType.Q8_0, 48, 64)
+    ad = LoraAdapter(64, 48, AdapterConfig(rank=4, mode=mode),
+                     magnitude=base.row_norms_sq().sqrt() if dora else None)
+    with torch.no_grad():
+        ad.lora_B.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
+    lin = AdaptedLinear(base, [ad])
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    lin.eval()
+    with torch.no_grad():
+        before = lin(x)
+    lin.train()
+    opt = torch.optim.AdamW(ad.parameters(), lr=1e-2, fused=True)
+    lin(x.float().requires_grad_(True)).sum().backward()
+    versions = [p._version for p in ad.parameters()]
+    opt.step()
+    assert [p._version for p in ad.parameters()] == versions  # the premise: no counter moved
+    lin.weights_changed()
+    lin.eval()
+    with torch.no_grad():
+        after = lin(x)
+        fresh = AdaptedLinear(base, [LoraAdapter.from_entry(ad.to_entry("w"))]).eval()(x)
+    assert torch.equal(after, fresh) and not torch.equal(after, before)
+
+
 # ------------------------------------------------------------------------------------------------ playback
 def test_saved_adapter_plays_back_identically(tiny_gguf, tmp_path):
     path = tiny_gguf("phi3", GGMLType.Q8_0)

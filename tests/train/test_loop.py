@@ -364,3 +364,16 @@ def test_dora_norms_follow_a_fused_optimizer(tiny_model, mixed_data):
     assert not torch.allclose(used[0][1], used[-1][1], rtol=1e-4)  # the adapter moved: a stale norm would show
     tiny_model.eval()
     assert torch.allclose(mods[0].dora_norm(), mods[0].weight_row_norm(eps=1e-6), rtol=1e-6, atol=0)
+
+
+def test_a_run_starts_with_an_exact_u(tiny_model, mixed_data):
+    """train() forgets every DoRA layer's running U before its first step (a resume, or an earlier run in the
+    process, may have put other values into A), so the first stale norm computes U = W·Aᵀ afresh."""
+    train_set, _ = dataset(tiny_model, mixed_data, qa_variants_n=1)
+    adapters = attached(tiny_model, Mode.DORA)
+    mods = list(adapters.modules.values())
+    for m in mods:
+        m._running_u = ("stale", None, None)
+    cfg = TrainConfig(lr=1e-3, batch_size=2, max_steps=1, epochs=None, schedule="constant", seed=3)
+    train(tiny_model, adapters, train_set, cfg, progress=False, log=lambda s: None)
+    assert all(m._running_u is None for m in mods)  # reset (and, on the CPU, never started)
