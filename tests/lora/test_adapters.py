@@ -118,22 +118,28 @@ def test_dora_scale_cached_while_frozen_and_refreshed_when_trained():
     assert lin._g_cache[0] != key and not torch.equal(g1, g2)
 
 
+def _bf16_playback(mode):
+    """An adapted Q8_0 layer in eval mode with B ≠ 0, bf16 activations, and `afresh()`: the output of a layer built
+    anew from the adapter as it is now."""
+    base = _random_layer(GGMLType.Q8_0, 48, 64)
+    ad = LoraAdapter(64, 48, AdapterConfig(rank=4, mode=mode),
+                     magnitude=base.row_norms_sq().sqrt() if mode == Mode.DORA else None)
+    with torch.no_grad():
+        ad.lora_B.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+
+    def afresh():
+        return AdaptedLinear(base, [LoraAdapter.from_entry(ad.to_entry("w"))]).eval()(x)
+    return AdaptedLinear(base, [ad]).eval(), ad, x, afresh
+
+
 @pytest.mark.parametrize("mode", [Mode.LORA, Mode.DORA])
 def test_playback_keeps_casts_and_g_until_the_adapter_changes(mode):
     """bf16 playback without gradients casts A and B (and forms g) once and reuses them while the adapter is
     unchanged; an in-place change of A, B or m is seen at the next call (the output of a layer built afresh from the
     changed adapter, bit for bit); with gradients nothing is kept and the output stays connected to the adapter."""
     dora = mode == Mode.DORA
-    base = _random_layer(GGMLType.Q8_0, 48, 64)
-    ad = LoraAdapter(64, 48, AdapterConfig(rank=4, mode=mode),
-                     magnitude=base.row_norms_sq().sqrt() if dora else None)
-    with torch.no_grad():
-        ad.lora_B.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
-    lin = AdaptedLinear(base, [ad]).eval()
-    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
-
-    def afresh():
-        return AdaptedLinear(base, [LoraAdapter.from_entry(ad.to_entry("w"))]).eval()(x)
+    lin, ad, x, afresh = _bf16_playback(mode)
 
     with torch.no_grad():
         y = lin(x)
@@ -158,15 +164,7 @@ def test_a_fused_optimizer_step_is_seen_once_the_loop_says_so(mode):
     """torch's fused AdamW moves A, B and m without bumping their version counters, which key the playback casts
     (and DoRA's norm and g): `weights_changed`, which the training loop calls after every step, drops them, so a
     validation pass between steps plays the adapter as it is then (bit for bit a layer built afresh from it)."""
-    dora = mode == Mode.DORA
-    base = _random_layer(GGMLType.Q8_0, 48, 64)
-    ad = LoraAdapter(64, 48, AdapterConfig(rank=4, mode=mode),
-                     magnitude=base.row_norms_sq().sqrt() if dora else None)
-    with torch.no_grad():
-        ad.lora_B.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
-    lin = AdaptedLinear(base, [ad])
-    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
-    lin.eval()
+    lin, ad, x, afresh = _bf16_playback(mode)
     with torch.no_grad():
         before = lin(x)
     lin.train()
@@ -179,8 +177,7 @@ def test_a_fused_optimizer_step_is_seen_once_the_loop_says_so(mode):
     lin.eval()
     with torch.no_grad():
         after = lin(x)
-        fresh = AdaptedLinear(base, [LoraAdapter.from_entry(ad.to_entry("w"))]).eval()(x)
-    assert torch.equal(after, fresh) and not torch.equal(after, before)
+        assert torch.equal(after, afresh()) and not torch.equal(after, before)
 
 
 # ------------------------------------------------------------------------------------------------ playback
