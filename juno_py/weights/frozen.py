@@ -431,31 +431,19 @@ class FrozenQuantLinear(nn.Module):
         [A_hi | A_hi] (r × 2·n_in bf16). Returns (x·Wᵀ, U `[r, n_out]` as the transpose of a contiguous
         `[n_out, r]`, the split A): A is split here, when not given, after the first tile's base product is issued,
         so that the GPU starts on the big GEMM without waiting for the split's launches."""
-        n_in = self._n_in
-        if x.shape[-1] != n_in or A.shape[-1] != n_in:
-            raise ValueError(f"{self.name or 'frozen linear'}: inputs have {x.shape[-1]} and {A.shape[-1]} features, "
-                             f"expected {n_in}")
-        x2 = x.reshape(-1, n_in)
-        op, res = self._device_dtypes(x)
-        xc = x2.to(op)
         r = A.shape[0]
-        As = A_split
-        step = self._forward_step(xc)
-        pair = torch.empty(min(step, self._n_out), 2, n_in, dtype=torch.bfloat16, device=x.device)  # [hi | lo] rows
         ut = torch.empty(self._n_out, r, dtype=torch.float32, device=x.device)
-        y = A_hi2 = None
-        for a in range(0, self._n_out, step):
-            b = min(a + step, self._n_out)
-            hi, lo = device_dequant.dequantize_split_tile(self.raw, self._ggml_type, n_in, (a, b),
-                                                          out=pair.transpose(0, 1))
-            y = self._rows_product(xc, hi, y, a, b, res)
-            if A_hi2 is None:
-                As = split_bf16(A) if As is None else As
-                A_hi2 = As[:r].repeat(1, 2)  # [A_hi | A_hi]
-            addmm_out_(ut[a:b], pair[:b - a].view(b - a, 2 * n_in), A_hi2.t(), beta=0)
-            addmm_out_(ut[a:b], hi, As[r:].t())
-            del hi, lo
-        return y.reshape(*x.shape[:-1], self._n_out), ut.t(), As
+        parts = {}
+
+        def tile_u(a: int, b: int, hi: torch.Tensor, both: torch.Tensor) -> None:
+            if not parts:
+                parts["As"] = As = split_bf16(A) if A_split is None else A_split
+                parts["A_hi2"] = As[:r].repeat(1, 2)  # [A_hi | A_hi]
+            addmm_out_(ut[a:b], both, parts["A_hi2"].t(), beta=0)
+            addmm_out_(ut[a:b], hi, parts["As"][r:].t())
+
+        y = self._device_split_tiles(x, A, tile_u)
+        return y, ut.t(), parts["As"]
 
     def _device_forward_with_update(self, x: torch.Tensor, A: torch.Tensor, A_ref: torch.Tensor, ut: torch.Tensor,
                                     return_split: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -464,23 +452,37 @@ class FrozenQuantLinear(nn.Module):
         which moves A_ref by D). W_hi·D + W_lo·D is W·D to fp32 accuracy (W_lo·D's own rounding is 2⁻⁹ of a term
         2⁻⁹ the size of W·D), so U stays W·A_refᵀ over the exact W; against `_device_forward_with_exact` this is
         two products per tile instead of three, one GEMM instead of two. Returns (x·Wᵀ, `split_bf16(A)` or None)."""
+        parts = {}
+
+        def tile_u(a: int, b: int, hi: torch.Tensor, both: torch.Tensor) -> None:
+            if not parts:
+                parts["As"], parts["D2"] = split_track(A, A_ref, copies=2)  # A's bf16 parts, [D | D]
+            addmm_out_(ut[a:b], both, parts["D2"].t())
+
+        y = self._device_split_tiles(x, A, tile_u)
+        return y, parts["As"] if return_split else None
+
+    def _device_split_tiles(self, x: torch.Tensor, A: torch.Tensor, tile_u) -> torch.Tensor:
+        """x·Wᵀ (bf16 operands, as `_device_forward`) from one split decode per forward tile into a `[rows, 2·n_in]`
+        buffer (W_hi and W_lo side by side in each row), calling `tile_u(a, b, W_hi, [W_hi | W_lo])` for rows a:b
+        after the tile's base product is issued (the first call, after the first big GEMM: the place to split A)."""
         n_in = self._n_in
-        x2 = x.reshape(-1, n_in)
+        if x.shape[-1] != n_in or A.shape[-1] != n_in:
+            raise ValueError(f"{self.name or 'frozen linear'}: inputs have {x.shape[-1]} and {A.shape[-1]} features, "
+                             f"expected {n_in}")
         op, res = self._device_dtypes(x)
-        xc = x2.to(op)
+        xc = x.reshape(-1, n_in).to(op)
         step = self._forward_step(xc)
         pair = torch.empty(min(step, self._n_out), 2, n_in, dtype=torch.bfloat16, device=x.device)  # [hi | lo] rows
-        y = D2 = As = None
+        y = None
         for a in range(0, self._n_out, step):
             b = min(a + step, self._n_out)
             hi, lo = device_dequant.dequantize_split_tile(self.raw, self._ggml_type, n_in, (a, b),
                                                           out=pair.transpose(0, 1))
             y = self._rows_product(xc, hi, y, a, b, res)
-            if D2 is None:  # after the first base product is issued
-                As, D2 = split_track(A, A_ref, copies=2)  # A's bf16 parts, [D | D]
-            addmm_out_(ut[a:b], pair[:b - a].view(b - a, 2 * n_in), D2.t())
+            tile_u(a, b, hi, pair[:b - a].view(b - a, 2 * n_in))
             del hi, lo
-        return y.reshape(*x.shape[:-1], self._n_out), As if return_split else None
+        return y.reshape(*x.shape[:-1], self._n_out)
 
     def _device_transpose(self, g: torch.Tensor) -> torch.Tensor:
         """`g·W` by blocks of columns of W: every product reduces over all n_out rows at once (fp32 accumulation)."""
@@ -586,7 +588,7 @@ class FrozenQuantLinear(nn.Module):
                            return_split: bool = False):
         """x·Wᵀ as `matmul` gives it, and a running U moved to A: `ut` `[n_out, r]` (fp32, contiguous) holds
         W·A_refᵀ for `A_ref` (fp32 `[r, n_in]`) and afterwards holds W·Aᵀ's update by D = bf16(A − A_ref), with
-        A_ref moved by D (`kernels.track_delta`): to fp32 accuracy over the exact W, within W·(A − A_ref)ᵀ of
+        A_ref moved by D (`kernels.split_track`): to fp32 accuracy over the exact W, within W·(A − A_ref)ᵀ of
         W·Aᵀ, where A − A_ref is what D's rounding left (at most 2⁻⁹ of the step's change of A, carried into the next
         update). No autograd. DoRA's training step calls it where A moved by an optimizer step: on the device path
         (where `matmul_with_exact` fuses) one split decode per tile gives both, with two products of W's size per
@@ -597,9 +599,6 @@ class FrozenQuantLinear(nn.Module):
                 raise ValueError(f"{self.name or 'frozen linear'}: running U {tuple(ut.shape)} {ut.dtype}: expected "
                                  f"a contiguous fp32 [{self._n_out}, {A.shape[0]}]")
             if self._fuses_exact(x, A):
-                if x.shape[-1] != self._n_in or A.shape[-1] != self._n_in:
-                    raise ValueError(f"{self.name or 'frozen linear'}: inputs have {x.shape[-1]} and {A.shape[-1]} "
-                                     f"features, expected {self._n_in}")
                 y, As = self._device_forward_with_update(x, A, A_ref, ut, return_split)
             else:
                 y = self._stream_forward(x)
