@@ -4,8 +4,8 @@ benchmarks/dora_layer.py. Compared in the same run, each against fp64:
 - the fused row kernel `norm_rows_gram` (V in 3×TF32 dots, a grid of row tiles × rank tiles) at its default tile,
   and with `--sweep` at other tiles;
 - session 5's one-dimensional kernel (one program per row tile, looping over every rank tile pair);
-- the GEMM path: V on bf16 tensor cores at fp32 accuracy, accumulated into U's buffer (`addmm_bf16x3_`), then the
-  row kernel `norm_rows`.
+- the GEMM path: V on bf16 tensor cores at fp32 accuracy in one GEMM of the split operands (`mm_bf16x3`), then the
+  row kernel `norm_rows` (from session 9; before, two GEMMs accumulating into a copy of U: `addmm_bf16x3_`).
 
 GPU µs: 20 calls captured as one CUDA graph, replayed `--reps` times, median per call (no launch costs). CPU µs:
 the time to issue one call (the H200's host spends 10 to 30 µs a launch).
@@ -64,10 +64,13 @@ def data(n, r, d_in, dev):
     ref = (W.double() + s * (B.double() @ A.double())).norm(dim=1)
     A = A.to(dev)
     split = r * r * d_in >= ad.SPLIT_GRAM_MIN_FMAS
-    G = torch.mm(split_bf16(A), split_bf16(A).T, out_dtype=torch.float32) if split else A @ A.T
+    X = split_bf16(A)
+    # the current kernel takes the half Gram matrix [A_hi; A_lo]·A_hiᵀ, session 5's the full one of [A_hi; A_lo]
+    G = torch.mm(X, X[:r].T, out_dtype=torch.float32) if split else A @ A.T
+    G_full = torch.mm(X, X.T, out_dtype=torch.float32) if split else G
     U = (W.to(dev) @ A.T).contiguous()
     base_sq = W.double().pow(2).sum(1).float().to(dev)
-    return dict(base_sq=base_sq, B=B.to(dev), U=U, G=G, s=s, split=split, ref=ref.to(dev), r=r, n=n)
+    return dict(base_sq=base_sq, B=B.to(dev), U=U, G=G, G_full=G_full, s=s, split=split, ref=ref.to(dev), r=r, n=n)
 
 
 def rel_err(out, d):
@@ -110,7 +113,7 @@ def _session5_kernel(base_sq_ptr, b_ptr, u_ptr, g_ptr, out_ptr, n, r, sb0, sb1, 
 
 
 def session5(d, out):
-    B, U, G = d["B"], d["U"], d["G"]
+    B, U, G = d["B"], d["U"], d["G_full"]
     n, r = B.shape
     block_r = max(16, min(64, triton.next_power_of_2(r)))
     block_d = max(16, min(64, triton.next_power_of_2(n)))
@@ -119,13 +122,10 @@ def session5(d, out):
         4, SPLIT=d["split"], BLOCK_D=block_d, BLOCK_R=block_r, R_TILES=triton.cdiv(r, block_r))
 
 
-def gemm_path(d, T):
-    """What factored_row_norm runs above NORM_GEMM_MIN_FMAS, after G, on a scratch copy T of U."""
-    r = d["r"]
-    G = d["G"].view(2, r, 2, r).sum(dim=(0, 2)) if d["split"] else d["G"]
-    T.copy_(d["U"])  # (the product overwrites U; a copy keeps the inputs fixed: the copy is in the time)
-    ad.addmm_bf16x3_(T, d["B"], G, 0.5 * d["s"])
-    return norm_rows(d["base_sq"], d["B"], T, None, d["s"])
+def gemm_path(d):
+    """What factored_row_norm runs above NORM_GEMM_MIN_FMAS, after the split A's half Gram matrix."""
+    G = ad.gram_of_half(d["G"]) if d["split"] else d["G"]
+    return norm_rows(d["base_sq"], d["B"], d["U"], ad.mm_bf16x3(d["B"], G), d["s"])
 
 
 def main():
@@ -135,20 +135,19 @@ def main():
     args = ap.parse_args()
     dev = torch.device("cuda")
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    print("\n| n, r | kernel GPU µs | CPU µs | session 5's kernel GPU µs | GEMM path GPU µs (U copy included) | CPU µs "
-          "| U copy alone | errors vs fp64 (kernel / session 5 / GEMM) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    print("\n| n, r | kernel GPU µs | CPU µs | session 5's kernel GPU µs | GEMM path GPU µs | CPU µs "
+          "| errors vs fp64 (kernel / session 5 / GEMM) |")
+    print("|---|---:|---:|---:|---:|---:|---|")
     for n, r, d_in in SHAPES:
         d = data(n, r, d_in, dev)
         out = torch.empty(n, dtype=torch.float32, device=dev)
-        T = torch.empty_like(d["U"])
         kern = lambda cfg=dt.NORM_GRAM_CONFIG: dt.norm_rows_gram(  # noqa: E731
             d["base_sq"], d["B"], d["U"], d["G"], d["s"], split=d["split"], cfg=cfg)
         e_old = (session5(d, out), rel_err(out, d))[1]
         print(f"| {n}, {r} | {gpu_us(kern, args.reps):.1f} | {cpu_us(kern):.1f} | "
-              f"{gpu_us(lambda: session5(d, out), args.reps):.1f} | {gpu_us(lambda: gemm_path(d, T), args.reps):.1f} | "
-              f"{cpu_us(lambda: gemm_path(d, T)):.1f} | {gpu_us(lambda: T.copy_(d['U']), args.reps):.1f} | "
-              f"{rel_err(kern(), d):.2e} / {e_old:.2e} / {rel_err(gemm_path(d, T), d):.2e} |", flush=True)
+              f"{gpu_us(lambda: session5(d, out), args.reps):.1f} | {gpu_us(lambda: gemm_path(d), args.reps):.1f} | "
+              f"{cpu_us(lambda: gemm_path(d)):.1f} | "
+              f"{rel_err(kern(), d):.2e} / {e_old:.2e} / {rel_err(gemm_path(d), d):.2e} |", flush=True)
         if args.sweep and r > 64:
             rows = []
             for bd, br, bk, w, st in itertools.product((64, 128), (32, 64), (32, 64), (4, 8), (3,)):
@@ -161,7 +160,7 @@ def main():
                 rows.append((t, cfg, rel_err(kern(cfg), d)))
             for t, cfg, e in sorted(rows, key=lambda x: x[0])[:6]:
                 print(f"  sweep: {t:7.1f} µs  {cfg} err {e:.2e}", flush=True)
-        del d, out, T
+        del d, out
         torch.cuda.empty_cache()
 
 

@@ -46,17 +46,29 @@ class KernelUnavailable(RuntimeError):
     """JUNO_PY_KERNELS=fused was asked for where the fused kernels cannot run."""
 
 
-def split_bf16(x: torch.Tensor) -> torch.Tensor:
-    """x `[n, k]` (fp32) as `[x_hi; x_lo]` `[2n, k]` bf16, x_hi = bf16(x), x_lo = bf16(x − x_hi): together within
-    about 2⁻¹⁷ of x, so that bf16 tensor-core products of the parts (fp32 accumulation) reach fp32 accuracy."""
+def split_bf16(x: torch.Tensor, order: str = "hl", side: bool = False) -> torch.Tensor:
+    """x `[n, k]` (fp32) in bf16 parts x_hi = bf16(x) and x_lo = bf16(x − x_hi), together within about 2⁻¹⁷ of x,
+    so that bf16 tensor-core products of the parts (fp32 accumulation) reach fp32 accuracy. `order` names the parts
+    in turn ('h' x_hi, 'l' x_lo; up to four): stacked `[len(order)·n, k]` (default `[x_hi; x_lo]`), or with `side`
+    side by side along each row, `[n, len(order)·k]` (e.g. "hhl": `[x_hi | x_hi | x_lo]`)."""
     tk = _split_kernels(x)
     if tk is not None:  # one launch (`dora_triton.split_track`), the same bits
-        return tk.split_track(x)
-    n = x.shape[0]
-    parts = torch.empty(2 * n, x.shape[1], dtype=torch.bfloat16, device=x.device)
-    parts[:n].copy_(x)
-    torch.sub(x, parts[:n], out=parts[n:])
-    return parts
+        return tk.split_track(x, order=order, side=side)
+    if not order or set(order) - {"h", "l"} or len(order) > 4:
+        raise ValueError(f"split_bf16: order {order!r}: expected 1 to 4 of 'h' (the bf16 part) and 'l' (the rest)")
+    n, k = x.shape
+    m = len(order)
+    out = torch.empty(n, m, k, dtype=torch.bfloat16, device=x.device)
+    view = out if side else out.view(m, n, k).transpose(0, 1)  # [n, part, k] either way
+    hi, lo = order.index("h") if "h" in order else None, order.index("l") if "l" in order else None
+    hi_part = view[:, hi] if hi is not None else torch.empty(n, k, dtype=torch.bfloat16, device=x.device)
+    hi_part.copy_(x)
+    if lo is not None:
+        torch.sub(x, hi_part, out=view[:, lo])
+    for p, c in enumerate(order):
+        if p not in (hi, lo):
+            view[:, p].copy_(view[:, hi if c == "h" else lo])
+    return out.view(n, m * k) if side else out.view(m * n, k)
 
 
 def split_track(A: torch.Tensor, A_ref: torch.Tensor, copies: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,8 +266,8 @@ def norm_rows(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, V: Option
 def norm_rows_gram(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, G: torch.Tensor, s: float,
                    eps: float = 0.0, split: bool = False) -> torch.Tensor:
     """`norm_rows` with V = B·G formed inside one fused kernel on CUDA: G = A·Aᵀ fp32 `[r, r]`, or with `split` the
-    fp32 Gram matrix `[2r, 2r]` of the split A (`split_bf16`), whose four r×r blocks add up to G. Else the eager
-    reference (fp64 stays fp64). Same JUNO_PY_KERNELS rules as `norm_assemble`."""
+    fp32 half Gram matrix P = [A_hi; A_lo]·A_hiᵀ `[2r, r]` of the split A (`split_bf16`), G = P_top + P_bot + P_botᵀ.
+    Else the eager reference (fp64 stays fp64). Same JUNO_PY_KERNELS rules as `norm_assemble`."""
     kernels = _norm_kernels(B.device, base_sq, B, U, G=G)
     if kernels is None:
         return norm_rows_gram_eager(base_sq, B, U, G, s, eps, split)

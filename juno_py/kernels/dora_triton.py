@@ -179,8 +179,8 @@ def _norm_rows_gram_kernel(base_sq_ptr, b_ptr, u_ptr, g_ptr, part_ptr, out_ptr, 
                            BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr):
     """Program (i, j): rows [i·BLOCK_D, +BLOCK_D) and rank columns [j·BLOCK_R, +BLOCK_R) of ‖W + sBA‖'s sum
     Σ_c B_ic·(2s·U_ic + s²·V_ic), with the tile of V = B·G formed here over all r (tensor-core dots in 3×TF32:
-    fp32 accuracy), from G = A·Aᵀ `[r, r]` or, with SPLIT, from the Gram matrix of the split A `[2r, 2r]` (G = the
-    sum of its four r×r blocks). FINISH (one rank tile): the norm itself, as `_norm_rows_kernel` ends; else the
+    fp32 accuracy), from G = A·Aᵀ `[r, r]` or, with SPLIT, from the half Gram matrix P = [A_hi; A_lo]·A_hiᵀ of the
+    split A `[2r, r]` (G = P_top + P_bot + P_botᵀ). FINISH (one rank tile): the norm itself, as `_norm_rows_kernel` ends; else the
     tile's row sums go to `part[j, rows]` for `_norm_finish_kernel`. Each program reads one column tile of G, so G
     is read n/BLOCK_D times in all, not once per row tile and column tile pair (the L2 traffic that bounded the
     one-dimensional grid of session 5)."""
@@ -201,10 +201,9 @@ def _norm_rows_gram_kernel(base_sq_ptr, b_ptr, u_ptr, g_ptr, part_ptr, out_ptr, 
         g_mask = ck_ok[:, None] & cj_ok[None, :]
         g_offs = ck64[:, None] * sg0 + cj64[None, :] * sg1
         g = tl.load(g_ptr + g_offs, mask=g_mask, other=0.0)
-        if SPLIT:  # G = G_hh + G_hl + G_lh + G_ll of the split A's Gram matrix
+        if SPLIT:  # G = A_hi·A_hiᵀ + A_lo·A_hiᵀ + (A_lo·A_hiᵀ)ᵀ from the half Gram matrix
             g += tl.load(g_ptr + g_offs + r * sg0, mask=g_mask, other=0.0)
-            g += tl.load(g_ptr + g_offs + r * sg1, mask=g_mask, other=0.0)
-            g += tl.load(g_ptr + g_offs + r * (sg0 + sg1), mask=g_mask, other=0.0)
+            g += tl.load(g_ptr + (r + cj64[None, :]) * sg0 + ck64[:, None] * sg1, mask=g_mask, other=0.0)
         v = tl.dot(b_k, g.to(tl.float32), acc=v, input_precision="tf32x3")
     mask = row_ok[:, None] & cj_ok[None, :]
     b = tl.load(b_ptr + rows64[:, None] * sb0 + cj64[None, :] * sb1, mask=mask, other=0.0).to(tl.float32)
@@ -229,25 +228,41 @@ def _norm_finish_kernel(base_sq_ptr, part_ptr, out_ptr, n, eps, J: tl.constexpr,
 
 
 @triton.jit
-def _split_track_kernel(a_ptr, ref_ptr, parts_ptr, d_ptr, n, k, TRACK: tl.constexpr, COPIES: tl.constexpr,
+def _split_track_kernel(a_ptr, ref_ptr, parts_ptr, d_ptr, n, k, row_stride, part_step, TRACK: tl.constexpr,
+                        COPIES: tl.constexpr, N_PARTS: tl.constexpr, LO_MASK: tl.constexpr, SIDE: tl.constexpr,
                         BLOCK: tl.constexpr):
-    """Elements [pid·BLOCK, +BLOCK) of fp32 A `[n, k]` (contiguous): its two bf16 parts A_hi = bf16(A) and
-    A_lo = bf16(A − A_hi) into `parts` `[2n, k]` (int16 view); with TRACK also D = bf16(A − A_ref), written COPIES
-    times along each row of `d` `[n, COPIES·k]` (int16 view), and A_ref += D in place. Every rounding is to
-    nearest even with integer operations, each difference one fp32 subtraction: the bits of `split_bf16` and
-    `track_delta`'s torch operations."""
+    """Elements [pid·BLOCK, +BLOCK) of fp32 A `[n, k]` (contiguous): its bf16 parts A_hi = bf16(A) and
+    A_lo = bf16(A − A_hi) into `parts` (int16 view), N_PARTS of them, part p the low one where bit p of LO_MASK is
+    set: element (i, c) of part p at i·row_stride + c + p·part_step (stacked `[N_PARTS·n, k]`: row_stride k,
+    part_step n·k; side by side, SIDE, `[n, N_PARTS·k]`: row_stride N_PARTS·k, part_step k). With TRACK also
+    D = bf16(A − A_ref), written COPIES times along each row of `d` `[n, COPIES·k]` (int16 view), and A_ref += D in
+    place. Every rounding is to nearest even with integer operations, each difference one fp32 subtraction: the
+    bits of `split_bf16` and `track_delta`'s torch operations."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n * k
     a = tl.load(a_ptr + offs, mask=ok, other=0.0)
     top = _bf16_bits(a)
-    tl.store(parts_ptr + offs, top.to(tl.int16), mask=ok)
-    tl.store(parts_ptr + n * k + offs, _bf16_bits(a - (top << 16).to(tl.float32, bitcast=True)).to(tl.int16),
-             mask=ok)
+    low = _bf16_bits(a - (top << 16).to(tl.float32, bitcast=True))
+    if SIDE or COPIES > 1:  # (a 64-bit division per element: only where the row is needed)
+        row = offs // k
+        col = offs - row * k
+    if SIDE:
+        at_part = row * row_stride + col
+    else:
+        at_part = offs
+    for p in tl.static_range(N_PARTS):
+        if (LO_MASK >> p) & 1:
+            tl.store(parts_ptr + at_part + p * part_step, low.to(tl.int16), mask=ok)
+        else:
+            tl.store(parts_ptr + at_part + p * part_step, top.to(tl.int16), mask=ok)
     if TRACK:
         ref = tl.load(ref_ptr + offs, mask=ok, other=0.0)
         d = _bf16_bits(a - ref)
         tl.store(ref_ptr + offs, ref + (d << 16).to(tl.float32, bitcast=True), mask=ok)
-        at = (offs // k) * (COPIES * k) + offs % k
+        if COPIES > 1:
+            at = row * (COPIES * k) + col
+        else:
+            at = offs
         for c in tl.static_range(COPIES):
             tl.store(d_ptr + at + c * k, d.to(tl.int16), mask=ok)
 
@@ -470,37 +485,44 @@ def norm_rows(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, V: torch.
     return out
 
 
-def split_track(A: torch.Tensor, A_ref: Optional[torch.Tensor] = None, copies: int = 1):
-    """`split_bf16(A)` `[2n, k]` bf16 in one launch; with A_ref (fp32 `[n, k]`, contiguous) also
-    `track_delta(A, A_ref, copies)` in the same pass: returns (parts, D), D `[n, copies·k]` bf16, A_ref moved by D.
-    Bit-identical to the torch operations they replace (four or five launches)."""
+def split_track(A: torch.Tensor, A_ref: Optional[torch.Tensor] = None, copies: int = 1, order: str = "hl",
+                side: bool = False):
+    """`split_bf16(A, order, side)` in one launch (`[2n, k]` bf16 by default); with A_ref (fp32 `[n, k]`,
+    contiguous) also `track_delta(A, A_ref, copies)` in the same pass: returns (parts, D), D `[n, copies·k]` bf16,
+    A_ref moved by D. Bit-identical to the torch operations they replace (four or five launches)."""
     if A.dtype != torch.float32 or A.dim() != 2 or not A.is_contiguous():
         raise ValueError(f"split_track: A {tuple(A.shape)} {A.dtype}: expected a contiguous fp32 matrix")
+    if not order or set(order) - {"h", "l"} or len(order) > 4:
+        raise ValueError(f"split_track: order {order!r}: expected 1 to 4 of 'h' (the bf16 part) and 'l' (the rest)")
     n, k = A.shape
     track = A_ref is not None
     if track and (A_ref.shape != A.shape or A_ref.dtype != torch.float32 or not A_ref.is_contiguous()):
         raise ValueError(f"split_track: A_ref {tuple(A_ref.shape)} {A_ref.dtype}: expected a contiguous fp32 "
                          f"{tuple(A.shape)}")
-    parts = torch.empty(2 * n, k, dtype=torch.bfloat16, device=A.device)
+    m = len(order)
+    shape, row_stride, step = ((n, m * k), m * k, k) if side else ((m * n, k), k, n * k)
+    parts = torch.empty(*shape, dtype=torch.bfloat16, device=A.device)
     D = torch.empty(n, copies * k, dtype=torch.bfloat16, device=A.device) if track else None
     if n * k:
+        lo_mask = sum(1 << p for p, c in enumerate(order) if c == "l")
         _launch(_split_track_kernel, (cdiv(n * k, SPLIT_BLOCK),), (
-            A, A_ref if track else A, parts.view(torch.int16), D.view(torch.int16) if track else parts, n, k), 4,
-            TRACK=track, COPIES=copies if track else 1, BLOCK=SPLIT_BLOCK)
+            A, A_ref if track else A, parts.view(torch.int16), D.view(torch.int16) if track else parts, n, k,
+            row_stride, step), 4, TRACK=track, COPIES=copies if track else 1, N_PARTS=m, LO_MASK=lo_mask,
+            SIDE=bool(side), BLOCK=SPLIT_BLOCK)
     return (parts, D) if track else parts
 
 
 def norm_rows_gram(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, G: torch.Tensor, s: float,
                    eps: float = 0.0, split: bool = False, cfg: NormGramConfig = NORM_GRAM_CONFIG) -> torch.Tensor:
-    """`norm_rows` with V = B·G formed inside the kernel: G = A·Aᵀ fp32 `[r, r]`, or with `split` the fp32 Gram
-    matrix `[2r, 2r]` of the split A (`split_bf16`), whose four r×r blocks add up to G. One launch when r fits one
+    """`norm_rows` with V = B·G formed inside the kernel: G = A·Aᵀ fp32 `[r, r]`, or with `split` the fp32 half
+    Gram matrix P = [A_hi; A_lo]·A_hiᵀ `[2r, r]` of the split A (`split_bf16`), G = P_top + P_bot + P_botᵀ. One launch when r fits one
     rank tile, else two (the tiles' row sums, then `_norm_finish_kernel`), instead of a GEMM for V (fp32, without
     tensor cores) and a row kernel."""
     n, r = B.shape
     k = 2 * r if split else r
-    if U.shape != (n, r) or G.shape != (k, k) or base_sq.numel() != n or G.dtype != torch.float32:
+    if U.shape != (n, r) or G.shape != (k, r) or base_sq.numel() != n or G.dtype != torch.float32:
         raise ValueError(f"fused DoRA norm: base_sq {tuple(base_sq.shape)}, B {tuple(B.shape)}, U {tuple(U.shape)}, "
-                         f"G {tuple(G.shape)} {G.dtype}: expected [n], two [n, r] and a float32 [{k}, {k}]")
+                         f"G {tuple(G.shape)} {G.dtype}: expected [n], two [n, r] and a float32 [{k}, {r}]")
     out = torch.empty(n, dtype=torch.float32, device=B.device)
     if n == 0:
         return out

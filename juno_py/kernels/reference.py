@@ -37,13 +37,13 @@ def norm_rows_eager(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, V: 
 
 def norm_rows_gram_eager(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, G: torch.Tensor, s: float,
                          eps: float = 0.0, split: bool = False) -> torch.Tensor:
-    """`norm_rows_eager` with V = B·G: G = A·Aᵀ `[r, r]`, or with `split` the Gram matrix `[2r, 2r]` of the split A,
-    whose four r×r blocks add up to G. fp32 (or fp64 if the inputs are)."""
+    """`norm_rows_eager` with V = B·G: G = A·Aᵀ `[r, r]`, or with `split` the half Gram matrix
+    P = [A_hi; A_lo]·A_hiᵀ `[2r, r]` of the split A, G = P_top + P_bot + P_botᵀ. fp32 (or fp64 if the inputs are)."""
     dt = torch.promote_types(base_sq.dtype, torch.float32)
     r = B.shape[1]
     G = G.to(dt)
     if split:
-        G = G.view(2, r, 2, r).sum(dim=(0, 2))
+        G = G[:r] + G[r:] + G[r:].T
     return norm_rows_eager(base_sq, B, U, B.to(dt) @ G, s, eps)
 
 

@@ -60,48 +60,39 @@ NORM_GEMM_MIN_FMAS = 1 << 32
 
 
 def gram(A: torch.Tensor) -> torch.Tensor:
-    """G = A·Aᵀ `[r, r]` in A's dtype. Large fp32 A on CUDA: X = [A_hi; A_lo] with A_hi = bf16(A) and
-    A_lo = bf16(A − A_hi) (together within about 2⁻¹⁷ of A), one bf16 GEMM X·Xᵀ with fp32 accumulation, and
-    G = the sum of its four r×r blocks: an fp32 GEMM's accuracy at the bf16 rate (4r²·d_in products instead of
-    r²·d_in), with 2r×d_in bf16 and 2r×2r fp32 of scratch."""
+    """G = A·Aᵀ `[r, r]` in A's dtype. Large fp32 A on CUDA: from A's bf16 parts A_hi = bf16(A) and
+    A_lo = bf16(A − A_hi) (together within about 2⁻¹⁷ of A), the half Gram matrix P = [A_hi; A_lo]·A_hiᵀ `[2r, r]`
+    in one bf16 GEMM with fp32 accumulation (`half_gram`), then G = P_top + P_bot + P_botᵀ (`gram_of_half`): an fp32
+    GEMM's accuracy at the bf16 rate, with 2r²·d_in products where the full [A_hi; A_lo] Gram matrix takes 4r²·d_in
+    (G is symmetric, so A_hi·A_loᵀ is the transpose of A_lo·A_hiᵀ; A_lo·A_loᵀ, at most 2⁻¹⁸ of |A|² a term, is left
+    out)."""
     if not _splits_gram(A):
         return A @ A.T
-    r = A.shape[0]
-    X = split_bf16(A)
-    return mm_fp32(X, X.T).view(2, r, 2, r).sum(dim=(0, 2))
+    return gram_of_half(half_gram(split_bf16(A)))
 
 
-def addmm_bf16x3_(C: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-    """C += alpha·(a·b) in place, for fp32 C `[n, m]` (contiguous, or a transposed view of a contiguous tensor),
-    a `[n, k]` and b `[k, m]`, to about fp32 accuracy in two bf16 GEMMs with fp32 accumulation into C: with
-    v_hi = bf16(v) and v_lo = bf16(v − v_hi) (together within about 2⁻¹⁷ of v), [a_hi | a_lo]·[b_hi; b_hi] adds
-    a_hi·b_hi + a_lo·b_hi over its inner dimension, then a_hi·b_lo. What it leaves out, a_lo·b_lo and the parts'
-    own residues, is about 3·2⁻¹⁶ of |a|·|b|. Scratch: the split operands, `[n, 2k]` and `[3k, m]` bf16."""
-    n, k = a.shape
-    m = b.shape[1]
-    left = torch.empty(n, 2, k, dtype=torch.bfloat16, device=a.device)
-    left[:, 0].copy_(a)
-    torch.sub(a, left[:, 0], out=left[:, 1])
-    right = torch.empty(3, k, m, dtype=torch.bfloat16, device=b.device)
-    right[:2].copy_(b.expand(2, k, m))  # b_hi twice, in one pass
-    torch.sub(b, right[0], out=right[2])
-    left, right = left.view(n, 2 * k), right.view(3 * k, m)
-    pairs = ((left, right[:2 * k]), (left[:, :k], right[2 * k:]))
-    D = C
-    if not C.is_contiguous():  # C = Dᵀ with D contiguous: D += alpha·(bᵀ·aᵀ)
-        D, pairs = C.T, tuple((y.T, x.T) for x, y in pairs)
-    for x, y in pairs:
-        _addmm_fp32_(D, x, y, alpha)
-    return C
+def half_gram(A_split: torch.Tensor) -> torch.Tensor:
+    """P = [A_hi; A_lo]·A_hiᵀ `[2r, r]` fp32 from the split A `[2r, d_in]` (`split_bf16`): one bf16 GEMM, fp32
+    result. G = A·Aᵀ is P_top + P_bot + P_botᵀ to about 2⁻¹⁸ (`gram_of_half`; `norm_rows_gram(split=True)` takes P
+    as it is)."""
+    r = A_split.shape[0] // 2
+    return mm_fp32(A_split, A_split[:r].T)
 
 
-def _addmm_fp32_(C: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
-    """C += alpha·(a·b) for contiguous fp32 C and bf16 a, b (`kernels.gemm.addmm_out_`: cuBLAS's bf16 GEMM
-    accumulating into C in fp32; on the CPU, the exact bf16 values in fp32)."""
-    if not C.is_contiguous():
-        raise ValueError(f"addmm_bf16x3_: C {tuple(C.shape)} with strides {C.stride()}: expected a contiguous "
-                         f"tensor or a transposed view of one")
-    addmm_out_(C, a, b, alpha)
+def gram_of_half(P: torch.Tensor) -> torch.Tensor:
+    """G `[r, r]` = P_top + P_bot + P_botᵀ from the half Gram matrix P `[2r, r]` (`half_gram`)."""
+    r = P.shape[1]
+    G = torch.add(P[:r], P[r:])
+    return G.add_(P[r:].T)
+
+
+def mm_bf16x3(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a·b `[n, m]` fp32 for fp32 a `[n, k]` and b `[k, m]`, to about fp32 accuracy in one bf16 GEMM with fp32
+    accumulation: with v_hi = bf16(v) and v_lo = bf16(v − v_hi) (together within about 2⁻¹⁷ of v),
+    [a_hi | a_hi | a_lo]·[b_hi; b_lo; b_hi] adds a_hi·b_hi + a_hi·b_lo + a_lo·b_hi over its inner dimension 3k. What
+    it leaves out, a_lo·b_lo and the parts' own residues, is about 3·2⁻¹⁶ of |a|·|b|. Scratch: the split operands,
+    `[n, 3k]` and `[3k, m]` bf16, one launch each on CUDA (`split_bf16`)."""
+    return mm_out(split_bf16(a, "hhl", side=True), split_bf16(b, "hlh"), torch.float32)
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -131,32 +122,25 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tenso
 
 def factored_row_norm(base_sq: torch.Tensor, U: torch.Tensor, A: torch.Tensor, B: torch.Tensor, s: float,
                       dtype: torch.dtype = torch.float32, eps: float = 0.0,
-                      A_split: Optional[torch.Tensor] = None, U_scratch: bool = False) -> torch.Tensor:
+                      A_split: Optional[torch.Tensor] = None) -> torch.Tensor:
     """‖W + sBA‖ per row (then max(·, eps)) from ‖W‖²_row, U = W·Aᵀ `[d_out, r]` (a transposed view is fine),
     A `[r, d_in]`, B `[d_out, r]`; no `d_out×d_in` matrix.
 
     ‖W+sBA‖²_row = ‖W‖²_row + 2s·rowsum(B ⊙ U) + s²·rowsum((B·G) ⊙ B) with G = A·Aᵀ, accumulated in `dtype`: G
     (through bf16 tensor cores at fp32 accuracy when large: `gram`), then one fused kernel for V = B·G,
     rowsum(B ⊙ (2s·U + s²·V)), the sum with ‖W‖², the square root and eps (`kernels.norm_rows_gram`). On CUDA with
-    d_out·r² ≥ NORM_GEMM_MIN_FMAS, V = B·G runs on bf16 tensor cores at fp32 accuracy instead, accumulated into
-    U's buffer as U + (s/2)·V (`addmm_bf16x3_`; `U_scratch`: the caller's U may be overwritten, else a copy), and
-    the row kernel `kernels.norm_rows` does the rest. `A_split`:
-    A already split into its two bf16 parts (`split_bf16`, `[2r, d_in]`, what the step's U was computed from):
-    where `gram` would split A, the Gram matrix of these parts `[2r, 2r]` goes to the kernel as it is (its four
-    blocks add up to G) instead of splitting A again.
+    d_out·r² ≥ NORM_GEMM_MIN_FMAS, V = B·G runs as one bf16 tensor-core GEMM at fp32 accuracy instead
+    (`mm_bf16x3`), and the row kernel `kernels.norm_rows` does the rest; U is only read. `A_split`: A already split
+    into its two bf16 parts (`split_bf16`, `[2r, d_in]`, what the step's U was computed from): where `gram` would
+    split A, the half Gram matrix of these parts `[2r, r]` (`half_gram`) goes to the kernel as it is instead of
+    splitting A again.
     """
     A, B, base_sq = _as(A, dtype), _as(B, dtype), _as(base_sq, dtype)
     split = A_split is not None and _splits_gram(A)
-    G = mm_fp32(A_split, A_split.T) if split else gram(A)
+    G = half_gram(A_split) if split else gram(A)
     n, r = B.shape
     if B.is_cuda and dtype == torch.float32 and n * r * r >= NORM_GEMM_MIN_FMAS:
-        if split:
-            G = G.view(2, r, 2, r).sum(dim=(0, 2))
-        # T = U + (s/2)·B·G accumulated into U's buffer (2s·T = 2s·U + s²·V): no [d_out, r] array more
-        T = U if U_scratch and U.dtype == dtype else U.to(dtype, copy=True)
-        if not (T.is_contiguous() or T.T.is_contiguous()):
-            T = T.contiguous()
-        return norm_rows(base_sq, B, addmm_bf16x3_(T, B, G, 0.5 * s), None, s, eps)
+        return norm_rows(base_sq, B, _as(U, dtype), mm_bf16x3(B, gram_of_half(G) if split else G), s, eps)
     return norm_rows_gram(base_sq, B, _as(U, dtype), G, s, eps, split=split)  # fused on CUDA, else eager
 
 
@@ -283,21 +267,19 @@ class AdaptedLinear(nn.Module):
         return self.base.row_norms_sq(dtype)  # frozen: computed once by the base and kept
 
     def weight_row_norm(self, dtype: torch.dtype = torch.float32, eps: float = 0.0,
-                        U: Optional[torch.Tensor] = None, A_split: Optional[torch.Tensor] = None,
-                        U_scratch: bool = False) -> torch.Tensor:
+                        U: Optional[torch.Tensor] = None, A_split: Optional[torch.Tensor] = None) -> torch.Tensor:
         """‖W + sBA‖_row of the DoRA adapter (then max(·, eps)), factored: U = W·Aᵀ runs A's rows through the
         frozen linear, unless the caller already has it (`U` `[d_out, r]`, e.g. from `matmul_with_exact`, with
-        `A_split`, the split A it was computed from, if any, and `U_scratch` if its buffer may be overwritten:
-        `factored_row_norm`)."""
+        `A_split`, the split A it was computed from, if any: `factored_row_norm`)."""
         ad = self.dora
         with torch.no_grad():
             A = ad.lora_A.detach()
             if U is None:
                 # fp32 products over the exact W (a bf16 W or A would cost the norm about 3e-5 relative)
                 matmul = getattr(self.base, "matmul_exact", self.base.matmul)
-                U, A_split, U_scratch = matmul(A.to(dtype)).T, None, True
+                U, A_split = matmul(A.to(dtype)).T, None
             return factored_row_norm(self.base_row_norms_sq(dtype), U, A, ad.lora_B.detach(), ad.scale, dtype, eps,
-                                     A_split, U_scratch)
+                                     A_split)
 
     def _norm_key(self, dtype: torch.dtype) -> tuple:
         ad = self.dora
@@ -324,14 +306,14 @@ class AdaptedLinear(nn.Module):
             return None
         return run[1], run[2]
 
-    def start_running_u(self, A: torch.Tensor, U: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    def start_running_u(self, A: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
         """Keep U = W·Aᵀ `[d_out, r]` (exact, just computed) as this layer's running U for A, if tracking applies
-        here. Returns (U as kept, whether the caller may still overwrite U's buffer)."""
+        here. Returns U as kept (or as given, where it is not)."""
         if not self._tracks_u(A):
-            return U, True
+            return U
         kept = U if U.is_contiguous() and U.dtype == torch.float32 else U.to(torch.float32).contiguous()
         self._running_u = (self._running_key(A), kept, A.detach().to(torch.float32, copy=True))
-        return kept, False
+        return kept
 
     def weights_changed(self) -> None:
         """Drop what is kept from the adapters' values: DoRA's norm and g, and the playback casts of A and B. They
@@ -354,13 +336,12 @@ class AdaptedLinear(nn.Module):
         return id(self.dora.lora_A), tuple(A.shape), A.device
 
     def dora_norm(self, dtype: torch.dtype = torch.float32, U: Optional[torch.Tensor] = None,
-                  A_split: Optional[torch.Tensor] = None, U_scratch: bool = False) -> torch.Tensor:
+                  A_split: Optional[torch.Tensor] = None) -> torch.Tensor:
         """max(‖W + sBA‖_row, 1e-6), detached; recomputed only when A or B changed (or `_g_cache` was cleared), from
         `U` = W·Aᵀ `[d_out, r]` when the caller has it (`DoraLinearFn`: the base product's decode gave it, from the
-        split A `A_split`; `U_scratch`: U's buffer may be overwritten)."""
+        split A `A_split`)."""
         if not self.norm_is_cached(dtype):
-            self._g_cache = (self._norm_key(dtype), self.weight_row_norm(dtype, eps=DORA_EPS, U=U, A_split=A_split,
-                                                                         U_scratch=U_scratch))
+            self._g_cache = (self._norm_key(dtype), self.weight_row_norm(dtype, eps=DORA_EPS, U=U, A_split=A_split))
         return self._g_cache[1]
 
     def dora_scale(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -440,7 +421,6 @@ class DoraLinearFn(torch.autograd.Function):
         combined = getattr(layer.base, "matmul_with_exact", None)
         dt = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32  # as `LoraAdapter.delta_input`
         U = A_split = None
-        U_scratch = True
         if combined is not None and not layer.norm_is_cached(torch.float32):
             # the norm needs U = W·Aᵀ: one pass over W gives it with the base product (a quantized W decoded once);
             # A is split into its bf16 parts once (after the base GEMM is issued), for U, for the norm's Gram matrix
@@ -450,10 +430,9 @@ class DoraLinearFn(torch.autograd.Function):
             if run is not None:
                 U, A_ref = run
                 base_out, A_split = layer.base.matmul_with_update(x2, A32, A_ref, U, return_split=True)
-                U_scratch = False
             else:
                 base_out, U, A_split = combined(x2, A32, return_split=True)
-                U, U_scratch = layer.start_running_u(A32, U.T)
+                U = layer.start_running_u(A32, U.T)
         else:
             base_out = layer.base.matmul(x2)  # first: the big GEMM
         xc = _as(x2, dt)
@@ -463,7 +442,7 @@ class DoraLinearFn(torch.autograd.Function):
         xa = torch.mm(xc, Ac.T)
         # bf16 up to COMPOSE_XA_MAX_RANK: lora = xa·Bᵀ is formed inside the composition kernel
         lora = None if dt == torch.bfloat16 and r <= kernels.COMPOSE_XA_MAX_RANK else torch.mm(xa, Bc.T)
-        norm = layer.dora_norm(torch.float32, U=U, A_split=A_split, U_scratch=U_scratch)
+        norm = layer.dora_norm(torch.float32, U=U, A_split=A_split)
         g = torch.div(m.detach(), norm)
         want_inner = ctx.needs_input_grad[3]
         if lora is None:

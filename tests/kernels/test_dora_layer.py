@@ -358,8 +358,19 @@ def test_split_track_kernel_gives_the_torch_bits(n, k, copies):
     ok = ~torch.isnan(R_want)
     assert torch.equal(R.cpu()[ok], R_want[ok])
     assert _same_bits(tk.split_track(A).cpu(), want_parts)
+    # other orders of the parts, stacked or side by side along the rows (the operands of `mm_bf16x3`), against the
+    # parts put in place by hand and against split_bf16's torch operations
+    hi, lo = want_parts[:n], want_parts[n:]
+    for order, side in (("hhl", True), ("hlh", False), ("l", True), ("lh", False)):
+        pieces = [hi if c == "h" else lo for c in order]
+        want = torch.cat(pieces, dim=1 if side else 0)
+        got = tk.split_track(A, order=order, side=side).cpu()
+        assert got.shape == want.shape and _same_bits(got, want), (order, side)
+        assert _same_bits(split_bf16(A.cpu(), order, side), want), (order, side)
     with pytest.raises(ValueError, match="split_track"):
         tk.split_track(torch.zeros(2, 4, device=DEVICE)[:, ::2])
+    with pytest.raises(ValueError, match="order"):
+        tk.split_track(A, order="hx")
 
 
 def test_running_u_is_off_where_it_does_not_apply():
@@ -466,9 +477,10 @@ GRAM_SIZES = [(1, 1), (7, 3), (300, 16), (257, 100)] + ([(8192, 384), (4099, 768
 @pytest.mark.parametrize("split", [False, True], ids=["G", "split-G"])
 @pytest.mark.parametrize("n,r", GRAM_SIZES)
 def test_norm_rows_gram_matches_fp64(fused, n, r, split):
-    """`norm_rows_gram` forms V = B·G itself (3×TF32 tensor-core dots) from G = A·Aᵀ, or from the Gram matrix of the
-    split A (four blocks added): the norm within the fp32 bound of `norm_rows` plus V's own error, against fp64 of
-    the same G; a kernel that drops the lower half of the split (or the s² term) is off by far more."""
+    """`norm_rows_gram` forms V = B·G itself (3×TF32 tensor-core dots) from G = A·Aᵀ, or from the half Gram matrix
+    of the split A (P_top + P_bot + P_botᵀ): the norm within the fp32 bound of `norm_rows` plus V's own error,
+    against fp64 of the same G; a kernel that drops the lower half of the split, its transpose (or the s² term) is
+    off by far more."""
     gen = torch.Generator().manual_seed(n + r)
     base_sq = torch.rand(n, generator=gen) * 4 + 1.0
     B = torch.randn(n, r, generator=gen) * 0.1
@@ -476,8 +488,8 @@ def test_norm_rows_gram_matches_fp64(fused, n, r, split):
     A = torch.randn(r, 96, generator=gen) * 0.15
     if split:
         X = kernels.split_bf16(A)
-        G = (X.double() @ X.double().T).float()
-        G_sum = G.double().view(2, r, 2, r).sum(dim=(0, 2))
+        G = (X.double() @ X[:r].double().T).float()  # the half Gram matrix [A_hi; A_lo]·A_hiᵀ
+        G_sum = G.double()[:r] + G.double()[r:] + G.double()[r:].T
     else:
         G = (A.double() @ A.double().T).float()
         G_sum = G.double()
@@ -496,6 +508,10 @@ def test_norm_rows_gram_matches_fp64(fused, n, r, split):
     if r >= 16:  # the term a wrong kernel would lose is far above the bound
         lost = (B.double() * (s32 * s32 * V)).sum(1).abs() / (2 * ref)
         assert bool((lost > 100 * bound).any())
+        if split and r <= 100:  # and the transposed block of the half Gram matrix (about 2⁻⁸ of that term, so
+            # above the fp32 bound, which grows with r, at the smaller ranks only)
+            lost_t = (B.double() * (s32 * s32 * (B.double() @ G.double()[r:].T))).sum(1).abs() / (2 * ref)
+            assert bool((lost_t > 4 * bound).any()), (lost_t / bound).max().item()
     eager = kernels.norm_rows_gram_eager(base_sq.double(), B.double(), U.double(), G.double(), s, split=split)
     assert torch.allclose(eager, ref, rtol=1e-12, atol=0)
 
@@ -509,43 +525,40 @@ def test_norm_rows_gram_clamps(fused):
     assert kernels.norm_rows_gram(base_sq, B, U, G, 1.0, eps=1e-6).tolist() == [pytest.approx(1e-6), 1.0, 2.0]
 
 
-BF16X3_SIZES = [(1, 1, 1), (7, 3, 5), (300, 16, 16), (257, 100, 33)] + ([(8192, 384, 384), (4099, 768, 768)]
+BF16X3_SIZES = [(1, 1, 1), (7, 3, 5), (300, 16, 16), (257, 100, 33)] + ([(8192, 768, 768), (4099, 384, 384)]
                                                                       if DEVICE == "cuda" else [])
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 @pytest.mark.parametrize("n,k,m", BF16X3_SIZES)
-def test_addmm_bf16x3_matches_fp64(n, k, m, layout):
-    """C += alpha·a·b through the split bf16 operands: within 3·2⁻¹⁶ of |a|·|b| (what the split leaves out) plus
-    fp32 accumulation, in C's own buffer (either layout); one bf16 product alone, or dropping a_lo, is far off."""
-    from juno_py.lora.adapters import addmm_bf16x3_
+def test_mm_bf16x3_matches_fp64(n, k, m):
+    """a·b through the split bf16 operands in one GEMM: within 3·2⁻¹⁶ of |a|·|b| (what the split leaves out) plus
+    fp32 accumulation; one bf16 product alone, or dropping a_lo or b_lo, is far off."""
+    from juno_py.lora.adapters import mm_bf16x3
     gen = torch.Generator().manual_seed(n + k + m)
     a = torch.randn(n, k, generator=gen) * torch.logspace(-2, 1, k)  # columns of different scales
     b = torch.randn(k, m, generator=gen) * 0.3
-    C0 = torch.randn(n, m, generator=gen) if layout == "contiguous" else torch.randn(m, n, generator=gen).T
-    C = C0.to(DEVICE, copy=True)  # strides kept
-    alpha = 0.375
-    out = addmm_bf16x3_(C, a.to(DEVICE), b.to(DEVICE), alpha)
-    assert out.data_ptr() == C.data_ptr() and out.stride() == C.stride()
-    ref = C0.double() + alpha * (a.double() @ b.double())
-    mag = alpha * (a.double().abs() @ b.double().abs())
-    bound = (3.1 * 2.0 ** -16 + (2 * k + 4) * U32) * mag + 2 * U32 * ref.abs()
+    out = mm_bf16x3(a.to(DEVICE), b.to(DEVICE))
+    assert out.dtype == torch.float32 and out.shape == (n, m)
+    ref = a.double() @ b.double()
+    mag = a.double().abs() @ b.double().abs()
+    bound = (3.1 * 2.0 ** -16 + (3 * k + 4) * U32) * mag
     err = (out.double().cpu() - ref).abs()
     assert bool((err <= bound).all()), (err / bound).max().item()
     if k >= 16:
-        hi = a.bfloat16().double()
-        b_hi = b.bfloat16().double()
+        a_hi, b_hi = a.bfloat16().double(), b.bfloat16().double()
+        a_lo = (a.double() - a_hi).float().bfloat16().double()
         b_lo = (b.double() - b_hi).float().bfloat16().double()
-        without_a_lo = C0.double() + alpha * (hi @ (b_hi + b_lo))
-        assert bool(((without_a_lo - ref).abs() > bound).any())
+        for partial in (a_hi @ (b_hi + b_lo), (a_hi + a_lo) @ b_hi):
+            assert bool(((partial - ref).abs() > bound).any())
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the GEMM path of the factored norm runs on CUDA")
 @pytest.mark.parametrize("n,n_in,r", [(8192, 8192, 768), (4099, 1000, 384), (300, 64, 17)])
 def test_factored_norm_gemm_path_matches_the_kernel_path(n, n_in, r, monkeypatch):
-    """Above NORM_GEMM_MIN_FMAS (lowered here for the smaller shapes), V = B·G runs through `addmm_bf16x3_` into
-    U's buffer: against fp64 of the same U, within the fp32 bound of the row sums plus what V's split and G's own
-    products leave out; within 1e-5 of the exact norm (the target); U is overwritten only as scratch."""
+    """Above NORM_GEMM_MIN_FMAS (lowered here for the smaller shapes), V = B·G runs as one GEMM of split operands
+    (`mm_bf16x3`), from G of A or of the step's split A (the half Gram matrix): against fp64 of the same U, within
+    the fp32 bound of the row sums plus what V's split and G's own products leave out; within 1e-5 of the exact
+    norm (the target); U is only read."""
     from juno_py.lora import adapters as ad
     monkeypatch.setattr(ad, "NORM_GEMM_MIN_FMAS", min(ad.NORM_GEMM_MIN_FMAS, n * r * r))
     gen = torch.Generator().manual_seed(r)
@@ -559,19 +572,19 @@ def test_factored_norm_gemm_path_matches_the_kernel_path(n, n_in, r, monkeypatch
     U = (Ad.double() @ Wd.double().T).float().T  # exact U, transposed view as the frozen linear gives it
     kept = U.clone()
     got = ad.factored_row_norm(base_sq, U, Ad, Bd, s)
-    assert torch.equal(U, kept)  # not scratch: left as it was
-    scratch = ad.factored_row_norm(base_sq, U, Ad, Bd, s, U_scratch=True)
-    assert torch.equal(scratch, got) and not torch.equal(U, kept)
+    from_split = ad.factored_row_norm(base_sq, U, Ad, Bd, s, A_split=kernels.split_bf16(Ad))
+    assert torch.equal(U, kept)  # only read
     Ud, Bx, Ax = kept.double().cpu(), B.double(), A.double()
     G, Gabs = Ax @ Ax.T, Ax.abs() @ Ax.abs().T
     same = (base_sq.double().cpu() + (Bx * (2 * s * Ud + s * s * (Bx @ G))).sum(1)).clamp_min(0).sqrt()
     g_err = (4 * 2.0 ** -16 if ad._splits_gram(Ad) else (n_in + 2) * U32) * Gabs
-    v_err = (3.1 * 2.0 ** -16 + (2 * r + 4) * U32) * (Bx.abs() @ Gabs) + Bx.abs() @ g_err
+    v_err = (3.1 * 2.0 ** -16 + (3 * r + 4) * U32) * (Bx.abs() @ Gabs) + Bx.abs() @ g_err
     mag = base_sq.double().cpu() + (Bx.abs() * (2 * s * Ud.abs() + s * s * (Bx.abs() @ Gabs))).sum(1)
     bound = (3 * r + 8) * U32 * mag / (2 * same) + U32 * same + s * s * (Bx.abs() * v_err).sum(1) / (2 * same)
-    err = (got.double().cpu() - same).abs()
-    assert bool((err <= bound).all()), (err / bound).max().item()
-    assert ((got.double().cpu() - ref).abs() / ref).max().item() <= 1e-5
+    for norm in (got, from_split):
+        err = (norm.double().cpu() - same).abs()
+        assert bool((err <= bound).all()), (err / bound).max().item()
+        assert ((norm.double().cpu() - ref).abs() / ref).max().item() <= 1e-5
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the 1e-5 norm target at a real size: GPU")
