@@ -180,8 +180,8 @@ def _norm_rows_gram_kernel(base_sq_ptr, b_ptr, u_ptr, g_ptr, part_ptr, out_ptr, 
     """Program (i, j): rows [i·BLOCK_D, +BLOCK_D) and rank columns [j·BLOCK_R, +BLOCK_R) of ‖W + sBA‖'s sum
     Σ_c B_ic·(2s·U_ic + s²·V_ic), with the tile of V = B·G formed here over all r (tensor-core dots in 3×TF32:
     fp32 accuracy), from G = A·Aᵀ `[r, r]` or, with SPLIT, from the half Gram matrix P = [A_hi; A_lo]·A_hiᵀ of the
-    split A `[2r, r]` (G = P_top + P_bot + P_botᵀ). FINISH (one rank tile): the norm itself, as `_norm_rows_kernel` ends; else the
-    tile's row sums go to `part[j, rows]` for `_norm_finish_kernel`. Each program reads one column tile of G, so G
+    split A `[2r, r]` (G = P_top + P_bot + P_botᵀ). FINISH (one rank tile): the norm itself, as `_norm_rows_kernel`
+    ends; else the tile's row sums go to `part[j, rows]` for `_norm_finish_kernel`. Each program reads one column tile of G, so G
     is read n/BLOCK_D times in all, not once per row tile and column tile pair (the L2 traffic that bounded the
     one-dimensional grid of session 5)."""
     rows = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -515,9 +515,9 @@ def split_track(A: torch.Tensor, A_ref: Optional[torch.Tensor] = None, copies: i
 def norm_rows_gram(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, G: torch.Tensor, s: float,
                    eps: float = 0.0, split: bool = False, cfg: NormGramConfig = NORM_GRAM_CONFIG) -> torch.Tensor:
     """`norm_rows` with V = B·G formed inside the kernel: G = A·Aᵀ fp32 `[r, r]`, or with `split` the fp32 half
-    Gram matrix P = [A_hi; A_lo]·A_hiᵀ `[2r, r]` of the split A (`split_bf16`), G = P_top + P_bot + P_botᵀ. One launch when r fits one
-    rank tile, else two (the tiles' row sums, then `_norm_finish_kernel`), instead of a GEMM for V (fp32, without
-    tensor cores) and a row kernel."""
+    Gram matrix P = [A_hi; A_lo]·A_hiᵀ `[2r, r]` of the split A (`split_bf16`), G = P_top + P_bot + P_botᵀ. One
+    launch when r fits one rank tile, else two (the tiles' row sums, then `_norm_finish_kernel`), instead of a GEMM
+    for V (fp32, without tensor cores) and a row kernel."""
     n, r = B.shape
     k = 2 * r if split else r
     if U.shape != (n, r) or G.shape != (k, r) or base_sq.numel() != n or G.dtype != torch.float32:
