@@ -4,7 +4,7 @@ fp32 adapters), plus the composition kernel's bandwidth against a copy and the f
     python benchmarks/dora_layer.py                  # the H200 tables of docs/benchmarks.md (## DoRA layer (H200))
     python benchmarks/dora_layer.py --crossover      # eager vs fused composition by size (docs/kernels.md)
     python benchmarks/dora_layer.py --tiles          # tile configurations of the kernels, by bandwidth
-    python benchmarks/dora_layer.py --graphed        # also each fwd+bwd replayed as a CUDA graph (GPU time alone)
+    python benchmarks/dora_layer.py --graphed        # also each fwd+bwd and inference call replayed as a CUDA graph
     python benchmarks/dora_layer.py --quick          # tiny shapes on the CPU: a smoke test of this script
 
 Every layer sees the same bf16 x, W, A, B and m: W ~ N(0, 0.02²), A kaiming-uniform, B ≠ 0 (‖sBA‖ ≈ 0.3‖W‖ per
@@ -447,8 +447,20 @@ def bench_shape(T, d_in, d_out, r, device, reps, warmup, with_quant, peers=True,
             layer.dora_scale()  # frozen adapter: the norm is computed once and cached
     t_infer = interleaved(infer, reps, warmup, device)
     mem_infer = {n: peak_mib(f, device) for n, f in infer.items()}
+    t_graphed_infer = {}
+    if graphed and device.type == "cuda":  # inference calls as CUDA graphs too: without the host's time to reach
+        # the first kernel, which a single layer called from an idle GPU exposes (and a model's later layers hide)
+        graphs = {}
+        for n, f in infer.items():
+            try:
+                graphs[n] = capture(f)
+            except Exception as e:  # noqa: BLE001 - as above
+                notes[f"{n} (graphed inference)"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        t_graphed_infer = interleaved({n: g.replay for n, g in graphs.items()}, reps, warmup, device)
+        del graphs
     rows = [dict(impl=n, train_ms=t_train[n], infer_ms=t_infer[n], train_peak_mib=mem_train[n],
-                 infer_peak_mib=mem_infer[n], resident_mib=resident[n], graphed_train_ms=t_graphed.get(n))
+                 infer_peak_mib=mem_infer[n], resident_mib=resident[n], graphed_train_ms=t_graphed.get(n),
+                 graphed_infer_ms=t_graphed_infer.get(n))
             for n in layers]
     if with_quant:  # the norm's U = W·Aᵀ alone (`matmul_exact`), and with the base product (`matmul_with_exact`,
         # what a training step with a fresh norm calls): fp32-accurate U from split bf16 products on both
@@ -507,6 +519,14 @@ def print_layer_table(res):
             print("fwd+bwd as CUDA graphs (GPU time alone), ms: " + ", ".join(f"{n} {v:.3f}" for n, v in g.items())
                   + "; juno-py dense speedup: " + ", ".join(f"{n} {v / g['juno-py dense']:.2f}×" for n, v in g.items()
                                                              if n.startswith("PEFT")))
+        gi = {n: row["graphed_infer_ms"] for n, row in by.items() if row.get("graphed_infer_ms")}
+        if "juno-py dense" in gi:
+            dense = gi["juno-py dense"]
+            print("inference as CUDA graphs (GPU time alone), ms: " + ", ".join(f"{n} {v:.3f}" for n, v in gi.items())
+                  + "; juno-py dense speedup: " + ", ".join(f"{n} {v / dense:.2f}×" for n, v in gi.items()
+                                                             if n.startswith("PEFT"))
+                  + "; quantized / dense: " + ", ".join(f"{t} {gi[f'juno-py {t}'] / dense:.2f}×" for t in QUANT_TYPES
+                                                        if f"juno-py {t}" in gi))
         u = [f"{n}: {row['norm_U_ms']:.3f} / {row['base_ms']:.3f} / {row['base_and_U_ms']:.3f}"
              for n, row in by.items() if "norm_U_ms" in row]
         if u:
@@ -706,7 +726,7 @@ def main():
     ap.add_argument("--bandwidth-elements", type=int, nargs="*", default=[1 << 27, 1 << 28],
                     help="sizes of the kernel bandwidth tables (none: skip them)")
     ap.add_argument("--graphed", action="store_true",
-                    help="also time each fwd+bwd captured in a CUDA graph (GPU time without launches)")
+                    help="also time each fwd+bwd and inference call captured in a CUDA graph (GPU time alone)")
     ap.add_argument("--json", type=Path, help="also write every number here")
     ap.add_argument("--u-ab", action="store_true",
                     help="also juno-py layers that recompute U = W·Aᵀ at every step (no running U), interleaved")
