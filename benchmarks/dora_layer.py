@@ -701,13 +701,16 @@ def tiles(device, reps, warmup):
     for c in configs:
         calls[f"fwd {c}"] = (lambda c=c: tk.compose_forward(base, lora, g, 0.5, cfg=c))
         calls[f"bwd {c}"] = (lambda c=c: tk.compose_backward(base, g, lora, 0.5, torch.bfloat16, torch.bfloat16, cfg=c))
+        calls[f"bwd-step {c}"] = (lambda c=c: tk.compose_backward(base, g, lora, 0.5, torch.bfloat16, None, cfg=c))
     ms = interleaved(calls, reps, warmup, device, batch=BANDWIDTH_BATCH)
-    bytes_per = {"copy": 2, "fwd": 3, "bwd": 4}
+    bytes_per = {"copy": 2, "fwd": 3, "bwd": 4, "bwd-step": 3}  # bwd-step: the layer step's, without d_lora
+    copy = 2 * M * N * 2 / ms["copy"] / 1e6
     print("\n### Tile configurations (bf16, 134 M elements)\n")
-    print("| kernel, config | ms | GB/s |")
-    print("|---|---:|---:|")
+    print("| kernel, config | ms | GB/s | of copy |")
+    print("|---|---:|---:|---:|")
     for k, v in ms.items():
-        print(f"| {k} | {v:.3f} | {bytes_per[k.split()[0]] * M * N * 2 / v / 1e6:.0f} |")
+        gbps = bytes_per[k.split()[0]] * M * N * 2 / v / 1e6
+        print(f"| {k} | {v:.3f} | {gbps:.0f} | {100 * gbps / copy:.1f} % |")
 
 
 # ---------------------------------------------------------------------------------------------------- main
