@@ -51,12 +51,14 @@ class AdapterConfig:
 # runs at about 1/15 of the bf16 rate on an H200 (G at r = 384 on an 8192-wide layer: 75 µs in fp32, 0.2 ms on a
 # 28672-wide one; benchmarks/dora_step_profile.py)
 SPLIT_GRAM_MIN_FMAS = 1 << 30
-# DoRA's V = B·G with at least this many multiply-adds (d_out·r²) runs as bf16 tensor-core GEMMs of the split
-# operands (`addmm_bf16x3_`) instead of inside the fused row kernel's 3×TF32 dots. On the H200 at 8192 rows
-# (benchmarks/norm_gram_sweep.py, GPU / CPU µs): r = 768, kernel 239 / 60, GEMMs 156 / 222; r = 384, kernel 74 / 109,
-# GEMMs 74 / 387. The GEMM path's seven torch ops cost more CPU than the kernel's one or two launches, which the
-# layer steps below this size cannot hide (4096-wide layers are bound by their launches on that host).
+# DoRA's V = B·G with at least this many multiply-adds (d_out·r²) runs as one bf16 tensor-core GEMM of the split
+# operands (`mm_bf16x3`) instead of inside the fused row kernel's 3×TF32 dots. On the H200 at 8192 rows
+# (benchmarks/norm_gram_sweep.py, session 9, GPU / CPU µs): r = 768, kernel 263 / 95, GEMM path 96 / 234; r = 384,
+# kernel 72 / 76, GEMM path 42 / 318. The GEMM path's ops cost more CPU than the kernel's one or two launches, which
+# the layer steps below this size cannot hide (an eager step at r = 384 is partly bound by its host).
 NORM_GEMM_MIN_FMAS = 1 << 32
+# Device types where the split bf16 products above pay (tensor cores); tests add "cpu" to run those paths in CI.
+SPLIT_PRODUCT_DEVICES = ("cuda",)
 
 
 def gram(A: torch.Tensor) -> torch.Tensor:
@@ -102,9 +104,10 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _splits_gram(A: torch.Tensor) -> bool:
-    """Whether `gram(A)` runs on the split A (fp32 A on CUDA with at least SPLIT_GRAM_MIN_FMAS multiply-adds)."""
+    """Whether `gram(A)` runs on the split A (fp32 A on CUDA, `SPLIT_PRODUCT_DEVICES`, with at least
+    SPLIT_GRAM_MIN_FMAS multiply-adds)."""
     r, k = A.shape
-    return A.is_cuda and A.dtype == torch.float32 and r * r * k >= SPLIT_GRAM_MIN_FMAS
+    return A.device.type in SPLIT_PRODUCT_DEVICES and A.dtype == torch.float32 and r * r * k >= SPLIT_GRAM_MIN_FMAS
 
 
 def mm_fp32(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
@@ -139,7 +142,7 @@ def factored_row_norm(base_sq: torch.Tensor, U: torch.Tensor, A: torch.Tensor, B
     split = A_split is not None and _splits_gram(A)
     G = half_gram(A_split) if split else gram(A)
     n, r = B.shape
-    if B.is_cuda and dtype == torch.float32 and n * r * r >= NORM_GEMM_MIN_FMAS:
+    if B.device.type in SPLIT_PRODUCT_DEVICES and dtype == torch.float32 and n * r * r >= NORM_GEMM_MIN_FMAS:
         return norm_rows(base_sq, B, _as(U, dtype), mm_bf16x3(B, gram_of_half(G) if split else G), s, eps)
     return norm_rows_gram(base_sq, B, _as(U, dtype), G, s, eps, split=split)  # fused on CUDA, else eager
 

@@ -12,6 +12,7 @@ from torch import nn
 pytest.importorskip("triton")
 
 from juno_py import kernels  # noqa: E402
+from juno_py.kernels.gemm import mm_out  # noqa: E402
 from juno_py.lora.adapters import DORA_EPS, AdaptedLinear, AdapterConfig, LoraAdapter, gram  # noqa: E402
 from juno_py.lora.format import Mode  # noqa: E402
 from tests.kernels.conftest import DEVICE  # noqa: E402
@@ -390,19 +391,23 @@ def test_running_u_is_off_where_it_does_not_apply():
 
 
 # ------------------------------------------------------------------------------------------- norm pieces
-@pytest.mark.skipif(DEVICE != "cuda", reason="the split-bf16 product runs on CUDA only")
-def test_gram_split_removes_the_bf16_rounding_of_A():
-    """G = A·Aᵀ from the split A: far closer to fp64 than one bf16 product (whose error is A's rounding) off the
-    diagonal, and within the fp32 accumulation's reach overall (tensor cores truncate in their fp32 accumulator:
-    a few 1e-5 relative over 8192 positive terms on the diagonal)."""
+def test_gram_split_removes_the_bf16_rounding_of_A(monkeypatch):
+    """G = A·Aᵀ from the split A (the half Gram matrix): far closer to fp64 than one bf16 product (whose error is A's
+    rounding) off the diagonal, and within the fp32 accumulation's reach overall (tensor cores truncate in their
+    fp32 accumulator: a few 1e-5 relative over 8192 positive terms on the diagonal); symmetric, as G is. On the CPU
+    (CI) the split path runs with the parts' products in fp32 (`SPLIT_PRODUCT_DEVICES` extended)."""
+    from juno_py.lora import adapters as ad
+    monkeypatch.setattr(ad, "SPLIT_PRODUCT_DEVICES", ("cuda", "cpu"))
     gen = torch.Generator().manual_seed(0)
     A = ((torch.rand(384, 8192, generator=gen) * 2 - 1) / math.sqrt(8192)).to(DEVICE)
+    assert ad._splits_gram(A)
     exact = A.double() @ A.double().T
     G = gram(A)
     assert G.dtype == torch.float32
     assert ((G.double() - exact).norm() / exact.norm()).item() <= 1e-4
+    assert ((G - G.T).norm() / G.norm()).item() <= 1e-5  # P_bot + P_botᵀ: taking P_bot twice is 1e-3 off here
     Ab = A.to(torch.bfloat16)
-    plain = torch.mm(Ab, Ab.T, out_dtype=torch.float32).double()
+    plain = mm_out(Ab, Ab.T, torch.float32).double()
     off = ~torch.eye(384, dtype=torch.bool, device=DEVICE)
     split_err = (G.double() - exact)[off].norm().item()
     plain_err = (plain - exact)[off].norm().item()
@@ -552,15 +557,18 @@ def test_mm_bf16x3_matches_fp64(n, k, m):
             assert bool(((partial - ref).abs() > bound).any())
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="the GEMM path of the factored norm runs on CUDA")
-@pytest.mark.parametrize("n,n_in,r", [(8192, 8192, 768), (4099, 1000, 384), (300, 64, 17)])
+@pytest.mark.parametrize("n,n_in,r", ([(8192, 8192, 768)] if DEVICE == "cuda" else []) + [(4099, 1000, 384),
+                                                                                    (300, 64, 17)])
 def test_factored_norm_gemm_path_matches_the_kernel_path(n, n_in, r, monkeypatch):
     """Above NORM_GEMM_MIN_FMAS (lowered here for the smaller shapes), V = B·G runs as one GEMM of split operands
     (`mm_bf16x3`), from G of A or of the step's split A (the half Gram matrix): against fp64 of the same U, within
     the fp32 bound of the row sums plus what V's split and G's own products leave out; within 1e-5 of the exact
-    norm (the target); U is only read."""
+    norm (the target); U is only read. On the CPU (CI) the same path runs with the split products widened to fp32
+    (`SPLIT_PRODUCT_DEVICES` extended), and A is split for G at these sizes too (SPLIT_GRAM_MIN_FMAS lowered)."""
     from juno_py.lora import adapters as ad
     monkeypatch.setattr(ad, "NORM_GEMM_MIN_FMAS", min(ad.NORM_GEMM_MIN_FMAS, n * r * r))
+    monkeypatch.setattr(ad, "SPLIT_GRAM_MIN_FMAS", min(ad.SPLIT_GRAM_MIN_FMAS, r * r * n_in))
+    monkeypatch.setattr(ad, "SPLIT_PRODUCT_DEVICES", ("cuda", "cpu"))
     gen = torch.Generator().manual_seed(r)
     W = torch.randn(n, n_in, generator=gen) * 0.02
     A = (torch.rand(r, n_in, generator=gen) * 2 - 1) / math.sqrt(n_in)
