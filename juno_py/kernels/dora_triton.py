@@ -183,9 +183,9 @@ def _norm_rows_gram_kernel(base_sq_ptr, b_ptr, u_ptr, g_ptr, part_ptr, out_ptr, 
     Σ_c B_ic·(2s·U_ic + s²·V_ic), with the tile of V = B·G formed here over all r (tensor-core dots in 3×TF32:
     fp32 accuracy), from G = A·Aᵀ `[r, r]` or, with SPLIT, from the half Gram matrix P = [A_hi; A_lo]·A_hiᵀ of the
     split A `[2r, r]` (G = P_top + P_bot + P_botᵀ). FINISH (one rank tile): the norm itself, as `_norm_rows_kernel`
-    ends; else the tile's row sums go to `part[j, rows]` for `_norm_finish_kernel`. Each program reads one column tile of G, so G
-    is read n/BLOCK_D times in all, not once per row tile and column tile pair (the L2 traffic that bounded the
-    one-dimensional grid of session 5)."""
+    ends; else the tile's row sums go to `part[j, rows]` for `_norm_finish_kernel`. Each program reads one column
+    tile of G, so G is read n/BLOCK_D times in all, not once per row tile and column tile pair (the L2 traffic that
+    bounded the one-dimensional grid of session 5)."""
     rows = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     j = tl.program_id(1)
     row_ok = rows < n
