@@ -46,6 +46,14 @@ class KernelUnavailable(RuntimeError):
     """JUNO_PY_KERNELS=fused was asked for where the fused kernels cannot run."""
 
 
+def split_lo_mask(order: str, what: str = "split_bf16") -> int:
+    """The bit mask of `order`'s low parts (bit p set: part p is x_lo), for an order of 1 to 4 parts named 'h'
+    (x_hi) and 'l' (x_lo); ValueError naming `what` otherwise."""
+    if not order or set(order) - {"h", "l"} or len(order) > 4:
+        raise ValueError(f"{what}: order {order!r}: expected 1 to 4 of 'h' (the bf16 part) and 'l' (the rest)")
+    return sum(1 << p for p, c in enumerate(order) if c == "l")
+
+
 def split_bf16(x: torch.Tensor, order: str = "hl", side: bool = False) -> torch.Tensor:
     """x `[n, k]` (fp32) in bf16 parts x_hi = bf16(x) and x_lo = bf16(x − x_hi), together within about 2⁻¹⁷ of x,
     so that bf16 tensor-core products of the parts (fp32 accumulation) reach fp32 accuracy. `order` names the parts
@@ -54,8 +62,7 @@ def split_bf16(x: torch.Tensor, order: str = "hl", side: bool = False) -> torch.
     tk = _split_kernels(x)
     if tk is not None:  # one launch (`dora_triton.split_track`), the same bits
         return tk.split_track(x, order=order, side=side)
-    if not order or set(order) - {"h", "l"} or len(order) > 4:
-        raise ValueError(f"split_bf16: order {order!r}: expected 1 to 4 of 'h' (the bf16 part) and 'l' (the rest)")
+    split_lo_mask(order)
     n, k = x.shape
     m = len(order)
     out = torch.empty(n, m, k, dtype=torch.bfloat16, device=x.device)

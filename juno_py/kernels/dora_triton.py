@@ -20,6 +20,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from juno_py.kernels.dequant_triton import _bf16_bits
+from juno_py.kernels import split_lo_mask
 from juno_py.kernels.launch import cdiv, interpreting, launch as _launch, next_pow2
 
 # Decided by triton when the kernels below were defined: CPU tensors run only under the interpreter.
@@ -497,8 +498,7 @@ def split_track(A: torch.Tensor, A_ref: Optional[torch.Tensor] = None, copies: i
     A_ref moved by D. Bit-identical to the torch operations they replace (four or five launches)."""
     if A.dtype != torch.float32 or A.dim() != 2 or not A.is_contiguous():
         raise ValueError(f"split_track: A {tuple(A.shape)} {A.dtype}: expected a contiguous fp32 matrix")
-    if not order or set(order) - {"h", "l"} or len(order) > 4:
-        raise ValueError(f"split_track: order {order!r}: expected 1 to 4 of 'h' (the bf16 part) and 'l' (the rest)")
+    lo_mask = split_lo_mask(order, "split_track")
     n, k = A.shape
     track = A_ref is not None
     if track and (A_ref.shape != A.shape or A_ref.dtype != torch.float32 or not A_ref.is_contiguous()):
@@ -509,7 +509,6 @@ def split_track(A: torch.Tensor, A_ref: Optional[torch.Tensor] = None, copies: i
     parts = torch.empty(*shape, dtype=torch.bfloat16, device=A.device)
     D = torch.empty(n, copies * k, dtype=torch.bfloat16, device=A.device) if track else None
     if n * k:
-        lo_mask = sum(1 << p for p, c in enumerate(order) if c == "l")
         _launch(_split_track_kernel, (cdiv(n * k, SPLIT_BLOCK),), (
             A, A_ref if track else A, parts.view(torch.int16), D.view(torch.int16) if track else parts, n, k,
             row_stride, step), 4, TRACK=track, COPIES=copies if track else 1, N_PARTS=m, LO_MASK=lo_mask,
