@@ -315,6 +315,23 @@ def graphed_ms(step, reps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+def graphed_calls(calls: dict, label: str, notes: dict, reps: int, warmup: int, device) -> dict:
+    """Median ms of each call captured once in a CUDA graph and replayed (GPU only; {} elsewhere), the replays
+    interleaved in random order as the eager calls, so that drift of the machine's speed reaches every implementation
+    alike. A call that cannot be captured gets a note `f"{name} ({label})"` instead of a number."""
+    if device.type != "cuda":
+        return {}
+    graphs = {}
+    for n, f in calls.items():
+        try:
+            graphs[n] = capture(f)
+        except Exception as e:  # noqa: BLE001 - a step that cannot be captured: say so instead of a number
+            notes[f"{n} ({label})"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    times = interleaved({n: g.replay for n, g in graphs.items()}, reps, warmup, device)
+    del graphs
+    return times
+
+
 def peak_mib(fn, device) -> float:
     """Peak bytes allocated during `fn()` above what was allocated before it, in MiB (GPU only)."""
     if device.type != "cuda":
@@ -428,18 +445,8 @@ def bench_shape(T, d_in, d_out, r, device, reps, warmup, with_quant, peers=True,
         layer.train()
     t_train = interleaved(train, reps, warmup, device)
     mem_train = {n: peak_mib(f, device) for n, f in train.items()}
-    t_graphed = {}
-    if graphed and device.type == "cuda":  # the same steps, each captured in a CUDA graph: GPU time alone
-        graphs = {}
-        for n, f in train.items():
-            try:
-                graphs[n] = capture(f)
-            except Exception as e:  # noqa: BLE001 - a step that cannot be captured: say so instead of a number
-                notes[f"{n} (graphed)"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-        # replays interleaved in random order, as the eager calls: drift of the machine's speed during the run
-        # reaches every implementation alike
-        t_graphed = interleaved({n: g.replay for n, g in graphs.items()}, reps, warmup, device)
-        del graphs
+    # the same steps, each captured in a CUDA graph: GPU time alone
+    t_graphed = graphed_calls(train, "graphed", notes, reps, warmup, device) if graphed else {}
     for layer in layers.values():
         layer.eval()
     for name, layer in layers.items():
@@ -447,17 +454,9 @@ def bench_shape(T, d_in, d_out, r, device, reps, warmup, with_quant, peers=True,
             layer.dora_scale()  # frozen adapter: the norm is computed once and cached
     t_infer = interleaved(infer, reps, warmup, device)
     mem_infer = {n: peak_mib(f, device) for n, f in infer.items()}
-    t_graphed_infer = {}
-    if graphed and device.type == "cuda":  # inference calls as CUDA graphs too: without the host's time to reach
-        # the first kernel, which a single layer called from an idle GPU exposes (and a model's later layers hide)
-        graphs = {}
-        for n, f in infer.items():
-            try:
-                graphs[n] = capture(f)
-            except Exception as e:  # noqa: BLE001 - as above
-                notes[f"{n} (graphed inference)"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-        t_graphed_infer = interleaved({n: g.replay for n, g in graphs.items()}, reps, warmup, device)
-        del graphs
+    # inference calls as CUDA graphs too: without the host's time to reach the first kernel, which a single layer
+    # called from an idle GPU exposes (and a model's later layers hide)
+    t_graphed_infer = graphed_calls(infer, "graphed inference", notes, reps, warmup, device) if graphed else {}
     rows = [dict(impl=n, train_ms=t_train[n], infer_ms=t_infer[n], train_peak_mib=mem_train[n],
                  infer_peak_mib=mem_infer[n], resident_mib=resident[n], graphed_train_ms=t_graphed.get(n),
                  graphed_infer_ms=t_graphed_infer.get(n))
