@@ -177,7 +177,9 @@ def test_chunked_cross_entropy_equals_plain_values_and_gradients(chunk, reductio
     w64 = w.double()
     plain, chunked, g1, g2 = _plain_and_chunked(hidden.double(), targets, lambda h: h @ w64.t(), chunk, reduction)
     torch.testing.assert_close(chunked, plain, rtol=1e-12, atol=0)
-    torch.testing.assert_close(g2, g1, rtol=1e-12, atol=1e-15)
+    # each gradient element is a 50-term product whose rounding is relative to the terms, not to a result that
+    # may cancel to near 0: 16 units in the last place of the largest element, as the float32 check below
+    assert (g2 - g1).abs().max().item() <= 16 * torch.finfo(torch.float64).eps * g1.abs().max().item()
     plain32, chunked32, g1_32, g2_32 = _plain_and_chunked(hidden, targets, lambda h: h @ w.t(), chunk, reduction)
     # float32 rounding only, for ours as for F.cross_entropy: within 16 units in the last place of the largest value
     eps = torch.finfo(torch.float32).eps

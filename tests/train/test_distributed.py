@@ -38,6 +38,16 @@ def weights(adapters) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in adapters.named_parameters()}
 
 
+def assert_same_weights(got: torch.Tensor, want: torch.Tensor, what: str, rel: float = 1e-4) -> None:
+    """‖got − want‖ ≤ rel·‖want‖, tensor by tensor. The two runs' gradients differ in the last bits (each rank
+    normalizes its own loss, and the sums run in another order); AdamW divides each element's momentum by its own
+    second moment, so an element whose gradients nearly cancel over the steps turns those bits into a relative
+    difference up to about 1e-4 (seen on an AVX2 CPU, where the rest of the tensor agreed to 1e-6). A wrong loss
+    scale, shard or all-reduce moves whole tensors by a percent or more."""
+    diff = (got - want).norm().item()
+    assert diff <= rel * want.norm().item(), f"{what}: ‖difference‖ {diff:.3g}, ‖weights‖ {want.norm().item():.3g}"
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("ddp-data") / "mixed.jsonl", MIXED_RECORDS)
@@ -80,7 +90,7 @@ def test_two_processes_equal_one_process_on_the_same_global_batches(name, two_pr
     written = {e.key: e for e in read_adapter(two_processes / f"{name}.bin")[1]}
     for n, w in weights(adapters).items():
         assert torch.equal(rank0[n], rank1[n]), f"{n}: the replicas drifted apart"
-        torch.testing.assert_close(rank0[n], w, rtol=1e-4, atol=1e-6, msg=n)
+        assert_same_weights(rank0[n], w, n)
         key, what = n.rsplit(".", 1)
         saved = {"lora_A": written[key].A, "lora_B": written[key].B, "magnitude": written[key].magnitude}[what]
         assert torch.equal(torch.from_numpy(saved), rank0[n]), f"{n}: adapter.bin differs from rank 0's weights"
@@ -98,7 +108,7 @@ def test_a_two_process_run_resumes_in_one_process(tiny_path, data, two_processes
     assert_same_steps(rest["loss_and_grad_norm"], whole["loss_and_grad_norm"][dist_worker.PART_STEPS:])
     expected = weights(whole_adapters)
     for n, w in weights(adapters).items():
-        torch.testing.assert_close(w, expected[n], rtol=1e-4, atol=1e-6, msg=n)
+        assert_same_weights(w, expected[n], n)
 
 
 def test_ranks_with_different_data_refuse_to_start(two_processes):
@@ -143,8 +153,8 @@ def test_lora_nproc_2_trains_like_one_process_and_only_rank_0_writes(tiny_path, 
     assert r1.exit_code == 0, r1.stderr
     expected = {e.key: e for e in read_adapter(one)[1]}
     for e in read_adapter(out)[1]:
-        torch.testing.assert_close(torch.from_numpy(e.A), torch.from_numpy(expected[e.key].A), rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(torch.from_numpy(e.B), torch.from_numpy(expected[e.key].B), rtol=1e-4, atol=1e-6)
+        assert_same_weights(torch.from_numpy(e.A), torch.from_numpy(expected[e.key].A), f"{e.key}.A")
+        assert_same_weights(torch.from_numpy(e.B), torch.from_numpy(expected[e.key].B), f"{e.key}.B")
 
 
 def test_lora_nproc_errors_are_one_line_per_rank(tiny_path, tmp_path):
