@@ -596,8 +596,10 @@ def print_targets(results):
         checked[col] += 1
         return "yes" if ok else "**no**"
 
+    def fmt(v):
+        return "-" if v is None else f"{v:.2f}"
+
     for res, (what, bound_text, bound, at_least, eager, graphed) in rows:
-        fmt = (lambda v: "-" if v is None else f"{v:.2f}")
         print(f"| {res['T']}, {res['d_in']}→{res['d_out']}, {res['r']} | {what} | {bound_text} | {fmt(eager)} | "
               f"{fmt(graphed)} | {verdict(graphed, bound, at_least, 'graphed')} | "
               f"{verdict(eager, bound, at_least, 'eager')} |")
