@@ -556,7 +556,7 @@ TARGETS += [(f"{what}, juno-py {t} / juno-py dense", f"juno-py {t}", "juno-py de
 
 
 def target_rows(res):
-    """Each layer target on this shape, as (what, bound text, eager ratio, graphed ratio); None where a side did
+    """Each layer target on this shape, as (what, bound, at least?, eager ratio, graphed ratio); None where a side did
     not run. Graphed: every implementation's call captured in a CUDA graph and replayed, so each ratio compares
     the GPU's time alone; eager: each call launched from Python, so a call whose launches outrun its GPU work
     reports the host's time."""
@@ -570,7 +570,7 @@ def target_rows(res):
         for key in (f"{field}_ms", f"graphed_{field}_ms"):
             a, b = by[num].get(key), by[den].get(key)
             ratios.append(a / b if a and b else None)
-        out.append((what, f"{'≥' if at_least else '≤'} {bound}", bound, at_least, *ratios))
+        out.append((what, bound, at_least, *ratios))
     return out
 
 
@@ -599,8 +599,9 @@ def print_targets(results):
     def fmt(v):
         return "-" if v is None else f"{v:.2f}"
 
-    for res, (what, bound_text, bound, at_least, eager, graphed) in rows:
-        print(f"| {res['T']}, {res['d_in']}→{res['d_out']}, {res['r']} | {what} | {bound_text} | {fmt(eager)} | "
+    for res, (what, bound, at_least, eager, graphed) in rows:
+        sign = "≥" if at_least else "≤"
+        print(f"| {res['T']}, {res['d_in']}→{res['d_out']}, {res['r']} | {what} | {sign} {bound} | {fmt(eager)} | "
               f"{fmt(graphed)} | {verdict(graphed, bound, at_least, 'graphed')} | "
               f"{verdict(eager, bound, at_least, 'eager')} |")
     print("\ntargets missed: " + ", ".join(f"{missed[c]} of {checked[c]} {c}" if checked[c] else f"{c} not timed"
