@@ -21,6 +21,7 @@ from juno_py import kernels
 from juno_py.kernels import norm_rows, norm_rows_gram, split_bf16
 from juno_py.kernels.gemm import addmm_out_, mm_out
 from juno_py.lora.format import AdapterEntry, Fingerprint, Init, Mode, Scaling
+from juno_py.weights.base import has_exact_products
 
 DORA_EPS = 1e-6
 
@@ -333,7 +334,7 @@ class AdaptedLinear(nn.Module):
 
     def _tracks_u(self, A: torch.Tensor) -> bool:
         on = self.track_u if self.track_u is not None else A.is_cuda
-        return bool(on) and hasattr(self.base, "matmul_with_update")
+        return bool(on) and has_exact_products(self.base)
 
     def _running_key(self, A: torch.Tensor) -> tuple:
         return id(self.dora.lora_A), tuple(A.shape), A.device
@@ -421,7 +422,7 @@ class DoraLinearFn(torch.autograd.Function):
         ad = layer.dora
         s = float(ad.scale)
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        combined = getattr(layer.base, "matmul_with_exact", None)
+        combined = layer.base.matmul_with_exact if has_exact_products(layer.base) else None
         dt = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32  # as `LoraAdapter.delta_input`
         U = A_split = None
         if combined is not None and not layer.norm_is_cached(torch.float32):

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from juno_py.kernels import cross_entropy_grad_
-from juno_py.weights.frozen import mm_out
+from juno_py.kernels.gemm import mm_out
 
 
 def _mm(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:

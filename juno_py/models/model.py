@@ -417,7 +417,7 @@ class Transformer(nn.Module):
         one decode of W per chunk instead of two, and no `[positions, vocab]` buffer. None elsewhere (the loss calls
         `project`): on a GPU, and where a resident cache leaves nothing to decode."""
         out = self.output
-        if (not isinstance(out, FrozenQuantLinear) or out._on_device_path() or out.weight_cache is not None
+        if (not isinstance(out, FrozenQuantLinear) or out.resident or out.weight_cache is not None
                 or self.act_dtype != torch.float32):
             return None
         return LinearHead(out, self.args.final_logit_softcap)

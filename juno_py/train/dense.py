@@ -18,6 +18,7 @@ from torch.autograd.function import once_differentiable
 
 from juno_py.errors import JunoError
 from juno_py.lora import parse_targets
+from juno_py.weights.base import FrozenBase
 from juno_py.train.optim import BETAS, EPS
 
 STATE_FORMAT = "juno-py full state"  # the resume sidecar of `juno-py full`: its own schema, not an adapter's
@@ -145,7 +146,7 @@ def densify(model, targets: Union[str, Sequence[str]] = "all", layers: Optional[
             continue
         base = ref.module
         key = f"{ref.layer}:{ref.target}"
-        if not hasattr(base, "dequantize_rows"):
+        if not isinstance(base, FrozenBase):
             raise JunoError(f"target {key}: a {type(base).__name__}, expected a frozen quantized linear (full "
                             f"training replaces the base weights; detach adapters first)")
         weight = base.dequantize_rows(0, base.out_features)

@@ -16,7 +16,7 @@ from juno_py.gguf import GGMLType  # noqa: E402
 from juno_py.kernels import split_bf16  # noqa: E402
 from juno_py.kernels.dequant import dequantize_reference  # noqa: E402
 from juno_py.weights import FrozenQuantLinear  # noqa: E402
-from juno_py.weights.frozen import MATVEC_MAX_TOKENS  # noqa: E402
+from juno_py.weights.resident import MATVEC_MAX_TOKENS  # noqa: E402
 from tests.kernels.conftest import DEVICE  # noqa: E402
 from tests.weights.random_blocks import random_rows  # noqa: E402
 

@@ -276,18 +276,18 @@ def test_running_u_follows_a_through_optimizer_steps(fused, T, n_in, n_out, r, s
     A, U is off by about a bf16 rounding of the difference for that step, and the next step, with A unchanged,
     brings it back to fp32 accuracy: the part of D its rounding dropped was carried (error feedback); without it
     U would stay off. `reset_running_u` makes the next step exact again."""
-    from juno_py.weights import FrozenQuantLinear
+    from juno_py.weights import ResidentQuantLinear
 
     p, layer = _quant_layer(T, n_in, n_out, r, scratch)
     layer.track_u = True
     ad = layer.dora
     W64 = p["W"].double()
     x, dy = p["x"].to(DEVICE, torch.bfloat16), p["dy"].to(DEVICE, torch.bfloat16)
-    calls = {"_device_forward_with_exact": 0, "_device_forward_with_update": 0}
+    calls = {"_fused_with_exact": 0, "_fused_with_update": 0}
 
     def step():
         with pytest.MonkeyPatch.context() as mp:
-            _count_calls(mp, FrozenQuantLinear, calls)
+            _count_calls(mp, ResidentQuantLinear, calls)
             for t in ad.parameters():
                 t.grad = None
             y = layer(x)
@@ -298,13 +298,13 @@ def test_running_u_follows_a_through_optimizer_steps(fused, T, n_in, n_out, r, s
         return ((layer._g_cache[1].double().cpu() - ref).abs() / ref).max().item()
 
     opt = torch.optim.Adam(ad.parameters(), lr=1e-3)
-    assert step() <= 1e-5 and calls == {"_device_forward_with_exact": 1, "_device_forward_with_update": 0}
+    assert step() <= 1e-5 and calls == {"_fused_with_exact": 1, "_fused_with_update": 0}
     assert _u_error(layer, W64)[0] <= 2 ** -16
     for i in range(5):
         A_prev = ad.lora_A.detach().double().cpu().clone()
         opt.step()
         assert step() <= 1e-5
-        assert calls == {"_device_forward_with_exact": 1, "_device_forward_with_update": i + 1}
+        assert calls == {"_fused_with_exact": 1, "_fused_with_update": i + 1}
         err, size = _u_error(layer, W64)
         change = (W64 @ (ad.lora_A.detach().double().cpu() - A_prev).T).norm().item()
         assert change > 1e-3 * size  # the optimizer moved A: D is not zero
@@ -318,11 +318,11 @@ def test_running_u_follows_a_through_optimizer_steps(fused, T, n_in, n_out, r, s
     step()
     back = _u_error(layer, W64)[0]
     assert back <= 2 ** -16 and back <= jumped / 16, (jumped, back)
-    assert calls["_device_forward_with_exact"] == 1
+    assert calls["_fused_with_exact"] == 1
 
     layer.reset_running_u()
     layer._g_cache = None
-    assert step() <= 1e-5 and calls["_device_forward_with_exact"] == 2
+    assert step() <= 1e-5 and calls["_fused_with_exact"] == 2
 
 
 def _same_bits(a, b):
