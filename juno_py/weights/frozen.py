@@ -148,7 +148,7 @@ class FrozenQuantLinear(nn.Module):
             raise ValueError(f"{name or 'frozen linear'}: dequant {dequant!r}, expected one of "
                              f"{', '.join(DEQUANT_BACKENDS)}")
         self.name = name
-        self.dequant = dequant
+        self._dequant = dequant
         self.device_scratch_bytes = int(device_scratch_bytes)
         self._ggml_type = int(ggml_type)
         self._n_in = int(n_in)
@@ -209,6 +209,19 @@ class FrozenQuantLinear(nn.Module):
                                f"backend is not loaded (import juno_py.weights)")
         if type(self) is not cls:
             self.__class__ = cls
+
+    @property
+    def dequant(self) -> str:
+        """Where the decoding runs (one of DEQUANT_BACKENDS); setting it rebinds the backend ("triton": resident)."""
+        return self._dequant
+
+    @dequant.setter
+    def dequant(self, value: str) -> None:
+        if value not in DEQUANT_BACKENDS:
+            raise ValueError(f"{self.name or 'frozen linear'}: dequant {value!r}, expected one of "
+                             f"{', '.join(DEQUANT_BACKENDS)}")
+        self._dequant = value
+        self._bind_backend()
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # torch leaves _apply unannotated

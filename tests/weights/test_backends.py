@@ -72,3 +72,13 @@ def test_cuda_round_trip_switches_backend_and_keeps_products():
     lin.cpu()
     assert type(lin) is StreamingQuantLinear and lin.raw.device.type == "cpu"
     assert torch.equal(lin.raw, raw) and torch.equal(lin.dequantize_rows(0, N_OUT).double(), w)
+
+
+def test_setting_dequant_rebinds_the_backend():
+    lin = FrozenQuantLinear(_raw(), GGMLType.Q4_K, N_IN)
+    lin.dequant = "triton"
+    assert type(lin) is ResidentQuantLinear
+    lin.dequant = "auto"
+    assert type(lin) is StreamingQuantLinear
+    with pytest.raises(ValueError, match="dequant"):
+        lin.dequant = "cuda"
