@@ -48,7 +48,7 @@ from juno_py.lora.adapters import AdaptedLinear, AdapterConfig, LoraAdapter  # n
 from juno_py.lora.format import Mode  # noqa: E402
 from juno_py.kernels.gemm import addmm_out_, mm_out  # noqa: E402
 
-# (tokens, d_in, d_out, rank): DESIGN.md §6 and issue 8
+# (tokens, d_in, d_out, rank): DESIGN.md §6
 SHAPES = [(4096, 8192, 8192, 384), (4096, 28672, 8192, 384), (8192, 4096, 4096, 16), (8192, 4096, 4096, 64),
           (8192, 4096, 4096, 384), (4096, 8192, 8192, 768)]
 QUICK_SHAPES = [(64, 256, 128, 8), (33, 512, 256, 16)]
@@ -171,15 +171,21 @@ def row_norm_fp64(W, A, B, s, chunk=2048):
 
 
 # ---------------------------------------------------------------------------------------------------- layers
-def juno_layer(base, d, track_u=None):
+class FreshULayer(AdaptedLinear):
+    """The product's DoRA layer without a running U: every stale norm computes U = W·Aᵀ afresh."""
+
+    def tracks_running_u(self, A):
+        return False
+
+
+def juno_layer(base, d, fresh_u=False):
+    """The product's DoRA layer on `base` (a running U on CUDA); `fresh_u`: without one (`FreshULayer`)."""
     cfg = AdapterConfig(rank=d["r"], alpha=d["alpha"], mode=Mode.DORA)
     ad = LoraAdapter(base.in_features, base.out_features, cfg, magnitude=d["m"].cpu())
     with torch.no_grad():
         ad.lora_A.copy_(d["A"].cpu())
         ad.lora_B.copy_(d["B"].cpu())
-    layer = AdaptedLinear(base, [ad]).to(d["W"].device)
-    layer.track_u = track_u  # None: the product's default (a running U on CUDA); False: U afresh every step
-    return layer
+    return (FreshULayer if fresh_u else AdaptedLinear)(base, [ad]).to(d["W"].device)
 
 
 class _One(nn.Module):
@@ -413,7 +419,7 @@ def bench_shape(T, d_in, d_out, r, device, reps, warmup, with_quant, peers=True,
     stacked = bool(dense_choice) and dense_choice["stacked=True"] < dense_choice["stacked=False"]
     build("juno-py dense", lambda: juno_layer(DenseBase(d["W"], stacked=stacked), d))
     if u_ab:  # the same layer recomputing U = W·Aᵀ at every stale norm (no running U)
-        build("juno-py dense, U afresh", lambda: juno_layer(DenseBase(d["W"], stacked=stacked), d, track_u=False))
+        build("juno-py dense, U afresh", lambda: juno_layer(DenseBase(d["W"], stacked=stacked), d, fresh_u=True))
     if peers:
         build("PEFT LoRA bf16", lambda: peft_layer(d, False, torch.bfloat16))
         build("PEFT DoRA bf16", lambda: peft_layer(d, True, torch.bfloat16))
@@ -423,7 +429,7 @@ def bench_shape(T, d_in, d_out, r, device, reps, warmup, with_quant, peers=True,
             build(f"juno-py {t}", lambda t=t: juno_layer(quant_layer(t, d_in, d_out, device), d))
             if u_ab:
                 build(f"juno-py {t}, U afresh",
-                      lambda t=t: juno_layer(quant_layer(t, d_in, d_out, device), d, track_u=False))
+                      lambda t=t: juno_layer(quant_layer(t, d_in, d_out, device), d, fresh_u=True))
 
     # the juno layer computes what PEFT's fp32-adapter DoRA computes (both round to bf16 at the end)
     agree = {}
@@ -540,7 +546,7 @@ def print_layer_table(res):
         print(f"check: ‖{k}‖ / ‖adapter effect‖ = {v:.2e} (both outputs bf16)")
 
 
-# the layer targets of DESIGN.md §6 and issue 8: (what, numerator impl, denominator impl, field, bound, at least?,
+# the layer targets of DESIGN.md §6: (what, numerator impl, denominator impl, field, bound, at least?,
 # the shapes it applies to or None for every shape), as ratios of times: "≥ 1.5" reads "the peer takes at least 1.5
 # times juno-py's time". The ≥ 4× against PEFT's fp32 adapters is DESIGN.md's, at its two shapes only.
 DESIGN_SHAPES = ((4096, 8192, 8192, 384), (4096, 28672, 8192, 384))
@@ -577,7 +583,7 @@ def print_targets(results):
     rows = [(res, t) for res in results for t in target_rows(res)]
     if not rows:
         return
-    print("\n### Layer targets (DESIGN.md §6, issue 8)\n")
+    print("\n### Layer targets (DESIGN.md §6)\n")
     print("Graphed: each implementation's call (PEFT's too) replayed as a CUDA graph, the GPU's time alone, which is "
           "how juno-py's trainer runs its steps. Eager: each call launched from Python; where the launches take "
           "longer than the GPU's work, the ratio measures the host.\n")

@@ -24,7 +24,7 @@ def main() -> None:
 
     from juno_py.models import load_model
     from juno_py.train.data import BUILTIN_FACTS_HELDOUT, load_examples
-    from juno_py.train.loop import evaluate
+    from juno_py.train.steps import evaluate
     from juno_py.train.recall import answer_recall, read_keyword_records
 
     base, trained = load_model(args.base), load_model(args.gguf)

@@ -3,9 +3,9 @@ benchmarks/dora_layer.py. Compared in the same run, each against fp64:
 
 - the fused row kernel `norm_rows_gram` (V in 3×TF32 dots, a grid of row tiles × rank tiles) at its default tile,
   and with `--sweep` at other tiles;
-- session 5's one-dimensional kernel (one program per row tile, looping over every rank tile pair);
+- a one-dimensional kernel (one program per row tile, looping over every rank tile pair), kept here for comparison;
 - the GEMM path: V on bf16 tensor cores at fp32 accuracy in one GEMM of the split operands (`mm_bf16x3`), then the
-  row kernel `norm_rows` (from session 9; before, two GEMMs accumulating into a copy of U: `addmm_bf16x3_`).
+  row kernel `norm_rows`.
 
 GPU µs: 20 calls captured as one CUDA graph, replayed `--reps` times, median per call (no launch costs). CPU µs:
 the time to issue one call (the H200's host spends 10 to 30 µs a launch).
@@ -31,8 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dora_layer as dl  # noqa: E402
 
 from juno_py.kernels import dora_triton as dt  # noqa: E402
-from juno_py.kernels import norm_rows, split_bf16  # noqa: E402
-from juno_py.lora import adapters as ad  # noqa: E402
+from juno_py.kernels import dora as ad  # noqa: E402
+from juno_py.kernels import split_bf16  # noqa: E402
+from juno_py.kernels.dora import norm_rows  # noqa: E402
 
 SHAPES = [(8192, 384, 8192), (8192, 768, 8192), (4096, 16, 4096), (4096, 64, 4096),
           (4096, 384, 4096)]  # (rows n = d_out, rank r, d_in)
@@ -65,7 +66,8 @@ def data(n, r, d_in, dev):
     A = A.to(dev)
     split = r * r * d_in >= ad.SPLIT_GRAM_MIN_FMAS
     X = split_bf16(A)
-    # the current kernel takes the half Gram matrix [A_hi; A_lo]·A_hiᵀ, session 5's the full one of [A_hi; A_lo]
+    # the product's kernel takes the half Gram matrix [A_hi; A_lo]·A_hiᵀ, the one-dimensional one the full one of
+    # [A_hi; A_lo]
     G = torch.mm(X, X[:r].T, out_dtype=torch.float32) if split else A @ A.T
     G_full = torch.mm(X, X.T, out_dtype=torch.float32) if split else G
     U = (W.to(dev) @ A.T).contiguous()
@@ -78,10 +80,10 @@ def rel_err(out, d):
 
 
 @triton.jit
-def _session5_kernel(base_sq_ptr, b_ptr, u_ptr, g_ptr, out_ptr, n, r, sb0, sb1, su0, su1, sg0, sg1, two_s, s_sq,
+def _one_dim_kernel(base_sq_ptr, b_ptr, u_ptr, g_ptr, out_ptr, n, r, sb0, sb1, su0, su1, sg0, sg1, two_s, s_sq,
                      eps, SPLIT: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, R_TILES: tl.constexpr):
-    """Session 5's `_norm_rows_gram_kernel`, kept here unchanged for the comparison column (docs/benchmarks.md):
-    one program per row tile, every (j, k) tile pair."""
+    """A one-dimensional `norm_rows_gram` kernel, for the comparison column: one program per row tile, every (j, k)
+    tile pair."""
     rows = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = rows < n
     rows64 = rows.to(tl.int64)
@@ -112,12 +114,12 @@ def _session5_kernel(base_sq_ptr, b_ptr, u_ptr, g_ptr, out_ptr, n, r, sb0, sb1, 
     dt._store_norm(base_sq_ptr, out_ptr, rows, row_ok, acc, eps)
 
 
-def session5(d, out):
+def one_dim(d, out):
     B, U, G = d["B"], d["U"], d["G_full"]
     n, r = B.shape
     block_r = max(16, min(64, triton.next_power_of_2(r)))
     block_d = max(16, min(64, triton.next_power_of_2(n)))
-    dt._launch(_session5_kernel, (triton.cdiv(n, block_d),), (
+    dt._launch(_one_dim_kernel, (triton.cdiv(n, block_d),), (
         d["base_sq"], B, U, G, out, n, r, *B.stride(), *U.stride(), *G.stride(), 2.0 * d["s"], d["s"] ** 2, 0.0),
         4, SPLIT=d["split"], BLOCK_D=block_d, BLOCK_R=block_r, R_TILES=triton.cdiv(r, block_r))
 
@@ -135,17 +137,17 @@ def main():
     args = ap.parse_args()
     dev = torch.device("cuda")
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    print("\n| n, r | kernel GPU µs | CPU µs | session 5's kernel GPU µs | GEMM path GPU µs | CPU µs "
-          "| errors vs fp64 (kernel / session 5 / GEMM) |")
+    print("\n| n, r | kernel GPU µs | CPU µs | 1-D kernel GPU µs | GEMM path GPU µs | CPU µs "
+          "| errors vs fp64 (kernel / 1-D kernel / GEMM) |")
     print("|---|---:|---:|---:|---:|---:|---|")
     for n, r, d_in in SHAPES:
         d = data(n, r, d_in, dev)
         out = torch.empty(n, dtype=torch.float32, device=dev)
         kern = lambda cfg=dt.NORM_GRAM_CONFIG: dt.norm_rows_gram(  # noqa: E731
             d["base_sq"], d["B"], d["U"], d["G"], d["s"], split=d["split"], cfg=cfg)
-        e_old = (session5(d, out), rel_err(out, d))[1]
+        e_old = (one_dim(d, out), rel_err(out, d))[1]
         print(f"| {n}, {r} | {gpu_us(kern, args.reps):.1f} | {cpu_us(kern):.1f} | "
-              f"{gpu_us(lambda: session5(d, out), args.reps):.1f} | {gpu_us(lambda: gemm_path(d), args.reps):.1f} | "
+              f"{gpu_us(lambda: one_dim(d, out), args.reps):.1f} | {gpu_us(lambda: gemm_path(d), args.reps):.1f} | "
               f"{cpu_us(lambda: gemm_path(d)):.1f} | "
               f"{rel_err(kern(), d):.2e} / {e_old:.2e} / {rel_err(gemm_path(d), d):.2e} |", flush=True)
         if args.sweep and r > 64:

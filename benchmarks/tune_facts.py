@@ -31,7 +31,7 @@ SETTINGS = [
     ("--epochs 4", ["--epochs", "4"]),
     ("--qa-variants 1", ["--qa-variants", "1"]),
     ("--epochs 12", ["--epochs", "12"]),
-    ("--lora-rank 16 --lora-alpha 32 (the default until session 4)", ["--lora-rank", "16", "--lora-alpha", "32"]),
+    ("--lora-rank 16 --lora-alpha 32", ["--lora-rank", "16", "--lora-alpha", "32"]),
     ("--lora-lr 3e-3", ["--lora-lr", "3e-3"]),
     ("--lora-rank 64 --lora-alpha 128", ["--lora-rank", "64", "--lora-alpha", "128"]),
 ]
@@ -41,7 +41,7 @@ def score(adapter: Path) -> tuple[int, float]:
     from juno_py.lora import load_adapters
     from juno_py.models import load_model
     from juno_py.train.data import BUILTIN_FACTS_HELDOUT, load_examples
-    from juno_py.train.loop import evaluate
+    from juno_py.train.steps import evaluate
     from juno_py.train.recall import answer_recall, read_keyword_records
 
     model = load_model("smollm2-135m")

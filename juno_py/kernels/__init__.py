@@ -1,15 +1,13 @@
-"""DoRA composition kernels, the loss chunk's cross-entropy kernel, and the dispatch that picks fused or eager.
+"""The kernels' shared dispatch: which path (fused Triton or eager torch) a kernel call takes, the bf16 splits of fp32
+operands, and the loss chunk's cross-entropy.
 
-`dora_compose(base, lora, g, s)` computes `g·(base + s·lora)` on one of three paths (DESIGN.md §3):
-the fused training kernels (`DoraComposeFn`: forward writes y and inner, one-pass backward) when a gradient
-is wanted on CUDA and the problem is at least `FUSED_TRAIN_MIN_ELEMENTS`; the fused inference kernel when no
-gradient is wanted on CUDA; the eager torch reference on CPU, without Triton, below the crossover, or for
-dtypes the kernels do not take (fp64 exactness checks, fp16). `JUNO_PY_KERNELS=fused|eager|auto` forces a
-path; fused on CPU tensors needs `TRITON_INTERPRET=1` (Triton runs CPU tensors only in its interpreter).
-`cross_entropy_grad_(z, targets, ignore_index, in_place)` gives a loss chunk's summed cross-entropy and its gradient
-with respect to the logits: the fused kernel for fp32/bf16 logits on CUDA, else the eager reference (the same
-JUNO_PY_KERNELS rules). Triton is optional: it is imported only when a fused path runs. `docs/kernels.md` has the
-measurements.
+`kernel_mode()` reads `JUNO_PY_KERNELS=fused|eager|auto`; `fused_kernels(device, mode)` says whether a fused path may
+run on a device (fused on CPU tensors needs `TRITON_INTERPRET=1`: Triton runs CPU tensors only in its interpreter).
+`split_bf16` / `split_track` / `track_delta` give the bf16 parts of fp32 tensors that bf16 tensor-core products take
+at fp32 accuracy. `cross_entropy_grad_(z, targets, ignore_index, in_place)` gives a loss chunk's summed cross-entropy
+and its gradient with respect to the logits: the fused kernel for fp32/bf16 logits on CUDA, else the eager reference
+(the same JUNO_PY_KERNELS rules). DoRA's numerics and its dispatch thresholds are in `juno_py.kernels.dora`. Triton
+is optional: it is imported only when a fused path runs. `docs/kernels.md` has the measurements.
 """
 
 from __future__ import annotations
@@ -20,26 +18,13 @@ from typing import Optional
 
 import torch
 
-from juno_py.kernels.gemm import mm_out
-from juno_py.kernels.reference import (compose_eager, cross_entropy_grad_eager, norm_assemble_eager, norm_rows_eager,
-                                       norm_rows_gram_eager)
+from juno_py.kernels.reference import cross_entropy_grad_eager
 
 _MODES = ("auto", "eager", "fused")
 
-# Elements of base ([tokens, d_out]) from which the fused training kernels beat eager torch on the H200 (fwd+bwd,
-# wall time per call): below it both are launch-bound and Triton's launches cost more than torch's; see
-# docs/kernels.md for the sweep.
-FUSED_TRAIN_MIN_ELEMENTS = 1 << 24
+EAGER, FUSED = "eager", "fused"
 
-# Up to this rank the bf16 composition forms the adapter's product xa·Bᵀ inside its kernel (`compose_forward_xa`)
-# instead of after a GEMM that writes it out. On the H200 (benchmarks/compose_xa_sweep.py, GPU µs, with inner): 61
-# against 93 at 8192 × 4096, r = 16; 100 against 114 at 4096 × 8192, r = 384; but 157 against 142 at r = 768, where
-# the kernel's dots (about half of cuBLAS's rate there) cost more than the traffic they save.
-COMPOSE_XA_MAX_RANK = 512
-
-EAGER, FUSED_INFERENCE, FUSED_TRAINING, FUSED = "eager", "fused-inference", "fused-training", "fused"
-
-_FUSED_DTYPES = (torch.float32, torch.bfloat16)
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class KernelUnavailable(RuntimeError):
@@ -139,18 +124,7 @@ def triton_kernels():
     return _triton_module
 
 
-def _fusable(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor) -> bool:
-    """Whether the kernels take these tensors at all: fp32/bf16 base and lora of one shape, g one value per column."""
-    return (base.dtype in _FUSED_DTYPES and lora.dtype in _FUSED_DTYPES and g.dtype in _FUSED_DTYPES
-            and base.shape == lora.shape and base.dim() >= 1 and g.numel() == base.shape[-1]
-            and base.device == lora.device == g.device)
-
-
-def _wants_grad(*ts: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
-
-
-def _fused_kernels(device: torch.device, mode: str):
+def fused_kernels(device: torch.device, mode: str):
     """Kernel module if a fused path may run on `device` in `mode`; else None (auto) or KernelUnavailable (fused)."""
     if mode == "fused":
         if triton_kernels() is None:
@@ -163,130 +137,12 @@ def _fused_kernels(device: torch.device, mode: str):
     return triton_kernels() if device.type == "cuda" else None
 
 
-def _norm_kernels(device: torch.device, *tensors: Optional[torch.Tensor], G: Optional[torch.Tensor] = None):
-    """The kernel module a norm function runs on (fp32/bf16 tensors, an fp32 G if any, CUDA or JUNO_PY_KERNELS=fused),
-    or None for its eager reference; KernelUnavailable as `_fused_kernels`."""
-    mode = kernel_mode()
-    narrow = all(t.dtype in _FUSED_DTYPES for t in tensors if t is not None)
-    if mode == "eager" or not narrow or (G is not None and G.dtype != torch.float32):
-        return None
-    return _fused_kernels(device, mode)
-
-
-def compose_path(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor) -> str:
-    """Which path `dora_compose` takes for these tensors now: EAGER, FUSED_INFERENCE or FUSED_TRAINING.
-
-    Raises KernelUnavailable when JUNO_PY_KERNELS=fused cannot be honoured (no triton; CPU tensors without
-    TRITON_INTERPRET=1)."""
-    mode = kernel_mode()
-    if mode == "eager" or not _fusable(base, lora, g) or _fused_kernels(base.device, mode) is None:
-        return EAGER
-    if not _wants_grad(base, lora, g):
-        return FUSED_INFERENCE
-    if mode == "auto" and base.numel() < FUSED_TRAIN_MIN_ELEMENTS:
-        return EAGER
-    return FUSED_TRAINING
-
-
-def layer_training_fused(x: torch.Tensor, n_out: int, *params: torch.Tensor) -> bool:
-    """Whether a DoRA layer's training step on input x (output `[..., n_out]`) takes the fused training path: the
-    same rule as `compose_path` giving FUSED_TRAINING for the layer's base and lora outputs (fp32/bf16, a gradient
-    wanted through x or a parameter, kernels on x's device, at least `FUSED_TRAIN_MIN_ELEMENTS` in auto).
-
-    `AdaptedLinear` then runs the whole step as one autograd Function (`DoraLinearFn`), which orders the GEMMs so
-    the GPU runs them while the CPU issues the small work. Raises KernelUnavailable like `compose_path`."""
-    mode = kernel_mode()
-    if mode == "eager" or x.dtype not in _FUSED_DTYPES or x.dim() < 1:
-        return False
-    if not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))):
-        return False
-    if _fused_kernels(x.device, mode) is None:
-        return False
-    return mode == "fused" or (x.numel() // max(x.shape[-1], 1)) * n_out >= FUSED_TRAIN_MIN_ELEMENTS
-
-
-def dora_compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: float) -> torch.Tensor:
-    """Autograd-aware `g·(base + s·lora)`, g broadcast over the last dimension, arithmetic in fp32.
-
-    The result has base's dtype (fp32 stays fp32; on the eager path fp64 inputs give fp64)."""
-    path = compose_path(base, lora, g)
-    if path == EAGER:
-        return compose_eager(base, lora, g, s)
-    kernels = triton_kernels()
-    g32 = g.reshape(-1).to(torch.float32)
-    if path == FUSED_TRAINING:
-        return kernels.DoraComposeFn.apply(base, lora, g32, float(s))
-    N = base.shape[-1]
-    y, _ = kernels.compose_forward(base.reshape(-1, N), lora.reshape(-1, N), g32, float(s))
-    return y.reshape(base.shape)
-
-
-def dora_compose_xa(base: torch.Tensor, xa: torch.Tensor, B: torch.Tensor, g: torch.Tensor, s: float) -> torch.Tensor:
-    """`dora_compose(base, xa·Bᵀ, g, s)` given the adapter's input product xa = x·Aᵀ `[..., r]` and B `[N, r]`.
-    Where no gradient is wanted (inference, playback), xa and B are bf16 on a fused path and the rank is at most
-    COMPOSE_XA_MAX_RANK, one kernel forms xa·Bᵀ in fp32 inside the composition (`compose_forward_xa`: no
-    [tokens, N] lora array written and read back, lora not rounded to bf16); everywhere else
-    `dora_compose(base, lora, g, s)` with lora = xa @ B.T, which on CUDA without a gradient, up to that rank, is
-    also left in fp32 (cuBLAS's fp32 output of the bf16 product, `mm_out`): the eager path then computes what the
-    kernel does, up to the order of fp32 sums. Rounding lora to bf16 there had put the eager playback of a trained
-    tiny model 1.04 % of the adapter's effect away from the fused one (the GPU acceptance allows 1 %), all of it
-    the eager side's rounding."""
-    mode = kernel_mode()
-    N, r = B.shape
-    if (mode != "eager" and r <= COMPOSE_XA_MAX_RANK and xa.dtype == B.dtype == torch.bfloat16
-            and base.dtype in _FUSED_DTYPES
-            and base.dim() >= 1 and base.shape[-1] == N and xa.shape[:-1] == base.shape[:-1] and xa.shape[-1] == r
-            and g.numel() == N and g.dtype in _FUSED_DTYPES and base.device == xa.device == B.device == g.device
-            and not _wants_grad(base, xa, B, g) and _fused_kernels(base.device, mode) is not None):
-        y, _ = triton_kernels().compose_forward_xa(base.reshape(-1, N), xa.reshape(-1, r), B,
-                                                   g.reshape(-1).to(torch.float32), float(s))
-        return y.reshape(base.shape)
-    if xa.is_cuda and r <= COMPOSE_XA_MAX_RANK and xa.dtype == B.dtype == torch.bfloat16 and not _wants_grad(
-            base, xa, B, g):
-        lora = mm_out(xa.reshape(-1, r), B.t(), torch.float32).reshape(*xa.shape[:-1], N)
-    else:
-        lora = xa @ B.T
-    return dora_compose(base, lora, g, s)
-
-
-def norm_assemble(base_sq: torch.Tensor, cross: torch.Tensor, ba_sq: torch.Tensor, s: float) -> torch.Tensor:
-    """‖W + sBA‖_row = sqrt(max(base_sq + 2s·cross + s²·ba_sq, 0)): the fused kernel on CUDA (fp32 or bf16 inputs,
-    result fp32), else the eager reference (which keeps fp64 for fp64 inputs). Same JUNO_PY_KERNELS rules."""
-    kernels = _norm_kernels(base_sq.device, base_sq, cross, ba_sq)
-    if kernels is None:
-        return norm_assemble_eager(base_sq, cross, ba_sq, s)
-    return kernels.norm_assemble(base_sq, cross, ba_sq, s)
-
-
-def norm_rows(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, V: Optional[torch.Tensor], s: float,
-              eps: float = 0.0) -> torch.Tensor:
-    """max(‖W + sBA‖_row, eps) = max(sqrt(max(‖W‖² + Σ_j B_ij·(2s·U_ij + s²·V_ij), 0)), eps) with U = W·Aᵀ and
-    V = B·(A·Aᵀ) `[n, r]` (V None: no s² term, the caller folded it into U): one fused kernel on CUDA (fp32 or bf16
-    inputs, result fp32), else the eager reference (which keeps fp64 for fp64 inputs). Same JUNO_PY_KERNELS rules
-    as `norm_assemble`."""
-    kernels = _norm_kernels(B.device, base_sq, B, U, V)
-    if kernels is None:
-        return norm_rows_eager(base_sq, B, U, V, s, eps)
-    return kernels.norm_rows(base_sq, B, U, V, s, eps)
-
-
-def norm_rows_gram(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, G: torch.Tensor, s: float,
-                   eps: float = 0.0, split: bool = False) -> torch.Tensor:
-    """`norm_rows` with V = B·G formed inside one fused kernel on CUDA: G = A·Aᵀ fp32 `[r, r]`, or with `split` the
-    fp32 half Gram matrix P = [A_hi; A_lo]·A_hiᵀ `[2r, r]` of the split A (`split_bf16`), G = P_top + P_bot + P_botᵀ.
-    Else the eager reference (fp64 stays fp64). Same JUNO_PY_KERNELS rules as `norm_assemble`."""
-    kernels = _norm_kernels(B.device, base_sq, B, U, G=G)
-    if kernels is None:
-        return norm_rows_gram_eager(base_sq, B, U, G, s, eps, split)
-    return kernels.norm_rows_gram(base_sq, B, U, G, s, eps, split)
-
-
 def cross_entropy_path(z: torch.Tensor) -> str:
     """Which path `cross_entropy_grad_` takes for logits z now: FUSED (fp32/bf16 `[n, V]` on CUDA, or anywhere under
     JUNO_PY_KERNELS=fused) or EAGER (CPU in auto mode, fp64 and other dtypes in every mode, JUNO_PY_KERNELS=eager,
-    no triton). Raises KernelUnavailable like `compose_path`."""
+    no triton). Raises KernelUnavailable like `fused_kernels`."""
     mode = kernel_mode()
-    if mode == "eager" or z.dtype not in _FUSED_DTYPES or z.dim() != 2 or _fused_kernels(z.device, mode) is None:
+    if mode == "eager" or z.dtype not in FUSED_DTYPES or z.dim() != 2 or fused_kernels(z.device, mode) is None:
         return EAGER
     return FUSED
 
@@ -304,7 +160,6 @@ def cross_entropy_grad_(z: torch.Tensor, targets: torch.Tensor, ignore_index: in
     return losses.sum(), grad
 
 
-__all__ = ["dora_compose", "dora_compose_xa", "norm_assemble", "norm_rows", "norm_rows_gram", "compose_path",
-           "layer_training_fused", "compose_eager", "norm_assemble_eager", "norm_rows_eager", "norm_rows_gram_eager",
-           "cross_entropy_grad_", "cross_entropy_path", "cross_entropy_grad_eager", "kernel_mode", "triton_kernels", "KernelUnavailable",
-           "FUSED_TRAIN_MIN_ELEMENTS", "COMPOSE_XA_MAX_RANK", "EAGER", "FUSED_INFERENCE", "FUSED_TRAINING", "FUSED"]
+__all__ = ["cross_entropy_grad_", "cross_entropy_path", "cross_entropy_grad_eager", "kernel_mode", "triton_kernels",
+           "fused_kernels", "split_bf16", "split_track", "track_delta", "split_lo_mask", "KernelUnavailable", "EAGER",
+           "FUSED", "FUSED_DTYPES"]

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence, Union
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from juno_py.errors import AdapterMismatch
-from juno_py.lora.adapters import AdaptedLinear, AdapterConfig, LoraAdapter, factored_row_norm
+from juno_py.lora.adapters import AdaptedLinear, AdapterConfig, AdapterSet, LoraAdapter, TensorFingerprints
 from juno_py.lora.format import (TARGETS, AdapterEntry, Fingerprint, Init, Mode, Scaling, parse_key, read_adapter,
                                  sort_key, write_adapter)
 
@@ -45,99 +44,6 @@ def parse_targets(spec: Union[str, Sequence[str]]) -> tuple[str, ...]:
         if t not in out:
             out.append(t)
     return tuple(sorted(out, key=TARGETS.index))
-
-
-class AdapterSet:
-    """The adapters attached to one model, keyed '<layer>:<target>' in adapter.bin order."""
-
-    def __init__(self, model, modules: dict[str, AdaptedLinear]):
-        self.model = model
-        self.modules = dict(sorted(modules.items(), key=lambda kv: sort_key(kv[0])))
-
-    @property
-    def adapters(self) -> dict[str, LoraAdapter]:
-        return {k: m.adapters[0] for k, m in self.modules.items()}
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        for ad in self.adapters.values():
-            yield from ad.parameters()
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        for key, ad in self.adapters.items():
-            for name, p in ad.named_parameters():
-                yield f"{key}.{name}", p
-
-    def param_groups(self) -> dict[str, list[nn.Parameter]]:
-        """A, B and magnitude parameters apart: weight decay applies to A only; LoRA+ scales B's rate."""
-        groups: dict[str, list[nn.Parameter]] = {"A": [], "B": [], "magnitude": []}
-        for ad in self.adapters.values():
-            groups["A"].append(ad.lora_A)
-            groups["B"].append(ad.lora_B)
-            if ad.magnitude is not None:
-                groups["magnitude"].append(ad.magnitude)
-        return groups
-
-    def n_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
-    def entries(self) -> list[AdapterEntry]:
-        fps = _Fingerprints(self.model)
-        return [self.adapters[key].to_entry(key, fps.of(ref_tensor(self.model, key))) for key in self.modules]
-
-    def save(self, path) -> Path:
-        return write_adapter(path, self.entries())
-
-    def load_entries(self, entries: Iterable[AdapterEntry]) -> None:
-        """Copy saved values into the attached adapters (resume): every key must exist with the same shapes."""
-        got = {e.key: e for e in entries}
-        if set(got) != set(self.modules):
-            missing, extra = set(self.modules) - set(got), set(got) - set(self.modules)
-            raise AdapterMismatch(f"adapter entries differ from the attached set: missing {sorted(missing)[:5]}, "
-                                  f"unexpected {sorted(extra)[:5]}")
-        with torch.no_grad():
-            for key, ad in self.adapters.items():
-                e = got[key]
-                if e.A.shape != tuple(ad.lora_A.shape) or e.B.shape != tuple(ad.lora_B.shape):
-                    raise AdapterMismatch(f"entry {key!r}: shapes A {e.A.shape}, B {e.B.shape} differ from the "
-                                          f"attached A {tuple(ad.lora_A.shape)}, B {tuple(ad.lora_B.shape)}")
-                ad.lora_A.copy_(torch.from_numpy(e.A))
-                ad.lora_B.copy_(torch.from_numpy(e.B))
-                if ad.magnitude is not None:
-                    ad.magnitude.copy_(torch.from_numpy(e.magnitude))
-
-    def weights_changed(self) -> None:
-        """Drop every cached DoRA norm (and g, and the playback casts of A and B: `AdaptedLinear.weights_changed`):
-        A or B changed in a way their version counters may not show. A DoRA layer caches ‖W + sBA‖ keyed by A's and
-        B's `_version`, which in-place ops bump but torch's fused AdamW (the GPU optimizer) does not: without this
-        call after such a step, every later step would reuse the first norm, and a validation pass the first casts."""
-        for m in self.modules.values():
-            m.weights_changed()
-
-    def train(self, mode: bool = True) -> "AdapterSet":
-        for ad in self.adapters.values():
-            ad.train(mode)
-        return self
-
-    def eval(self) -> "AdapterSet":
-        return self.train(False)
-
-
-def ref_tensor(model, key: str) -> str:
-    layer, target = parse_key(key)
-    return model.layout.blocks[layer].targets[target].tensor
-
-
-class _Fingerprints:
-    """SHA-256 of base tensors, each hashed once."""
-
-    def __init__(self, model):
-        self.gguf = model.gguf
-        self._cache: dict[str, Fingerprint] = {}
-
-    def of(self, tensor: str) -> Fingerprint:
-        if tensor not in self._cache:
-            self._cache[tensor] = Fingerprint.of_tensor(self.gguf.tensor(tensor))
-        return self._cache[tensor]
 
 
 def _base_of(module: nn.Module) -> nn.Module:
@@ -207,7 +113,8 @@ def parse_adapter_spec(spec: str) -> tuple[str, float]:
     return spec, 1.0
 
 
-def check_entry_fits(model, e: AdapterEntry, path, fps: _Fingerprints, force: bool = False) -> AdaptedLinear | nn.Module:
+def check_entry_fits(model, e: AdapterEntry, path, fps: TensorFingerprints,
+                     force: bool = False) -> AdaptedLinear | nn.Module:
     """Check one adapter entry against the model's layout; returns the frozen base linear it applies to."""
     where = f"{path}: entry {e.key!r}"
     try:
@@ -247,7 +154,7 @@ def load_adapters(model, specs: Sequence[Union[str, tuple[str, float]]], force: 
         bad = files[has_dora.index(True)][0]
         raise AdapterMismatch(f"{bad}: a DoRA adapter plays alone and at scale 1 (got {len(files)} adapter(s), "
                               f"scales {[s for _, s, _ in files]}); merge it instead to combine")
-    fps = _Fingerprints(model)
+    fps = TensorFingerprints(model)
     grouped: dict[str, list[tuple[LoraAdapter, float]]] = defaultdict(list)
     bases: dict[str, nn.Module] = {}
     for path, scale, entries in files:
@@ -268,5 +175,5 @@ def load_adapters(model, specs: Sequence[Union[str, tuple[str, float]]], force: 
 
 
 __all__ = ["attach", "detach", "load_adapters", "parse_targets", "parse_adapter_spec", "AdapterSet", "AdapterConfig",
-           "AdaptedLinear", "LoraAdapter", "factored_row_norm", "Mode", "Scaling", "Init", "read_adapter",
+           "AdaptedLinear", "LoraAdapter", "Mode", "Scaling", "Init", "read_adapter",
            "write_adapter", "AdapterEntry", "Fingerprint"]

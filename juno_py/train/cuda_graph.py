@@ -2,13 +2,14 @@
 replayed, so a step costs one launch instead of thousands.
 
 A training step of a small model on an H200 is bound by the host, not the GPU: each of its few thousand kernels
-(frozen-linear decodes, GEMMs, norms, DoRA compositions, the chunked loss) costs tens of microseconds of Python and
+(frozen-linear decodes, GEMMs, norms, compositions, the chunked loss) costs tens of microseconds of Python and
 launching, more than the kernel runs. A graph replays the same kernels with no host work in between.
 
 What is captured: `Transformer.hidden_states` (blocks and final norm) from the token embeddings, the chunked
-cross-entropy and the backward into the adapters' gradients. The embedding lookup runs eagerly before (its table
+cross-entropy and the backward into the trainable's gradients. The embedding lookup runs eagerly before (its table
 may sit on the host), and the loop does the rest as for an eager step: the non-finite checks, clipping and the
-optimizer. DoRA's row norm is recomputed inside the graph (the eager path recomputes it once per step as well).
+optimizer. What the trainable keeps computed from its weights (`Trainable.forget_derived`, `derived_tensors`) is
+recomputed inside the graph, from the weights as they are at each replay.
 
 Static buffers (inputs, the loss, the gradients) belong to each captured shape; all graphs of a model share one
 memory pool. A shape is captured the second time it is seen (the first runs eagerly and warms up cuBLAS and the
@@ -25,6 +26,8 @@ from typing import Callable, Optional
 import torch
 
 from juno_py.errors import JunoError
+from juno_py.train.optim import TrainOptimizer
+from juno_py.train.trainable import Trainable
 
 GRAPH_MODES = ("auto", "on", "off")
 MAX_GRAPHS = 4
@@ -34,7 +37,7 @@ class GraphsUnavailable(JunoError, RuntimeError):
     """--cuda-graphs on was asked for where graphs cannot run."""
 
 
-def graph_blocker(model, cfg, net, optimizer, adapters) -> Optional[str]:
+def graph_blocker(model, cfg, net, optimizer: TrainOptimizer, trainable: Trainable) -> Optional[str]:
     """Why this run's steps cannot be captured, or None when they can."""
     if model.embed.device.type != "cuda":
         return "the model is not on a CUDA device"
@@ -44,20 +47,9 @@ def graph_blocker(model, cfg, net, optimizer, adapters) -> Optional[str]:
         return "--bptt-window (windows carry a KV cache between captures)"
     if cfg.grad_checkpoint:
         return "--grad-checkpoint"
-    if not hasattr(adapters, "adapters"):
-        return "full-parameter training (dense targets)"
-    if getattr(optimizer, "updates_in_backward", False):
+    if optimizer.updates_in_backward:
         return "an optimizer that updates during backward (GaLore per-layer)"
-    if any(getattr(getattr(a, "config", None), "dropout", 0.0) > 0 for a in _adapter_modules(adapters)):
-        return "adapter dropout (its random masks would be fixed at capture)"
-    return None
-
-
-def _adapter_modules(adapters):
-    mods = getattr(adapters, "modules", None)
-    if not isinstance(mods, dict):
-        return []
-    return [ad for m in mods.values() for ad in getattr(m, "adapters", [])]
+    return trainable.graph_blocker()
 
 
 @dataclass
@@ -70,7 +62,7 @@ class _Captured:
     inv_denominator: torch.Tensor
     loss: torch.Tensor
     grads: list
-    keep: list = field(default_factory=list)  # other tensors the graph writes (DoRA norms): never freed
+    keep: list = field(default_factory=list)  # other tensors the graph writes (`derived_tensors`): never freed
 
 
 class GraphedSteps:
@@ -78,11 +70,12 @@ class GraphedSteps:
 
     `__call__(batch, denominator, last)` returns the summed token loss (a float, read after the replay) and leaves
     this micro-batch's gradients of (loss / denominator) added to the parameters' `.grad`, as
-    `loop.forward_backward` does; it returns None when the batch must run eagerly instead (the caller then runs it).
+    `steps.forward_backward` does; it returns None when the batch must run eagerly instead (the caller then runs it).
     `last`: no further micro-batch of this step follows (the gradients may then alias the graph's buffers)."""
 
-    def __init__(self, model, params: list, loss_fn: Callable, log: Callable[[str], None] = lambda msg: None):
-        self.model, self.params, self.loss_fn, self.log = model, list(params), loss_fn, log
+    def __init__(self, model, trainable: Trainable, loss_fn: Callable, log: Callable[[str], None] = lambda msg: None):
+        self.model, self.trainable, self.loss_fn, self.log = model, trainable, loss_fn, log
+        self.params = list(trainable.parameters())
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple, _Captured] = {}
         self.seen: dict[tuple, int] = {}
@@ -141,7 +134,6 @@ class GraphedSteps:
     def _capture(self, batch) -> _Captured:
         s = self._static_inputs(batch)
         held = [p.grad for p in self.params]  # an accumulating step's gradients so far: kept out of the capture
-        dora = [m for m in getattr(self.model, "modules", lambda: [])() if getattr(m, "dora", None) is not None]
         try:
             for p in self.params:
                 p.grad = None
@@ -153,18 +145,16 @@ class GraphedSteps:
             torch.cuda.current_stream().wait_stream(side)
             for p in self.params:
                 p.grad = None
-            for m in dora:
-                m._g_cache = None  # the norm is computed inside the graph, from the adapter as it is at replay
+            self.trainable.forget_derived()  # computed inside the graph, from the weights as they are at replay
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 loss = self._forward_backward(s)
             grads = [p.grad for p in self.params]
-            keep = [m._g_cache[1] for m in dora if m._g_cache is not None]
+            keep = self.trainable.derived_tensors()
         finally:
             for p, g in zip(self.params, held):
                 p.grad = g
-            for m in dora:
-                m._g_cache = None  # eager calls recompute it (the graph writes its own copy; a failed capture, none)
+            self.trainable.forget_derived()  # eager calls recompute it (the graph wrote its own copy; a failed one none)
         self.log(f"captured a CUDA graph of the training step for batches of {tuple(batch.tokens.shape)} tokens"
                  + (" (masked)" if batch.mask is not None else ""))
         return _Captured(graph, s["x"], s["targets"], s["positions"], s["mask"], s["inv_denominator"], loss, grads,

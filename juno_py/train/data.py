@@ -23,7 +23,7 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -424,13 +424,6 @@ def collate(rows: Sequence[Sequence[Example]], pad_id: int = 0) -> Batch:
     if all(len(row) == 1 for row in rows):
         return pad_batch([row[0] for row in rows], pad_id)
     return packed_batch(rows, pad_id)
-
-
-def iterate_batches(examples: Sequence[Example], batch_size: int, seed: int, epoch: int, pack: bool,
-                    max_len: int, pad_id: int = 0) -> Iterator[Batch]:
-    """One epoch of batches in a deterministic order for (seed, epoch)."""
-    for rows in plan_epoch(examples, batch_size, seed, epoch, pack, max_len):
-        yield collate(rows, pad_id)
 
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "data"

@@ -3,14 +3,14 @@
 `densify(model, targets)` replaces each chosen `FrozenQuantLinear` by a `DenseLinear` whose weight is the exactly
 dequantized matrix as an fp32 Parameter (the master copy); its matmuls run in the frozen layer's compute dtype
 (bf16 where the hardware has it). Every other weight stays quantized and frozen. The returned `DenseTargets` is the
-trainable side with the surface of an AdapterSet that the training loop uses, and gives the merge its dense deltas
-ΔW = W_trained − W_base, keyed '<layer>:<target>'.
+`Trainable` the training loop trains, and gives the merge its dense deltas ΔW = W_trained − W_base, keyed
+'<layer>:<target>'.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -18,8 +18,13 @@ from torch.autograd.function import once_differentiable
 
 from juno_py.errors import JunoError
 from juno_py.lora import parse_targets
+from juno_py.train.optim import BETAS, EPS, TorchOptimizer, TrainOptimizer
+from juno_py.train.trainable import StepNote, Trainable
 from juno_py.weights.base import FrozenBase
-from juno_py.train.optim import BETAS, EPS
+
+if TYPE_CHECKING:
+    from juno_py.metrics import MetricsRecorder
+    from juno_py.train.galore import GaLoreConfig
 
 STATE_FORMAT = "juno-py full state"  # the resume sidecar of `juno-py full`: its own schema, not an adapter's
 OPTIMIZERS = ("galore", "adamw")
@@ -32,7 +37,8 @@ class DenseLinearFn(torch.autograd.Function):
     made for each matmul and dropped after it), so a step holds no second weight per layer."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype):
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                dtype: torch.dtype) -> torch.Tensor:
         x2 = x.reshape(-1, weight.shape[1]).to(dtype)
         # fp32 out (as the frozen linears give on the CPU); bf16 activations (GPU) stay bf16, float64 stays float64
         out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float64) else torch.float32
@@ -45,7 +51,7 @@ class DenseLinearFn(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, dy: torch.Tensor):
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], None, None]:
         x2, weight = ctx.saved_tensors
         dy2 = dy.reshape(-1, weight.shape[0]).to(ctx.dtype)
         dx = dw = None
@@ -69,34 +75,30 @@ class DenseLinear(nn.Module):
 
     @property
     def in_features(self) -> int:
-        return self.weight.shape[1]
+        return int(self.weight.shape[1])
 
     @property
     def out_features(self) -> int:
-        return self.weight.shape[0]
+        return int(self.weight.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = torch.float64 if x.dtype == torch.float64 else self.compute_dtype
-        return DenseLinearFn.apply(x, self.weight, self.bias, dtype)
+        y: torch.Tensor = DenseLinearFn.apply(x, self.weight, self.bias, dtype)  # type: ignore[no-untyped-call]
+        return y
 
     def extra_repr(self) -> str:
         return (f"{self.name}, in_features={self.in_features}, out_features={self.out_features}, "
                 f"compute_dtype={str(self.compute_dtype).removeprefix('torch.')}")
 
 
-class DenseTargets:
+class DenseTargets(Trainable):
     """The dense trainable targets of one model, keyed '<layer>:<target>' (layer order, then target order), with
     the frozen quantized layer each replaced (kept for ΔW and nothing else)."""
 
     state_format = STATE_FORMAT
 
-    def __init__(self, model, linears: dict[str, DenseLinear], bases: dict[str, nn.Module]):
+    def __init__(self, model: Any, linears: dict[str, DenseLinear], bases: dict[str, Any]):
         self.model, self.linears, self.bases = model, linears, bases
-
-    @property
-    def modules(self) -> dict:
-        """Adapted modules whose DoRA norms the loop refreshes: none here."""
-        return {}
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for lin in self.linears.values():
@@ -109,23 +111,48 @@ class DenseTargets:
     def n_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def train(self, mode: bool = True) -> "DenseTargets":
+    def param_groups(self, lr: float, weight_decay: float, plus_ratio: float = 1.0) -> list[dict[str, Any]]:
+        """One group named 'weights', every matrix decayed (`plus_ratio` has nothing to scale here)."""
+        return [{"name": "weights", "params": list(self.parameters()), "lr": lr, "base_lr": lr,
+                 "weight_decay": weight_decay}]
+
+    def train(self, mode: bool = True) -> DenseTargets:
         for lin in self.linears.values():
             lin.train(mode)
         return self
 
-    def eval(self) -> "DenseTargets":
+    def eval(self) -> DenseTargets:
         return self.train(False)
 
-    def save(self, path) -> None:
+    def save(self, path: Union[str, Path]) -> None:
         """Nothing to write beside the resume state, which holds the trained weights (`<output>.state`); the
         GGUF is written once, by the merge, at the end."""
         return None
 
+    # ---- the training loop's hooks: dense weights keep nothing derived from their values ----------------------
+    def start_run(self) -> None:
+        return None
+
+    def before_step(self) -> Optional[StepNote]:
+        return None
+
+    def after_optimizer_step(self) -> None:
+        return None
+
+    def graph_blocker(self) -> Optional[str]:
+        return "full-parameter training (dense targets)"
+
+    def forget_derived(self) -> None:
+        return None
+
+    def derived_tensors(self) -> list[torch.Tensor]:
+        return []
+
     def base_weight(self, key: str) -> torch.Tensor:
         """The frozen base's exact dequantized weight of `key` (fp32, on the CPU)."""
         base = self.bases[key]
-        return base.dequantize_rows(0, base.out_features).cpu()
+        w: torch.Tensor = base.dequantize_rows(0, base.out_features)
+        return w.cpu()
 
     def deltas(self) -> dict[str, Callable[[], torch.Tensor]]:
         """ΔW = W_trained − W_base per key, in float64 (exact for two fp32 matrices), computed when the merge asks
@@ -136,11 +163,13 @@ class DenseTargets:
         return {key: delta(key) for key in self.linears}
 
 
-def densify(model, targets: Union[str, Sequence[str]] = "all", layers: Optional[Iterable[int]] = None) -> DenseTargets:
+def densify(model: Any, targets: Union[str, Sequence[str]] = "all",
+            layers: Optional[Iterable[int]] = None) -> DenseTargets:
     """Make the chosen targets of every (or the given) layer dense and trainable; freeze everything else."""
     names = parse_targets(targets)
     layer_set = set(layers) if layers is not None else None
-    linears, bases = {}, {}
+    linears: dict[str, DenseLinear] = {}
+    bases: dict[str, Any] = {}
     for ref in model.targets(names):
         if layer_set is not None and ref.layer not in layer_set:
             continue
@@ -164,24 +193,26 @@ def densify(model, targets: Union[str, Sequence[str]] = "all", layers: Optional[
     return out
 
 
-def build_dense_optimizer(kind: str, targets: DenseTargets, lr: float, weight_decay: float = 0.0, galore=None,
-                          seed: int = 0, recorder=None) -> torch.optim.Optimizer:
+def build_dense_optimizer(kind: str, targets: DenseTargets, lr: float, weight_decay: float = 0.0,
+                          galore: Optional[GaLoreConfig] = None, seed: int = 0,
+                          recorder: Optional[MetricsRecorder] = None) -> TrainOptimizer:
     """'galore': GaLoreAdamW with `galore` (a GaLoreConfig); 'adamw': torch.optim.AdamW (β 0.9/0.999, ε 1e-8),
     both with decoupled weight decay on every matrix and one group named 'weights' for the schedule."""
     if kind == "galore":
         from juno_py.train.galore import GaLoreAdamW, GaLoreConfig
 
-        return GaLoreAdamW(list(targets.named_parameters()), lr, weight_decay, galore or GaLoreConfig(), seed=seed,
-                           recorder=recorder)
+        optimizer: TrainOptimizer = GaLoreAdamW(list(targets.named_parameters()), lr, weight_decay,
+                                                galore or GaLoreConfig(), seed=seed, recorder=recorder)
+        return optimizer
     if kind == "adamw":
-        group = {"name": "weights", "params": list(targets.parameters()), "lr": lr, "base_lr": lr,
-                 "weight_decay": weight_decay}
-        return torch.optim.AdamW([group], lr=lr, betas=BETAS, eps=EPS, weight_decay=weight_decay)
+        return TorchOptimizer(torch.optim.AdamW(targets.param_groups(lr, weight_decay), lr=lr, betas=BETAS, eps=EPS,
+                                                weight_decay=weight_decay))
     raise JunoError(f"--optimizer {kind!r}: expected one of {', '.join(OPTIMIZERS)}")
 
 
-def merge_trained(targets: DenseTargets, base, output: Union[str, Path], requant="auto", min_retention: float = 0.9,
-                  recorder=None, log: Optional[Callable[[str], None]] = None):
+def merge_trained(targets: DenseTargets, base: Any, output: Union[str, Path], requant: Any = "auto",
+                  min_retention: float = 0.9, recorder: Optional[MetricsRecorder] = None,
+                  log: Optional[Callable[[str], None]] = None) -> Any:
     """Write `output`: the base GGUF with every trained target replaced, through the merge's dense-delta path
     (ΔW = W_trained − W_base, each tensor encoded under `requant`); returns the MergeReport."""
     from juno_py.merge import merge_model

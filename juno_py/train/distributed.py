@@ -1,7 +1,7 @@
 """Data-parallel training on PyTorch's own engine: torchrun starts one process per device, torch.distributed
-connects them (Gloo on CPU, NCCL on CUDA), DistributedDataParallel averages the adapters' gradients.
+connects them (Gloo on CPU, NCCL on CUDA), DistributedDataParallel averages the trainable's gradients.
 
-Every rank loads the quantized base and attaches the same adapters (same seed; DDP also broadcasts rank 0's
+Every rank loads the quantized base and sets up the same trainable (same seed; DDP also broadcasts rank 0's
 values). An optimizer step's global batch is the same as in one process (`--batch-size` rows times
 `--lora-gradient-accumulation`, whatever the number of processes); `StepShare` deals its rows round robin over
 the ranks. Token weighting stays exact across ranks: the supervised tokens of the global batch are all-reduced
@@ -19,7 +19,6 @@ import datetime
 import math
 import os
 import sys
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -30,6 +29,7 @@ import torch.distributed as dist
 from juno_py.errors import JunoError
 from juno_py.train.data import Batch, collate
 from juno_py.train.state import FORMAT, StateError, parse_state, read_state_bytes
+from juno_py.train.steps import evaluate as evaluate_local
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 TIMEOUT_ENV = "JUNO_PY_DIST_TIMEOUT"
@@ -226,7 +226,7 @@ def check_same_data(world: World, fingerprints: dict[str, str]) -> None:
 def wrap(model: torch.nn.Module, world: World, updates_in_backward: bool = False):
     """DistributedDataParallel over the whole model, when distributed; None otherwise.
 
-    Only the adapters' parameters require gradients, so only they are bucketed and all-reduced. The frozen base
+    Only the trainable's parameters require gradients, so only they are bucketed and all-reduced. The frozen base
     lives in buffers (quantized bytes memory-mapped from the GGUF, norms, RoPE tables) and in frozen parameters:
     all of them are excluded from DDP's broadcast at construction and before each forward, since every rank
     loaded the same file, and a broadcast would write into the read-only mapping."""
@@ -241,11 +241,6 @@ def wrap(model: torch.nn.Module, world: World, updates_in_backward: bool = False
     buffers = [n for n, _ in model.named_buffers()]
     DDP._set_params_and_buffers_to_ignore_for_model(model, frozen + buffers)
     return DDP(model, device_ids=None, find_unused_parameters=False)
-
-
-def sync_context(net, sync: bool):
-    """DDP all-reduces the gradients in the backward of a forward run with `sync`; the others accumulate."""
-    return net.no_sync() if net is not None and not sync else nullcontext()
 
 
 # ------------------------------------------------------------------------------------------- the data
@@ -273,7 +268,7 @@ class StepShare:
         self.n_supervised, self.n_tokens = int(n_sup), int(n_tok)
 
     def forward_backward(self, fb: Callable[..., float], model, net, window: int, times: dict) -> float:
-        """Run `fb` (loop.forward_backward) over this rank's batches with the per-rank denominator; DDP syncs in
+        """Run `fb` (`steps.forward_backward`) over this rank's batches with the per-rank denominator; DDP syncs in
         the last backward. Returns the global batch's summed token loss (all-reduced)."""
         world = self.world
         if world.rank:  # rank 0 keeps the single-process dropout stream (the resume state stores it)
@@ -294,10 +289,8 @@ def dropout_seed(seed: int, rank: int, step: int) -> int:
 
 # ---------------------------------------------------------------------------------------- agreement
 def evaluate(model, examples: Sequence, batch_size: int, pad_id: int, world: World) -> dict:
-    """loop.evaluate over the ranks: each scores its share of `examples`, the sums are all-reduced, so every rank
+    """`steps.evaluate` over the ranks: each scores its share of `examples`, the sums are all-reduced, so every rank
     gets the same {"loss", "ppl", "tokens"}."""
-    from juno_py.train.loop import evaluate as evaluate_local
-
     if not world.active:
         return evaluate_local(model, examples, batch_size, pad_id)
     part = evaluate_local(model, list(examples)[world.rank::world.size], batch_size, pad_id)

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from juno_py.errors import JunoError
-from juno_py.train.optim import BETAS, EPS
+from juno_py.train.optim import BETAS, EPS, TrainOptimizer
+from juno_py.train.state import StateError
 
 SVD_METHODS = ("randomized", "exact", "identity")  # identity: P = I (a check that GaLore reduces to AdamW)
 # a matrix whose mean captured fraction between refreshes stays below this gets a warning: the subspace goes
@@ -146,7 +147,7 @@ def state_numel(shape: Sequence[int], rank: int) -> dict[str, int]:
 
 
 # -------------------------------------------------------------------------------------------------- optimizer
-class GaLoreAdamW(torch.optim.Optimizer):
+class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
     """GaLore-AdamW over named 2-D parameters: one parameter group named 'weights' (the schedule sets its `lr` from
     `base_lr`). `recorder` (a MetricsRecorder) receives one `galore` event per step; `seed` makes the randomized
     SVD's sketches reproducible (each refresh draws from a generator seeded by seed, matrix and step)."""
@@ -175,9 +176,9 @@ class GaLoreAdamW(torch.optim.Optimizer):
                 refreshes=0)
         self.steps = 0
         self._step_info = self._new_step_info()
-        self._handles = []
         if config.per_layer:
-            self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._on_grad)
 
     @property
     def updates_in_backward(self) -> bool:
@@ -293,9 +294,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
         if self.config.per_layer:
             sq = float(self._step_info["sq"])  # a device tensor on a GPU: one wait for the whole step
             return math.sqrt(sq) if self._step_info["finite"] and math.isfinite(sq) else math.inf
-        from juno_py.train.loop import grad_norm
-
-        return grad_norm(params)
+        return super().grad_norm(params)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -336,11 +335,6 @@ class GaLoreAdamW(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self._step_info = self._new_step_info()
-
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
 
     # ---- diagnostics --------------------------------------------------------------------------------------
     def captured(self) -> dict[str, float]:
@@ -426,8 +420,6 @@ class GaLoreAdamW(torch.optim.Optimizer):
         return tensors, doc
 
     def load_state_tensors(self, names: dict[int, str], tensors: dict, doc: dict, where: str) -> None:
-        from juno_py.train.state import StateError
-
         saved = doc.get("galore") if isinstance(doc, dict) else None
         if saved != self._config_doc():
             raise StateError(f"{where}: the run's GaLore settings differ from this one's ({saved} vs "

@@ -1,35 +1,138 @@
-"""The optimizer and learning-rate schedule of adapter training.
+"""The optimizer and learning-rate schedule of training.
 
-AdamW (β 0.9/0.999, ε 1e-8, decoupled weight decay) over three parameter groups: A decays, B and the DoRA
-magnitude never do, and B's learning rate is `plus_ratio` times the base rate (LoRA+). The schedule is a
-factor of the step applied to every group's base rate.
+AdamW (β 0.9/0.999, ε 1e-8, decoupled weight decay) over the trainable's parameter groups (`Trainable.param_groups`:
+for adapters A decays, B and the DoRA magnitude never do, and B's learning rate is `plus_ratio` times the base rate,
+LoRA+). The schedule is a factor of the step applied to every group's base rate.
+
+`TrainOptimizer` is what the training loop asks of an optimizer: torch's `param_groups`, `step()` and `zero_grad()`,
+and the abilities below with an Adam optimizer's defaults, which an optimizer of another kind (GaLore) overrides:
+`updates_in_backward`, `grad_norm(params)`, `state_tensors(names)` and `load_state_tensors(...)` for the resume state.
+A torch optimizer passed to the loop as it is runs through `TorchOptimizer`.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any, Sequence
 
 import torch
+
+from juno_py.train.state import StateError
 
 SCHEDULES = ("constant", "warmup-cosine")
 BETAS = (0.9, 0.999)
 EPS = 1e-8
 
 
-def build_optimizer(adapters, lr: float, weight_decay: float = 0.01, plus_ratio: float = 1.0):
-    """AdamW over an AdapterSet's groups; each group remembers its `base_lr` for the schedule."""
-    groups = adapters.param_groups()
-    spec = [("A", lr, weight_decay), ("B", lr * plus_ratio, 0.0), ("magnitude", lr, 0.0)]
-    param_groups = [{"name": name, "params": groups[name], "lr": rate, "base_lr": rate, "weight_decay": wd}
-                    for name, rate, wd in spec if groups[name]]
+def grad_norm(params: Sequence[torch.Tensor]) -> float:
+    """Global L2 norm of the gradients (fp64 accumulation). On a GPU the squares are summed there and read once:
+    one read per parameter would wait for the device hundreds of times a step."""
+    grads = [p.grad for p in params if p.grad is not None]
+    # vector_norm accumulates in fp64 without an fp64 copy of the gradient (5x faster on the CPU than
+    # g.double().square().sum(): it matters for full training's 106M-value gradients)
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]
+    if grads and grads[0].device.type != "cpu":
+        return math.sqrt(float(torch.stack(norms).square().sum()))
+    return math.sqrt(sum(float(n) ** 2 for n in norms))
+
+
+class TrainOptimizer:
+    """What the training loop asks of an optimizer beyond torch's `param_groups`, `step()` and `zero_grad()` (which a
+    subclass provides, its own or torch's), with the defaults of an Adam optimizer whose `state` holds per parameter
+    "step", "exp_avg" and "exp_avg_sq" and whose `defaults` say whether it is "fused"."""
+
+    param_groups: list[dict[str, Any]]
+    state: Any
+    defaults: dict[str, Any]
+
+    @property
+    def updates_in_backward(self) -> bool:
+        """Whether the weights change during backward, before the loop sees the step's gradient norm."""
+        return False
+
+    def grad_norm(self, params: Sequence[torch.Tensor]) -> float:
+        """The step's global gradient norm."""
+        return grad_norm(params)
+
+    def state_tensors(self, names: dict[int, str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The optimizer's state for the resume file: tensors keyed by parameter name (Adam's moments), and a JSON
+        document (the step count of each parameter)."""
+        tensors, steps = {}, {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state.get(p)
+                if not st:
+                    continue
+                name = names[id(p)]
+                tensors[f"adam/{name}/exp_avg"] = st["exp_avg"]
+                tensors[f"adam/{name}/exp_avg_sq"] = st["exp_avg_sq"]
+                steps[name] = float(st["step"])
+        return tensors, steps
+
+    def load_state_tensors(self, names: dict[int, str], tensors: dict[str, torch.Tensor], steps: dict[str, Any],
+                           where: str) -> None:
+        """Restore what `state_tensors` gave; StateError naming `where` when it does not fit the parameters."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                name = names[id(p)]
+                if name not in steps:
+                    continue
+                try:
+                    m, v = tensors[f"adam/{name}/exp_avg"], tensors[f"adam/{name}/exp_avg_sq"]
+                except KeyError:
+                    raise StateError(f"{where}: Adam moments of {name!r} are missing") from None
+                if m.shape != p.shape or v.shape != p.shape:
+                    raise StateError(f"{where}: Adam moments of {name!r} have shape {tuple(m.shape)}, the parameter "
+                                     f"{tuple(p.shape)}")
+                # the fused (GPU) AdamW keeps its step counts on the parameters' device
+                step_device = p.device if self.defaults.get("fused") else None
+                self.state[p] = {"step": torch.tensor(steps[name], dtype=torch.float32, device=step_device),
+                                 "exp_avg": m.clone().to(p.device), "exp_avg_sq": v.clone().to(p.device)}
+
+
+class TorchOptimizer(TrainOptimizer):
+    """A torch optimizer with Adam's state (torch.optim.AdamW, fused or not) as a `TrainOptimizer`."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def as_train_optimizer(optimizer: "TrainOptimizer | torch.optim.Optimizer") -> TrainOptimizer:
+    """`optimizer` itself when it is a TrainOptimizer, else the torch optimizer in a `TorchOptimizer`."""
+    return optimizer if isinstance(optimizer, TrainOptimizer) else TorchOptimizer(optimizer)
+
+
+def build_optimizer(trainable, lr: float, weight_decay: float = 0.01, plus_ratio: float = 1.0) -> TrainOptimizer:
+    """AdamW over the trainable's groups (`Trainable.param_groups`); each group remembers its `base_lr` for the
+    schedule."""
+    param_groups = trainable.param_groups(lr, weight_decay, plus_ratio)
     # CPU: foreach=False, the per-parameter loop is bit-identical from run to run and fast enough for adapters.
     # GPU: the fused kernel (deterministic too); a loop of small kernels per parameter would be launch-bound.
     if any(p.is_cuda for g in param_groups for p in g["params"]):
-        return torch.optim.AdamW(param_groups, lr=lr, betas=BETAS, eps=EPS, weight_decay=weight_decay, fused=True)
+        return TorchOptimizer(torch.optim.AdamW(param_groups, lr=lr, betas=BETAS, eps=EPS, weight_decay=weight_decay,
+                                                fused=True))
     return AdamW(param_groups, lr=lr, betas=BETAS, eps=EPS, weight_decay=weight_decay)
 
 
-class AdamW:
+class AdamW(TrainOptimizer):
     """torch.optim.AdamW with `foreach=False` (its single-tensor arithmetic, step for step the same bits) for the
     adapters on a CPU, without torch.optim.Optimizer: that class's first `add_param_group` imports torch._dynamo
     (about 900 modules with sympy: 145 MiB of resident memory, a third of what training SmolLM2-135M holds, and

@@ -1,8 +1,8 @@
 """Resume state beside an adapter: `adapter.bin.state`, one safetensors file.
 
-Tensors (adapter weights, Adam moments, best weights, the torch RNG state) are safetensors tensors; everything
-else (step, epoch, data position, schedule, stop-rule counters, the run's settings) is one JSON document in the
-safetensors header's metadata. No pickle anywhere. The file is written atomically, and it carries the adapter
+Tensors (the trained weights, the optimizer's state, best weights, the torch RNG state) are safetensors tensors;
+everything else (step, epoch, data position, schedule, stop-rule counters, the run's settings) is one JSON document in
+the safetensors header's metadata. No pickle anywhere. The file is written atomically, and it carries the adapter
 weights itself, so a kill between writing adapter.bin and its state never pairs a state with other weights.
 """
 
@@ -34,7 +34,7 @@ def state_path(adapter_path) -> Path:
 
 
 def save_state(path, tensors: dict[str, torch.Tensor], meta: dict[str, Any], fmt: str = FORMAT) -> Path:
-    """`fmt`: the schema's name (adapters: FORMAT; `juno-py full` writes its own, `juno_py.train.dense`)."""
+    """`fmt`: the schema's name (the trainable's `state_format`: adapters FORMAT, `juno-py full` its own)."""
     doc = {**meta, "format": fmt, "version": VERSION}
     data = st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
                    metadata={_META_KEY: json.dumps(doc, sort_keys=True)})
@@ -66,43 +66,3 @@ def parse_state(data: bytes, path, fmt: str = FORMAT) -> tuple[dict[str, torch.T
         raise StateError(f"{path}: format {meta.get('format')!r} version {meta.get('version')!r}, expected "
                          f"{fmt!r} version {VERSION}")
     return tensors, meta
-
-
-def optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> tuple[dict, dict]:
-    """Adam moments keyed by parameter name, and the step count of each parameter (JSON). An optimizer with its
-    own `state_tensors(names)` (GaLore: moments, projectors, refresh phases) answers for itself."""
-    if hasattr(optimizer, "state_tensors"):
-        return optimizer.state_tensors(names)
-    tensors, steps = {}, {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            st = optimizer.state.get(p)
-            if not st:
-                continue
-            name = names[id(p)]
-            tensors[f"adam/{name}/exp_avg"] = st["exp_avg"]
-            tensors[f"adam/{name}/exp_avg_sq"] = st["exp_avg_sq"]
-            steps[name] = float(st["step"])
-    return tensors, steps
-
-
-def restore_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], tensors: dict, steps: dict,
-                      where: str) -> None:
-    if hasattr(optimizer, "load_state_tensors"):
-        return optimizer.load_state_tensors(names, tensors, steps, where)
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            name = names[id(p)]
-            if name not in steps:
-                continue
-            try:
-                m, v = tensors[f"adam/{name}/exp_avg"], tensors[f"adam/{name}/exp_avg_sq"]
-            except KeyError:
-                raise StateError(f"{where}: Adam moments of {name!r} are missing") from None
-            if m.shape != p.shape or v.shape != p.shape:
-                raise StateError(f"{where}: Adam moments of {name!r} have shape {tuple(m.shape)}, the parameter "
-                                 f"{tuple(p.shape)}")
-            # the fused (GPU) AdamW keeps its step counts on the parameters' device
-            step_device = p.device if optimizer.defaults.get("fused") else None
-            optimizer.state[p] = {"step": torch.tensor(steps[name], dtype=torch.float32, device=step_device),
-                                  "exp_avg": m.clone().to(p.device), "exp_avg_sq": v.clone().to(p.device)}

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from juno_py.kernels import FUSED_INFERENCE, FUSED_TRAINING, compose_path, dora_compose  # noqa: E402
+from juno_py.kernels.dora import FUSED_INFERENCE, FUSED_TRAINING, compose_path, dora_compose  # noqa: E402
 from tests.kernels.conftest import DEVICE  # noqa: E402
 
 U32 = 2.0 ** -24  # unit roundoff of fp32

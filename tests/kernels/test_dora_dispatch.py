@@ -9,8 +9,9 @@ import torch
 
 import juno_py.kernels as kernels
 from juno_py.gguf import GGMLType
-from juno_py.kernels import (EAGER, FUSED_INFERENCE, FUSED_TRAIN_MIN_ELEMENTS, FUSED_TRAINING, KernelUnavailable,
-                             compose_path, dora_compose, kernel_mode)
+from juno_py.kernels import EAGER, KernelUnavailable, kernel_mode
+from juno_py.kernels import dora as dora_kernels
+from juno_py.kernels.dora import FUSED_INFERENCE, FUSED_TRAIN_MIN_ELEMENTS, FUSED_TRAINING, compose_path, dora_compose
 from tests.kernels.conftest import DEVICE
 
 
@@ -49,7 +50,7 @@ def test_auto_uses_the_crossover_for_training_only(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("JUNO_PY_KERNELS", "auto")
     if DEVICE == "cpu":  # the CPU is never auto-fused: let this test see the CUDA rule on interpreted kernels
-        monkeypatch.setattr(kernels, "_fused_kernels", lambda device, mode: kernels.triton_kernels())
+        monkeypatch.setattr(dora_kernels, "fused_kernels", lambda device, mode: kernels.triton_kernels())
     n = 64
 
     def shaped(rows, grad=True):  # only shapes, dtypes, devices and requires_grad matter to the dispatch
@@ -100,7 +101,8 @@ def test_juno_py_imports_and_composes_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
         "import torch, juno_py, juno_py.lora, juno_py.weights\n"
-        "from juno_py.kernels import dora_compose, compose_path, KernelUnavailable\n"
+        "from juno_py.kernels import KernelUnavailable\n"
+        "from juno_py.kernels.dora import dora_compose, compose_path\n"
         "b = torch.ones(2, 3); g = torch.full((3,), 2.0)\n"
         "assert compose_path(b, b, g) == 'eager'\n"
         "assert dora_compose(b, b, g, 0.5).tolist() == [[3.0] * 3] * 2\n"

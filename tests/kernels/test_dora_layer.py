@@ -12,8 +12,10 @@ from torch import nn
 pytest.importorskip("triton")
 
 from juno_py import kernels  # noqa: E402
+from juno_py.kernels import dora, reference  # noqa: E402
+from juno_py.kernels.dora import DORA_EPS, gram  # noqa: E402
 from juno_py.kernels.gemm import mm_out  # noqa: E402
-from juno_py.lora.adapters import DORA_EPS, AdaptedLinear, AdapterConfig, LoraAdapter, gram  # noqa: E402
+from juno_py.lora.adapters import AdaptedLinear, AdapterConfig, LoraAdapter  # noqa: E402
 from juno_py.lora.format import Mode  # noqa: E402
 from tests.kernels.conftest import DEVICE  # noqa: E402
 
@@ -43,6 +45,21 @@ class DenseBase(nn.Module):
 
     def row_norms_sq(self, dtype=torch.float32):
         return self.W.double().square().sum(1).to(dtype)
+
+
+class TrackingLayer(AdaptedLinear):
+    """A DoRA layer that keeps a running U wherever its base can move one, on the CPU too (the device path's CPU
+    runs)."""
+
+    def tracks_running_u(self, A):
+        return hasattr(self.base, "matmul_with_update")
+
+
+class FreshULayer(AdaptedLinear):
+    """A DoRA layer that never keeps a running U: every stale norm computes U = W·Aᵀ afresh."""
+
+    def tracks_running_u(self, A):
+        return False
 
 
 def _problem(T, n_in, n_out, r, seed=0, spread=0.2):
@@ -145,7 +162,7 @@ def test_which_steps_take_the_fused_layer(fused, monkeypatch):
     monkeypatch.setenv("JUNO_PY_KERNELS", "eager")
     assert type(layer(x).grad_fn).__name__ != "DoraLinearFnBackward"
     monkeypatch.setenv("JUNO_PY_KERNELS", "auto")
-    assert kernels.layer_training_fused(x, 16, layer.dora.lora_A) == (DEVICE == "cuda" and 5 * 16 >= 1 << 24)
+    assert dora.layer_training_fused(x, 16, layer.dora.lora_A) == (DEVICE == "cuda" and 5 * 16 >= 1 << 24)
 
 
 def test_frozen_parts_get_no_gradient(fused):
@@ -170,7 +187,7 @@ def test_frozen_parts_get_no_gradient(fused):
 QUANT_STEP_SIZES = [(37, 512, 96, 8, 2 * 512 * 32)] + ([(2048, 4096, 4096, 64, 8 << 20)] if DEVICE == "cuda" else [])
 
 
-def _quant_layer(T, n_in, n_out, r, scratch):
+def _quant_layer(T, n_in, n_out, r, scratch, layer_type=AdaptedLinear):
     """A DoRA layer on a Q4_K frozen linear (bf16 compute, forward tiles of `scratch` bytes) and the problem of
     `_problem` moved onto its exact W (B rescaled so that ‖sBA‖ ≈ 0.3·‖W‖ per row, m from the new norms)."""
     from juno_py.gguf import GGMLType
@@ -193,7 +210,7 @@ def _quant_layer(T, n_in, n_out, r, scratch):
     with torch.no_grad():
         ad.lora_A.copy_(p["A"])
         ad.lora_B.copy_(p["B"])
-    return p, AdaptedLinear(base, [ad]).to(DEVICE)
+    return p, layer_type(base, [ad]).to(DEVICE)
 
 
 def _count_calls(mp, owner, counts):
@@ -269,7 +286,7 @@ def _u_error(layer, W64):
 
 @pytest.mark.parametrize("T,n_in,n_out,r,scratch", QUANT_STEP_SIZES)
 def test_running_u_follows_a_through_optimizer_steps(fused, T, n_in, n_out, r, scratch):
-    """With a running U (`track_u`), the first step computes U = W·Aᵀ exactly (`matmul_with_exact`), and every
+    """With a running U (`tracks_running_u`), the first step computes U = W·Aᵀ exactly (`matmul_with_exact`), and every
     later step whose A moved updates it from the forward's own split decode by W·bf16(A − A_ref)ᵀ
     (`matmul_with_update`; no exact U, no other decode). Over Adam steps the norm stays within 1e-5 of fp64 over the
     exact W and U within 2⁻⁸ of the step's change of W·Aᵀ (plus 2⁻¹⁶ of U) of fp64. When A is replaced by another
@@ -278,8 +295,7 @@ def test_running_u_follows_a_through_optimizer_steps(fused, T, n_in, n_out, r, s
     U would stay off. `reset_running_u` makes the next step exact again."""
     from juno_py.weights import ResidentQuantLinear
 
-    p, layer = _quant_layer(T, n_in, n_out, r, scratch)
-    layer.track_u = True
+    p, layer = _quant_layer(T, n_in, n_out, r, scratch, TrackingLayer)
     ad = layer.dora
     W64 = p["W"].double()
     x, dy = p["x"].to(DEVICE, torch.bfloat16), p["dy"].to(DEVICE, torch.bfloat16)
@@ -375,18 +391,19 @@ def test_split_track_kernel_gives_the_torch_bits(n, k, copies):
 
 
 def test_running_u_is_off_where_it_does_not_apply():
-    """No running U: on the CPU by default, with `track_u = False`, or on a base without `matmul_with_update`."""
+    """A running U by default on CUDA only; never where the layer says so (`tracks_running_u` of a subclass), nor on
+    a base without `matmul_with_update`, whatever the layer says."""
     p, layer = _quant_layer(37, 512, 96, 8, 2 * 512 * 32)
     A = layer.dora.lora_A.detach()
-    if not A.is_cuda:
-        assert layer.track_u is None and not layer._tracks_u(A)
-    layer.track_u = False
-    assert not layer._tracks_u(A)
-    layer.track_u = True
-    assert layer._tracks_u(A)
+    assert layer.tracks_running_u(A) == A.is_cuda
+    _, tracking = _quant_layer(37, 512, 96, 8, 2 * 512 * 32, TrackingLayer)
+    assert tracking.tracks_running_u(A)
+    _, fresh = _quant_layer(37, 512, 96, 8, 2 * 512 * 32, FreshULayer)
+    U = torch.zeros(96, 8, device=A.device)
+    assert not fresh.tracks_running_u(A) and fresh.start_running_u(A, U) is U and fresh.running_u(A) is None
     dense = _layer(_problem(5, 16, 8, 2))
-    dense.track_u = True
-    assert not dense._tracks_u(dense.dora.lora_A.detach())
+    dense = TrackingLayer(dense.base, list(dense.adapters))
+    assert not dense.tracks_running_u(dense.dora.lora_A.detach())
     assert dense.running_u(dense.dora.lora_A.detach()) is None
 
 
@@ -396,7 +413,7 @@ def test_gram_split_removes_the_bf16_rounding_of_A(monkeypatch):
     rounding) off the diagonal, and within the fp32 accumulation's reach overall (tensor cores truncate in their
     fp32 accumulator: a few 1e-5 relative over 8192 positive terms on the diagonal); symmetric, as G is. On the CPU
     (CI) the split path runs with the parts' products in fp32 (`SPLIT_PRODUCT_DEVICES` extended)."""
-    from juno_py.lora import adapters as ad
+    from juno_py.kernels import dora as ad
     monkeypatch.setattr(ad, "SPLIT_PRODUCT_DEVICES", ("cuda", "cpu"))
     gen = torch.Generator().manual_seed(0)
     A = ((torch.rand(384, 8192, generator=gen) * 2 - 1) / math.sqrt(8192)).to(DEVICE)
@@ -451,7 +468,7 @@ def test_norm_rows_matches_fp64(fused, n, r, with_v):
     U = torch.randn(r, n, generator=gen).T * 0.2  # a transposed view, as `weight_row_norm` passes it
     V = torch.randn(n, r, generator=gen) * 0.3 if with_v else torch.zeros(n, r)
     s = 0.75
-    got = kernels.norm_rows(*(t.to(DEVICE) for t in (base_sq, B, U)), V.to(DEVICE) if with_v else None, s)
+    got = dora.norm_rows(*(t.to(DEVICE) for t in (base_sq, B, U)), V.to(DEVICE) if with_v else None, s)
     s32 = float(torch.tensor(s, dtype=torch.float32))
     terms = B.double() * (2 * s32 * U.double() + s32 * s32 * V.double())
     total = base_sq.double() + terms.sum(1)
@@ -468,11 +485,11 @@ def test_norm_rows_clamps(fused):
     B = torch.tensor([[1.0], [1.0], [0.0], [0.0]], device=DEVICE)
     U = torch.tensor([[-1.0], [-1.0], [0.0], [0.0]], device=DEVICE)
     V = torch.zeros(4, 1, device=DEVICE)
-    assert kernels.norm_rows(base_sq, B, U, V, 1.0).tolist() == [0.0, 0.0, 2.0, pytest.approx(1e-7)]
-    got = kernels.norm_rows(base_sq, B, U, V, 1.0, eps=1e-6).tolist()
+    assert dora.norm_rows(base_sq, B, U, V, 1.0).tolist() == [0.0, 0.0, 2.0, pytest.approx(1e-7)]
+    got = dora.norm_rows(base_sq, B, U, V, 1.0, eps=1e-6).tolist()
     assert got[:3] == [pytest.approx(1e-6), pytest.approx(1e-6), 2.0] and got[3] == pytest.approx(1e-6)
-    assert torch.equal(kernels.norm_rows(*(t.double() for t in (base_sq, B, U, V)), 1.0),
-                       kernels.norm_rows_eager(*(t.double() for t in (base_sq, B, U, V)), 1.0))
+    assert torch.equal(dora.norm_rows(*(t.double() for t in (base_sq, B, U, V)), 1.0),
+                       reference.norm_rows_eager(*(t.double() for t in (base_sq, B, U, V)), 1.0))
 
 
 GRAM_SIZES = [(1, 1), (7, 3), (300, 16), (257, 100)] + ([(8192, 384), (4099, 768), (28672, 64)]
@@ -499,7 +516,7 @@ def test_norm_rows_gram_matches_fp64(fused, n, r, split):
         G = (A.double() @ A.double().T).float()
         G_sum = G.double()
     s = 0.75
-    got = kernels.norm_rows_gram(*(t.to(DEVICE) for t in (base_sq, B, U, G)), s, split=split)
+    got = dora.norm_rows_gram(*(t.to(DEVICE) for t in (base_sq, B, U, G)), s, split=split)
     s32 = float(torch.tensor(s, dtype=torch.float32))
     V = B.double() @ G_sum
     total = base_sq.double() + (B.double() * (2 * s32 * U.double() + s32 * s32 * V)).sum(1)
@@ -517,7 +534,7 @@ def test_norm_rows_gram_matches_fp64(fused, n, r, split):
             # above the fp32 bound, which grows with r, at the smaller ranks only)
             lost_t = (B.double() * (s32 * s32 * (B.double() @ G.double()[r:].T))).sum(1).abs() / (2 * ref)
             assert bool((lost_t > 4 * bound).any()), (lost_t / bound).max().item()
-    eager = kernels.norm_rows_gram_eager(base_sq.double(), B.double(), U.double(), G.double(), s, split=split)
+    eager = reference.norm_rows_gram_eager(base_sq.double(), B.double(), U.double(), G.double(), s, split=split)
     assert torch.allclose(eager, ref, rtol=1e-12, atol=0)
 
 
@@ -526,8 +543,8 @@ def test_norm_rows_gram_clamps(fused):
     B = torch.tensor([[1.0], [1.0], [0.0]], device=DEVICE)
     U = torch.tensor([[-0.5], [-0.5], [0.0]], device=DEVICE)
     G = torch.ones(1, 1, device=DEVICE)  # V = B: ‖·‖² = base_sq + 2·(−0.5) + 1 = base_sq
-    assert kernels.norm_rows_gram(base_sq, B, U, G, 1.0).tolist() == [0.0, 1.0, 2.0]
-    assert kernels.norm_rows_gram(base_sq, B, U, G, 1.0, eps=1e-6).tolist() == [pytest.approx(1e-6), 1.0, 2.0]
+    assert dora.norm_rows_gram(base_sq, B, U, G, 1.0).tolist() == [0.0, 1.0, 2.0]
+    assert dora.norm_rows_gram(base_sq, B, U, G, 1.0, eps=1e-6).tolist() == [pytest.approx(1e-6), 1.0, 2.0]
 
 
 BF16X3_SIZES = [(1, 1, 1), (7, 3, 5), (300, 16, 16), (257, 100, 33)] + ([(8192, 768, 768), (4099, 384, 384)]
@@ -538,7 +555,7 @@ BF16X3_SIZES = [(1, 1, 1), (7, 3, 5), (300, 16, 16), (257, 100, 33)] + ([(8192, 
 def test_mm_bf16x3_matches_fp64(n, k, m):
     """a·b through the split bf16 operands in one GEMM: within 3·2⁻¹⁶ of |a|·|b| (what the split leaves out) plus
     fp32 accumulation; one bf16 product alone, or dropping a_lo or b_lo, is far off."""
-    from juno_py.lora.adapters import mm_bf16x3
+    from juno_py.kernels.dora import mm_bf16x3
     gen = torch.Generator().manual_seed(n + k + m)
     a = torch.randn(n, k, generator=gen) * torch.logspace(-2, 1, k)  # columns of different scales
     b = torch.randn(k, m, generator=gen) * 0.3
@@ -565,7 +582,7 @@ def test_factored_norm_gemm_path_matches_the_kernel_path(n, n_in, r, monkeypatch
     the fp32 bound of the row sums plus what V's split and G's own products leave out; within 1e-5 of the exact
     norm (the target); U is only read. On the CPU (CI) the same path runs with the split products widened to fp32
     (`SPLIT_PRODUCT_DEVICES` extended), and A is split for G at these sizes too (SPLIT_GRAM_MIN_FMAS lowered)."""
-    from juno_py.lora import adapters as ad
+    from juno_py.kernels import dora as ad
     monkeypatch.setattr(ad, "NORM_GEMM_MIN_FMAS", min(ad.NORM_GEMM_MIN_FMAS, n * r * r))
     monkeypatch.setattr(ad, "SPLIT_GRAM_MIN_FMAS", min(ad.SPLIT_GRAM_MIN_FMAS, r * r * n_in))
     monkeypatch.setattr(ad, "SPLIT_PRODUCT_DEVICES", ("cuda", "cpu"))

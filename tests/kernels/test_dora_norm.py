@@ -6,8 +6,8 @@ import torch
 pytest.importorskip("triton")
 
 from juno_py.gguf import GGMLType  # noqa: E402
-from juno_py.kernels import norm_assemble, norm_assemble_eager  # noqa: E402
-from juno_py.lora.adapters import factored_row_norm  # noqa: E402
+from juno_py.kernels.dora import factored_row_norm, norm_assemble  # noqa: E402
+from juno_py.kernels.reference import norm_assemble_eager  # noqa: E402
 from tests.kernels.conftest import DEVICE  # noqa: E402
 from tests.weights.random_blocks import random_rows  # noqa: E402
 

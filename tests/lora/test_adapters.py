@@ -10,7 +10,8 @@ from juno_py.errors import AdapterMismatch
 from juno_py.gguf import GGMLType, GGUFFile
 from juno_py.lora import (AdapterConfig, Mode, attach, detach, load_adapters, parse_adapter_spec, parse_targets,
                           read_adapter, write_adapter)
-from juno_py.lora.adapters import AdaptedLinear, LoraAdapter, factored_row_norm
+from juno_py.kernels.dora import factored_row_norm
+from juno_py.lora.adapters import AdaptedLinear, LoraAdapter
 from juno_py.lora.format import Fingerprint
 from juno_py.models import load_model
 from juno_py.weights import FrozenQuantLinear
@@ -48,8 +49,12 @@ def test_attach_trains_only_adapters(tiny_gguf):
     aset = attach(model, "qv", rank=2, mode=Mode.DORA)
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
     assert trainable == {id(p) for p in aset.parameters()}
-    groups = aset.param_groups()
+    groups = aset.groups()
     assert len(groups["A"]) == len(groups["B"]) == len(groups["magnitude"]) == 2 * len(model.blocks)
+    opt_groups = {g["name"]: g for g in aset.param_groups(1e-3, 0.1, plus_ratio=16)}
+    assert [(g["lr"], g["base_lr"], g["weight_decay"]) for g in opt_groups.values()] == \
+        [(1e-3, 1e-3, 0.1), (1.6e-2, 1.6e-2, 0.0), (1e-3, 1e-3, 0.0)]
+    assert all(opt_groups[k]["params"] == groups[k] for k in groups)
     detach(model)
     assert not any(isinstance(m, AdaptedLinear) for blk in model.blocks for m in blk.linears.values())
 

@@ -14,7 +14,8 @@ from juno_py.models import load_model
 from juno_py.models.loss import _chunk_loss_and_grad
 from juno_py.train.cuda_graph import GraphedSteps, GraphsUnavailable, graph_blocker, resolve_graphs
 from juno_py.train.data import Example, pad_batch
-from juno_py.train.loop import TrainConfig, forward_backward, model_loss, train
+from juno_py.train.loop import TrainConfig, train
+from juno_py.train.steps import forward_backward, model_loss
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -146,7 +147,7 @@ def _setup(tiny_gguf, mode):
     adapters = attach(model, "all", rank=4, alpha=8, mode=mode, seed=0)
     params = list(adapters.parameters())
     _move(adapters, 0)
-    return model, adapters, params, GraphedSteps(model, params, functools.partial(model_loss, model))
+    return model, adapters, params, GraphedSteps(model, adapters, functools.partial(model_loss, model))
 
 
 def _move(adapters, seed):

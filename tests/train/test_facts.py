@@ -50,7 +50,7 @@ def test_facts_training_lowers_heldout_loss(facts_adapter, smollm2_path):
     from juno_py.lora import load_adapters
     from juno_py.models import load_model
     from juno_py.train.data import load_examples
-    from juno_py.train.loop import evaluate
+    from juno_py.train.steps import evaluate
 
     model = load_model(smollm2_path)
     examples, _ = load_examples([BUILTIN_FACTS_HELDOUT], model.tokenizer, 512)

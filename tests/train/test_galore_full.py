@@ -13,7 +13,8 @@ from juno_py.models import load_model
 from juno_py.train.data import load_dataset
 from juno_py.train.dense import STATE_FORMAT, build_dense_optimizer, densify
 from juno_py.train.galore import GaLoreConfig
-from juno_py.train.loop import TrainConfig, TrainingDiverged, train
+from juno_py.train.loop import TrainConfig, train
+from juno_py.train.steps import TrainingDiverged
 from juno_py.train.state import load_state, save_state, state_path
 
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 def test_short_galore_run_on_smollm2_lowers_heldout_loss_of_the_merged_gguf(smollm2_path, tmp_path):
     from juno_py.models import load_model
     from juno_py.train.data import load_examples
-    from juno_py.train.loop import evaluate
+    from juno_py.train.steps import evaluate
 
     out = tmp_path / "facts-qv.gguf"
     cmd = [sys.executable, "-m", "juno_py", "full", "--model-path", str(smollm2_path), "--lora-targets", "wv",

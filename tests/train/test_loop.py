@@ -9,8 +9,9 @@ import torch
 from juno_py.lora import Mode, attach, read_adapter
 from juno_py.metrics import MetricsRecorder
 from juno_py.train.data import collate, load_dataset, pad_batch
-from juno_py.train.loop import TrainConfig, TrainingDiverged, evaluate, forward_backward, train
+from juno_py.train.loop import TrainConfig, train
 from juno_py.train.optim import build_optimizer, lr_factor
+from juno_py.train.steps import TrainingDiverged, evaluate, forward_backward
 from juno_py.train.state import load_state, state_path
 
 
@@ -35,7 +36,7 @@ def nudge(adapters, seed=1):
     """Give B non-zero values, so every parameter has a gradient."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in adapters.param_groups()["B"]:
+        for p in adapters.groups()["B"]:
             p.copy_(0.05 * torch.randn(p.shape, generator=g))
 
 
@@ -189,8 +190,8 @@ def test_nan_gradient_stops_before_the_optimizer_and_keeps_the_last_checkpoint(t
 def test_nan_loss_is_caught_before_backward(tiny_path, mixed_data):
     def poison(adapters):
         with torch.no_grad():
-            next(iter(adapters.param_groups()["A"])).fill_(float("inf"))
-            next(iter(adapters.param_groups()["B"])).fill_(1.0)
+            next(iter(adapters.groups()["A"])).fill_(float("inf"))
+            next(iter(adapters.groups()["B"])).fill_(1.0)
 
     with pytest.raises(TrainingDiverged, match="the loss is nan"):
         run(tiny_path, mixed_data, None, max_steps=2, epochs=None, hook=poison)
