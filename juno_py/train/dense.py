@@ -9,7 +9,6 @@ trainable side with the surface of an AdapterSet that the training loop uses, an
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -177,13 +176,3 @@ def build_dense_optimizer(kind: str, targets: DenseTargets, lr: float, weight_de
                  "weight_decay": weight_decay}
         return torch.optim.AdamW([group], lr=lr, betas=BETAS, eps=EPS, weight_decay=weight_decay)
     raise JunoError(f"--optimizer {kind!r}: expected one of {', '.join(OPTIMIZERS)}")
-
-
-def merge_trained(targets: DenseTargets, base, output: Union[str, Path], requant="auto", min_retention: float = 0.9,
-                  recorder=None, log: Optional[Callable[[str], None]] = None):
-    """Write `output`: the base GGUF with every trained target replaced, through the merge's dense-delta path
-    (ΔW = W_trained − W_base, each tensor encoded under `requant`); returns the MergeReport."""
-    from juno_py.merge import merge_model
-
-    return merge_model(base, output, deltas=targets.deltas(), requant=requant, min_retention=min_retention,
-                       recorder=recorder, log=log)
