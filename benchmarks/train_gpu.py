@@ -95,8 +95,8 @@ def hf_model(meta: dict, tensors: dict, device: str = "cuda", dtype=torch.bfloat
     """transformers' model of the same architecture holding the same weights, decoded to `dtype` on `device`."""
     import transformers
 
+    from juno_py.exchange.peft import hf_rows
     from juno_py.kernels.dequant import dequantize_reference, dequantize_tile
-    from juno_py.merge.peft import hf_rows
     from tests.fixtures.tiny_models import _GEMMA_LAYER_NAMES, _LAYER_NAMES
 
     arch = meta["general.architecture"]

@@ -28,7 +28,7 @@ FORMATS = ("peft", "gguf-lora")
 @one_line_errors
 def export(fmt, model_path, lora_path, output, dtype) -> None:
     """Export an adapter for PEFT or llama.cpp. Prints the output path."""
-    from juno_py.merge import export_gguf_lora, export_peft
+    from juno_py.exchange import export_gguf_lora, export_peft
 
     stem = Path(lora_path).stem
     with warnings_to_stderr():
@@ -49,7 +49,7 @@ def export(fmt, model_path, lora_path, output, dtype) -> None:
 @one_line_errors
 def import_(source, fmt, model_path, lora_path) -> None:
     """Import a PEFT folder or a llama.cpp GGUF-LoRA file as adapter.bin. Prints its path."""
-    from juno_py.merge import import_gguf_lora, import_peft
+    from juno_py.exchange import import_gguf_lora, import_peft
 
     fmt = fmt or ("peft" if Path(source).is_dir() else "gguf-lora")
     fn = import_peft if fmt == "peft" else import_gguf_lora

@@ -80,11 +80,11 @@ def full(**o) -> None:
 
     from juno_py.cli.merge_cmd import warnings_to_stderr
     from juno_py.lora import parse_targets
-    from juno_py.merge import parse_requant
+    from juno_py.merge import merge_trained, parse_requant
     from juno_py.merge.merge import check_output_path
     from juno_py.metrics import Identity, MetricsRecorder
     from juno_py.store import resolve_model
-    from juno_py.train.dense import build_dense_optimizer, densify, merge_trained
+    from juno_py.train.dense import build_dense_optimizer, densify
     from juno_py.train.galore import GaLoreConfig, resolve_update_mode
     from juno_py.train.loop import TrainConfig, train
 

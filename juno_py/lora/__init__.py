@@ -15,8 +15,9 @@ from torch import nn
 
 from juno_py.errors import AdapterMismatch
 from juno_py.lora.adapters import AdaptedLinear, AdapterConfig, AdapterSet, LoraAdapter, TensorFingerprints
-from juno_py.lora.format import (TARGETS, AdapterEntry, Fingerprint, Init, Mode, Scaling, parse_key, read_adapter,
-                                 sort_key, write_adapter)
+from juno_py.lora.format import (AdapterEntry, Fingerprint, Init, Mode, Scaling, parse_key, read_adapter, sort_key,
+                                 write_adapter)
+from juno_py.models.layout import TARGETS
 
 TARGET_ALIASES = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "wgate", "up": "wup", "down": "wdown"}
 

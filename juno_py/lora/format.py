@@ -18,12 +18,12 @@ import numpy as np
 
 from juno_py.atomic import atomic_write_bytes
 from juno_py.errors import JunoError
+from juno_py.models.layout import TARGETS
 
 MAGIC = 0x4C4F5241  # "LORA"
 MAX_KEY_BYTES = 1 << 20
 MAX_FLOATS = 100_000_000
 MAX_FP_DIMS = 8
-TARGETS = ("wq", "wk", "wv", "wo", "wgate", "wup", "wdown")
 
 
 class AdapterFormatError(JunoError, ValueError):

@@ -12,7 +12,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence, Union
 
 from juno_py.gguf import GGUFFile, GGUFWriter, ValueType
 from juno_py.merge.report import MergeReport, TensorReport
@@ -20,6 +20,9 @@ from juno_py.merge.requant import choose_encoding, extreme_code_count, parse_req
 from juno_py.merge.targets import AdapterSource, DenseDelta, MergeError, ModelTargets, plan_patches, read_sources
 from juno_py.metrics import peak_rss_bytes
 from juno_py.store import _sha256 as sha256_file
+
+if TYPE_CHECKING:
+    from juno_py.train.dense import DenseTargets
 
 PROVENANCE_KEY = "juno_py.merge"
 # a split base (name-0000k-of-0000n.gguf) is written as one file: its split keys would send readers looking
@@ -133,3 +136,11 @@ def merge_model(base, output, adapters: Sequence[Union[str, Path, tuple]] = (),
     if recorder is not None:
         report.emit(recorder)
     return report
+
+
+def merge_trained(targets: "DenseTargets", base, output: Union[str, Path], requant="auto", min_retention: float = 0.9,
+                  recorder=None, log: Optional[Callable[[str], None]] = None) -> MergeReport:
+    """Write `output`: the base GGUF with every trained target of `targets` (`juno-py full`'s dense weights)
+    replaced, through the dense-delta path (ΔW = W_trained − W_base, each tensor encoded under `requant`)."""
+    return merge_model(base, output, deltas=targets.deltas(), requant=requant, min_retention=min_retention,
+                       recorder=recorder, log=log)

@@ -2,18 +2,27 @@
 GGUF metadata with llama.cpp's defaults where the file is silent.
 
 Facts that are not in the metadata (rotary style, Gemma 3's sliding-window pattern and local RoPE base, its
-attention scale) live in `ARCHITECTURES` and in `ModelArgs.from_gguf`, each as llama.cpp defines them.
+attention scale) live in `ARCHITECTURES` and in `ModelArgs.from_gguf`, each as llama.cpp defines them. So do the
+facts the exchange with Hugging Face needs: each target's module name in transformers' model of the architecture,
+and which targets' rows llama.cpp's converter permuted.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from juno_py.errors import GGUFFormatError, UnsupportedArchitecture
 
 _MISSING = object()
+
+# logical target -> Hugging Face module inside a decoder layer (`model.layers.N.<module>`)
+HF_SPLIT_MODULES = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
+                    "wo": "self_attn.o_proj", "wgate": "mlp.gate_proj", "wup": "mlp.up_proj", "wdown": "mlp.down_proj"}
+HF_FUSED_MODULES = {"wq": "self_attn.qkv_proj", "wk": "self_attn.qkv_proj", "wv": "self_attn.qkv_proj",
+                    "wo": "self_attn.o_proj", "wgate": "mlp.gate_up_proj", "wup": "mlp.gate_up_proj",
+                    "wdown": "mlp.down_proj"}
 
 
 @dataclass(frozen=True)
@@ -28,15 +37,21 @@ class ArchSpec:
     swa_pattern: int = 0  # layer il uses sliding-window attention when il % pattern < pattern - 1 (0: never)
     swa_rope_base: float = 10000.0  # RoPE base of sliding layers when rope.freq_base_swa is absent
     required_biases: tuple[str, ...] = ()  # biases llama.cpp requires (others are used when present)
+    # each target's module in Hugging Face's model; targets sharing a module are fused there (rows in target order)
+    hf_modules: Mapping[str, str] = field(default_factory=lambda: HF_SPLIT_MODULES, hash=False)
+    # targets whose GGUF rows are a per-head permutation of Hugging Face's: target -> ModelArgs field with the
+    # head count the permutation runs over
+    hf_permuted_rows: Mapping[str, str] = field(default_factory=dict, hash=False)
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     # Mistral-style models arrive as llama. llama.cpp's converter permutes Q and K rows so that rotating
     # adjacent pairs on the file's rows equals Hugging Face's rotate-half on its own rows.
-    "llama": ArchSpec(rope_style="norm"),
+    "llama": ArchSpec(rope_style="norm", hf_permuted_rows={"wq": "n_head", "wk": "n_head_kv"}),
     "qwen2": ArchSpec(rope_style="neox", required_biases=("wq", "wk", "wv")),
     "qwen3": ArchSpec(rope_style="neox", qk_norm=True),
-    "phi3": ArchSpec(rope_style="neox"),  # llama.cpp disables Phi-3's sliding window; so do we
+    # llama.cpp disables Phi-3's sliding window; so do we. Hugging Face fuses its attention and MLP inputs.
+    "phi3": ArchSpec(rope_style="neox", hf_modules=HF_FUSED_MODULES),
     "gemma3": ArchSpec(rope_style="neox", activation="gelu_tanh", qk_norm=True, sandwich_norms=True,
                        embed_scale=True, swa_pattern=6),
 }

@@ -208,14 +208,3 @@ def build_dense_optimizer(kind: str, targets: DenseTargets, lr: float, weight_de
         return TorchOptimizer(torch.optim.AdamW(targets.param_groups(lr, weight_decay), lr=lr, betas=BETAS, eps=EPS,
                                                 weight_decay=weight_decay))
     raise JunoError(f"--optimizer {kind!r}: expected one of {', '.join(OPTIMIZERS)}")
-
-
-def merge_trained(targets: DenseTargets, base: Any, output: Union[str, Path], requant: Any = "auto",
-                  min_retention: float = 0.9, recorder: Optional[MetricsRecorder] = None,
-                  log: Optional[Callable[[str], None]] = None) -> Any:
-    """Write `output`: the base GGUF with every trained target replaced, through the merge's dense-delta path
-    (ΔW = W_trained − W_base, each tensor encoded under `requant`); returns the MergeReport."""
-    from juno_py.merge import merge_model
-
-    return merge_model(base, output, deltas=targets.deltas(), requant=requant, min_retention=min_retention,
-                       recorder=recorder, log=log)

@@ -44,8 +44,9 @@ def llama_cpp_logits(model, ids, lora=None, n_ctx=256) -> np.ndarray:
 def compare_tiny(arch, targets, scaling, folder) -> dict:
     """Tiny F32 `arch` model, a random-B LoRA: llama.cpp on the merged file (requant f32) and on base + GGUF-LoRA
     against our playback. Returns max-abs differences and the adapter's effect on the logits."""
+    from juno_py.exchange import export_gguf_lora
     from juno_py.gguf import GGMLType
-    from juno_py.merge import export_gguf_lora, merge_model
+    from juno_py.merge import merge_model
     from tests.fixtures.tiny_models import sample_ids, write_tiny_gguf
     from tests.merge.helpers import LLAMA_CPP_NAME, make_adapter, model_logits, playback_logits
 
@@ -74,8 +75,9 @@ def _gap(a: np.ndarray, b: np.ndarray) -> dict:
 
 def compare_real(name, adapter, folder) -> dict:
     """A real model: llama.cpp vs juno-py on the base, on the merged file (source types) and on base + GGUF-LoRA."""
+    from juno_py.exchange import export_gguf_lora
     from juno_py.lora import Mode, read_adapter
-    from juno_py.merge import export_gguf_lora, merge_model
+    from juno_py.merge import merge_model
     from juno_py.models import load_model
     from juno_py.store import resolve_model
     from tests.merge.helpers import make_adapter, model_logits, playback_logits

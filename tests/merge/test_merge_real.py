@@ -10,11 +10,12 @@ import json
 import pytest
 import torch
 
+from juno_py.exchange import export_peft, import_peft
 from juno_py.gguf import GGMLType
 from juno_py.lora import Mode
-from juno_py.merge import export_peft, import_peft, merge_model
+from juno_py.merge import merge_model
+from tests.exchange.test_export import peft_logits, same_entries
 from tests.merge.helpers import make_adapter, model_logits, playback_logits
-from tests.merge.test_export import peft_logits, same_entries
 
 pytestmark = pytest.mark.slow
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from juno_py.errors import JunoError
+from juno_py.exchange import export_gguf_lora, export_peft, import_gguf_lora, import_peft
+from juno_py.exchange.gguf_lora import llama_cpp_scale
+from juno_py.exchange.peft import gguf_rows, hf_rows
 from juno_py.gguf import GGMLType, GGUFFile
 from juno_py.lora import Mode, Scaling, read_adapter
 from juno_py.lora.format import sort_key
-from juno_py.merge import export_gguf_lora, export_peft, import_gguf_lora, import_peft
-from juno_py.merge.gguf_lora import llama_cpp_scale
-from juno_py.merge.peft import gguf_rows, hf_rows
 from juno_py.merge.targets import ModelTargets
 from tests.fixtures.tiny_models import llama_permute, sample_ids
 from tests.merge.helpers import combine, make_adapter, playback_logits

@@ -23,11 +23,11 @@ from typing import Optional
 
 import numpy as np
 
+from juno_py.exchange.interop import (Part, dump_record, finish_import, load_record, part_records, split_by_record,
+                                      stack_parts)
 from juno_py.gguf import GGMLType, GGUFFile, GGUFWriter, ValueType
 from juno_py.gguf.quants import quantize
 from juno_py.lora.format import AdapterEntry, Init, Mode, Scaling, read_adapter
-from juno_py.merge.interop import (Part, dump_record, finish_import, load_record, part_records, split_by_record,
-                                   stack_parts)
 from juno_py.merge.targets import MergeError, ModelTargets, entries_by_tensor
 
 RECORD_KEY = "juno_py.adapter_parts"

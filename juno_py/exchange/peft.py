@@ -1,12 +1,12 @@
 """PEFT export and import: `adapter_config.json` + `adapter_model.safetensors` for transformers' model of the
 same architecture.
 
-Module names come from a table per architecture. Phi-3's attention and MLP are fused in Hugging Face
-(`qkv_proj`, `gate_up_proj`): targets adapted there become one module adapter with A stacked and B
-block-diagonal; each module's scale is expressed exactly through `alpha_pattern` (or, when its parts' scales
-differ, baked into B under a module scale of 1). The `llama` architecture stores Q and K rows permuted relative
-to Hugging Face (llama.cpp's converter): B's rows and the DoRA magnitude are un-permuted, by head count for wq
-and by KV-head count for wk; A never changes.
+Module names and row permutations come from the architecture's `ArchSpec` (`hf_modules`, `hf_permuted_rows`).
+Where Hugging Face fuses several targets into one module (Phi-3's `qkv_proj`, `gate_up_proj`), the targets
+adapted there become one module adapter with A stacked and B block-diagonal; each module's scale is expressed
+exactly through `alpha_pattern` (or, when its parts' scales differ, baked into B under a module scale of 1).
+Where the GGUF stores rows permuted relative to Hugging Face (llama's Q and K, by llama.cpp's converter), B's rows
+and the DoRA magnitude are un-permuted per head (head count for wq, KV-head count for wk); A never changes.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ from typing import Optional
 import numpy as np
 
 from juno_py.atomic import atomic_output
+from juno_py.exchange.interop import (Part, dump_record, finish_import, load_record, part_records, split_by_record,
+                                      stack_parts)
 from juno_py.gguf import GGUFFile
-from juno_py.lora.format import TARGETS, AdapterEntry, Init, Mode, Scaling, read_adapter
-from juno_py.merge.interop import (Part, dump_record, finish_import, load_record, part_records, split_by_record,
-                                   stack_parts)
+from juno_py.lora.format import AdapterEntry, Init, Mode, Scaling, read_adapter
 from juno_py.merge.targets import MergeError, ModelTargets
+from juno_py.models.layout import TARGETS
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -33,35 +34,18 @@ RECORD_KEY = "juno_py"
 PREFIX = "base_model.model."
 LAYER_MODULE = "model.layers.{layer}.{module}"
 
-_SPLIT = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",
-          "wgate": "mlp.gate_proj", "wup": "mlp.up_proj", "wdown": "mlp.down_proj"}
-_PHI3 = {"wq": "self_attn.qkv_proj", "wk": "self_attn.qkv_proj", "wv": "self_attn.qkv_proj",
-         "wo": "self_attn.o_proj", "wgate": "mlp.gate_up_proj", "wup": "mlp.gate_up_proj", "wdown": "mlp.down_proj"}
-# architecture -> logical target -> Hugging Face module inside a decoder layer
-HF_MODULES = {"llama": _SPLIT, "qwen2": _SPLIT, "qwen3": _SPLIT, "gemma3": _SPLIT, "phi3": _PHI3}
-# architectures whose GGUF stores Q and K rows permuted: target -> ModelArgs field with the head count
-PERMUTED = {"llama": {"wq": "n_head", "wk": "n_head_kv"}}
-
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<kind>lora_A\.weight|lora_B\.weight|"
                   r"lora_magnitude_vector(?:\.weight)?)$")
 _LAYER = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.(?P<module>[^.]+\.[^.]+)$")
 
 
 # ----------------------------------------------------------------------------------------------- layout
-def _modules(arch: str) -> dict[str, str]:
-    try:
-        return HF_MODULES[arch]
-    except KeyError:
-        raise MergeError(f"architecture {arch!r} has no PEFT module table: expected one of "
-                         f"{', '.join(HF_MODULES)}") from None
-
-
 def module_rows(targets: ModelTargets, target: str) -> tuple[int, int, int]:
     """(lo, hi, rows of the module) of a logical target inside its Hugging Face module."""
     a = targets.args
     sizes = {"wq": a.q_dim, "wk": a.kv_dim, "wv": a.v_dim, "wo": a.n_embd, "wgate": a.n_ff, "wup": a.n_ff,
              "wdown": a.n_embd}
-    table = _modules(a.architecture)
+    table = targets.spec.hf_modules
     members = [t for t in TARGETS if table[t] == table[target]]
     lo = sum(sizes[t] for t in members[:members.index(target)])
     return lo, lo + sizes[target], sum(sizes[t] for t in members)
@@ -78,7 +62,7 @@ def gguf_rows(x: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _reorder(targets: ModelTargets, target: str, x: Optional[np.ndarray], to_hf: bool) -> Optional[np.ndarray]:
-    heads = PERMUTED.get(targets.args.architecture, {}).get(target)
+    heads = targets.spec.hf_permuted_rows.get(target)
     if x is None or heads is None:
         return x
     n = getattr(targets.args, heads)
@@ -123,7 +107,7 @@ def export_peft(base, adapter, output) -> Path:
     rslora = bool(entries) and all(e.scaling == Scaling.RSLORA for e in entries)
     with GGUFFile(base_path) as gguf:
         targets = ModelTargets(gguf)
-        table = _modules(targets.args.architecture)
+        table = targets.spec.hf_modules
         groups: dict[str, list[Part]] = {}
         for e in entries:
             targets.check_entry(e, adapter, force=True)  # a differing fingerprint warns (below); PEFT decides
@@ -225,7 +209,7 @@ def import_peft(base, folder, output) -> Path:
     entries: list[AdapterEntry] = []
     with GGUFFile(base_path) as gguf:
         targets = ModelTargets(gguf)
-        table = _modules(targets.args.architecture)
+        table = targets.spec.hf_modules
         for module, parts in sorted(modules.items()):
             where = f"{weights_path}: module {module!r}"
             m = _LAYER.search(module)
