@@ -10,11 +10,11 @@ from pathlib import Path
 
 import click
 
-from juno_py.cli import lora_cmd
-from juno_py.cli.main import cli, one_line_errors
+from juno_py.cli.common import StopFlag, load_training_data, load_training_model, one_line_errors, say, warnings_to_stderr
+from juno_py.cli.options import training_options
 
 # `juno-py lora`'s options that mean the same here (data, validation, schedule, batches, stop rules, precision,
-# checkpoints, metrics); they are that command's own Option objects, so the two commands cannot drift apart
+# checkpoints, metrics); both commands take them from options.training_options, so they cannot drift apart
 SHARED_OPTIONS = (
     "model_path", "data", "validation_data", "validation_split", "lora_targets", "lora_schedule", "lora_warmup_steps",
     "lora_min_lr", "batch_size", "lora_gradient_accumulation", "max_seq_len", "max_steps", "epochs",
@@ -35,7 +35,7 @@ def world_size() -> int:
         return 1
 
 
-@cli.command("full")
+@click.command("full")
 @click.option("--output", required=True, type=click.Path(dir_okay=False),
               help="The trained model as GGUF (written at the end by the merge stage); the resume state goes to "
                    "<output>.state.")
@@ -78,7 +78,6 @@ def full(**o) -> None:
     """Train every weight of the chosen targets (the rest stays quantized and frozen); write a GGUF. Prints its path."""
     import torch
 
-    from juno_py.cli.merge_cmd import warnings_to_stderr
     from juno_py.lora import parse_targets
     from juno_py.merge import parse_requant
     from juno_py.merge.merge import check_output_path
@@ -88,7 +87,6 @@ def full(**o) -> None:
     from juno_py.train.galore import GaLoreConfig, resolve_update_mode
     from juno_py.train.loop import TrainConfig, train
 
-    say = lora_cmd._say
     galore = o["optimizer"] == "galore"
     lr = o["lora_lr"] or DEFAULTS["lr"][o["optimizer"]]
     per_layer, clip, global_norm, matrix_norm = resolve_update_mode(
@@ -103,8 +101,8 @@ def full(**o) -> None:
     model_file = resolve_model(o["model_path"])
     check_output_path(output, [Path(model_file)])
 
-    model = lora_cmd.load_training_model(o, model_file)
-    train_set, val_set = lora_cmd.load_training_data(o, model)
+    model = load_training_model(o, model_file)
+    train_set, val_set = load_training_data(o, model)
     targets = parse_targets(o["lora_targets"])
     dense = densify(model, targets)
     identity = Identity(algorithm=f"full-{o['optimizer']}", scaling="-", init="-",
@@ -129,7 +127,7 @@ def full(**o) -> None:
         pack=o["pack"], max_seq_len=o["max_seq_len"], pad_id=model.tokenizer.pad_id or 0, seed=o["seed"],
         save_every=o["save_every"], lora_path=output)
     try:
-        with lora_cmd._StopFlag() as stop:
+        with StopFlag() as stop:
             result = train(model, dense, train_set, cfg, val_set, recorder, resume=o["resume"], stop_requested=stop,
                            progress=o["progress"], log=say, optimizer=optimizer)
         say(result.summary())
@@ -156,7 +154,8 @@ def full(**o) -> None:
 
 def _share_lora_options() -> None:
     names = {p.name for p in full.params}
-    shared = [p for p in lora_cmd.lora.params if p.name in SHARED_OPTIONS and p.name not in names]
+    training = click.command()(training_options(lambda **o: None))
+    shared = [p for p in training.params if p.name in SHARED_OPTIONS and p.name not in names]
     missing = set(SHARED_OPTIONS) - {p.name for p in shared}
     if missing:  # a renamed `juno-py lora` option: say which, rather than lose it silently
         raise RuntimeError(f"juno-py full: options {sorted(missing)} not found on juno-py lora")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from juno_py.cli.main import _register, cli
+from juno_py.cli.main import cli
 from juno_py.gguf import GGUFFile
 from juno_py.models import load_model
 from juno_py.train.data import load_dataset
@@ -115,7 +115,6 @@ def test_a_non_finite_gradient_in_per_layer_mode_keeps_the_last_checkpoint(tiny_
 
 # ------------------------------------------------------------------------------------------------ the command
 def invoke(*args):
-    _register()
     return CliRunner().invoke(cli, ["full", *map(str, args)], catch_exceptions=False)
 
 
