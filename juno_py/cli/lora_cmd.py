@@ -17,11 +17,11 @@ def lora(**o) -> None:
     """Train an adapter on a quantized GGUF model; the base stays quantized. Prints the adapter's path."""
     import torch
 
-    from juno_py.lora import AdapterConfig, Init, Mode, Scaling, attach, parse_targets
+    from juno_py.lora import attach, parse_targets
     from juno_py.metrics import MetricsRecorder
     from juno_py.store import resolve_model
     from juno_py.train import distributed
-    from juno_py.train.loop import TrainConfig, train
+    from juno_py.train.loop import train
     from juno_py.train.setup import default_adapter_path, run_identity
 
     if o["nproc"]:
@@ -42,9 +42,7 @@ def lora(**o) -> None:
     model = load_training_model(o, model_file)
     train_set, val_set = load_training_data(o, model)
 
-    config = AdapterConfig(rank=o["lora_rank"], alpha=o["lora_alpha"], mode=Mode[o["lora_mode"].upper()],
-                           scaling=Scaling[o["lora_scaling"].upper()],
-                           init=Init[o["lora_init"].upper().replace("-", "_")], dropout=o["lora_dropout"])
+    config = adapter_config_from_options(o)
     targets = parse_targets(o["lora_targets"])
     adapters = attach(model, targets, config, seed=o["seed"])
     say(f"adapter: {o['lora_mode']} r={config.rank} alpha={config.alpha} on {','.join(targets)}, "
@@ -52,17 +50,7 @@ def lora(**o) -> None:
 
     recorder = MetricsRecorder(run_identity(model, config, targets, o["device"]),
                                o["events_out"] if world.is_main else None)
-    cfg = TrainConfig(
-        lr=o["lora_lr"], batch_size=o["batch_size"], accumulation=o["lora_gradient_accumulation"],
-        max_grad_norm=o["lora_max_grad_norm"], weight_decay=o["lora_weight_decay"], plus_ratio=o["lora_plus_ratio"],
-        schedule=o["lora_schedule"], warmup_steps=o["lora_warmup_steps"], min_lr=o["lora_min_lr"],
-        max_steps=o["max_steps"], epochs=o["epochs"], loss_target=o["lora_loss_target"],
-        validation_every=o["validation_every"], patience=o["lora_validation_patience"],
-        min_delta=o["lora_validation_min_delta"], overfit_ratio=o["lora_overfit_ratio"],
-        bptt_window=o["bptt_window"], grad_checkpoint=o["grad_checkpoint"], cuda_graphs=o["cuda_graphs"],
-        pack=o["pack"],
-        max_seq_len=o["max_seq_len"], pad_id=model.tokenizer.pad_id or 0, seed=o["seed"],
-        save_every=o["save_every"], lora_path=lora_path)
+    cfg = train_config_from_options(o, pad_id=model.tokenizer.pad_id or 0, lora_path=lora_path)
     try:
         with StopFlag() as stop:
             result = train(model, adapters, train_set, cfg, val_set, recorder, resume=o["resume"],
@@ -80,3 +68,28 @@ def lora(**o) -> None:
     if world.is_main:
         click.echo(str(lora_path))
     distributed.shutdown()
+
+
+def adapter_config_from_options(o: dict):
+    """`juno-py lora`'s adapter options as an AdapterConfig."""
+    from juno_py.lora import AdapterConfig, Init, Mode, Scaling
+
+    return AdapterConfig(rank=o["lora_rank"], alpha=o["lora_alpha"], mode=Mode[o["lora_mode"].upper()],
+                         scaling=Scaling[o["lora_scaling"].upper()],
+                         init=Init[o["lora_init"].upper().replace("-", "_")], dropout=o["lora_dropout"])
+
+
+def train_config_from_options(o: dict, *, pad_id: int, lora_path: Path):
+    """`juno-py lora`'s options as the training loop's TrainConfig (pad_id from the model's tokenizer)."""
+    from juno_py.train.loop import TrainConfig
+
+    return TrainConfig(
+        lr=o["lora_lr"], batch_size=o["batch_size"], accumulation=o["lora_gradient_accumulation"],
+        max_grad_norm=o["lora_max_grad_norm"], weight_decay=o["lora_weight_decay"], plus_ratio=o["lora_plus_ratio"],
+        schedule=o["lora_schedule"], warmup_steps=o["lora_warmup_steps"], min_lr=o["lora_min_lr"],
+        max_steps=o["max_steps"], epochs=o["epochs"], loss_target=o["lora_loss_target"],
+        validation_every=o["validation_every"], patience=o["lora_validation_patience"],
+        min_delta=o["lora_validation_min_delta"], overfit_ratio=o["lora_overfit_ratio"],
+        bptt_window=o["bptt_window"], grad_checkpoint=o["grad_checkpoint"], cuda_graphs=o["cuda_graphs"],
+        pack=o["pack"], max_seq_len=o["max_seq_len"], pad_id=pad_id, seed=o["seed"], save_every=o["save_every"],
+        lora_path=lora_path)
