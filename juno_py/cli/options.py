@@ -55,7 +55,8 @@ def training_options(fn):
                   help="Plain LoRA, or DoRA (magnitude and direction).")
     @click.option("--lora-targets", default=LORA_DEFAULTS["targets"], show_default=True,
                   help="qv, all, attn, mlp, or a comma list of wq,wk,wv,wo,wgate,wup,wdown.")
-    @click.option("--lora-rank", default=LORA_DEFAULTS["rank"], show_default=True, type=click.IntRange(1), help="Rank r.")
+    @click.option("--lora-rank", default=LORA_DEFAULTS["rank"], show_default=True, type=click.IntRange(1),
+                  help="Rank r.")
     @click.option("--lora-alpha", default=LORA_DEFAULTS["alpha"], show_default=True, type=float,
                   help="Alpha: the scale is alpha/r (standard) or alpha/sqrt(r) (rslora).")
     @click.option("--lora-scaling", type=click.Choice(["standard", "rslora"]), default="standard", show_default=True,
