@@ -131,3 +131,14 @@ def test_top_level_help_lists_every_command_in_full():
         command = getattr(importlib.import_module(f"juno_py.cli.{module}"), attr)
         assert command.help.strip().split("\n")[0] == description, name
         assert " ".join(description.split()) in " ".join(result.output.split()), name
+
+
+def test_top_level_help_imports_neither_torch_nor_a_command():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.argv = ['juno-py', '--help']\nfrom juno_py.cli.main import main\ntry:\n    main()\n"
+            "except SystemExit:\n    pass\nprint(sorted(m for m in sys.modules if m == 'torch' or m.endswith('_cmd')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=ROOT.parent).stdout
+    assert out.strip().splitlines()[-1] == "[]", out
