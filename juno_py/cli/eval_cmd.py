@@ -7,11 +7,11 @@ import json
 import click
 import torch
 
-from juno_py.cli.main import cli, one_line_errors
+from juno_py.cli.common import one_line_errors
 from juno_py.cli.options import model_options, open_model
 
 
-@cli.command("eval")
+@click.command("eval")
 @model_options
 @click.option("--data", "data", required=True, multiple=True,
               help="Data file(s): .txt, JSON array or JSONL of text, prompt/completion, messages or Q/A records.")

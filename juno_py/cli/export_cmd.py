@@ -7,14 +7,13 @@ from pathlib import Path
 
 import click
 
-from juno_py.cli.main import cli, one_line_errors
-from juno_py.cli.merge_cmd import warnings_to_stderr
+from juno_py.cli.common import one_line_errors, warnings_to_stderr
 from juno_py.store import DEFAULT_MODEL
 
 FORMATS = ("peft", "gguf-lora")
 
 
-@cli.command("export")
+@click.command("export")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), required=True,
               help="peft: adapter_config.json + adapter_model.safetensors for transformers; gguf-lora: llama.cpp's "
                    "--lora file (LoRA only).")
@@ -39,7 +38,7 @@ def export(fmt, model_path, lora_path, output, dtype) -> None:
     click.echo(str(out))
 
 
-@cli.command("import")
+@click.command("import")
 @click.argument("source")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
               help="Format of SOURCE (default: a folder is peft, a file gguf-lora).")

@@ -9,12 +9,15 @@ import sys
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
-from juno_py.cli import lora_cmd
-from juno_py.cli.main import cli, one_line_errors
+from juno_py.cli.common import (StopFlag, load_training_data, load_training_model, one_line_errors, say,
+                                warnings_to_stderr)
+from juno_py.cli.options import training_options
 
 # `juno-py lora`'s options that mean the same here (data, validation, schedule, batches, stop rules, precision,
-# checkpoints, metrics); they are that command's own Option objects, so the two commands cannot drift apart
+# checkpoints, metrics); both commands take them from options.training_options, so they cannot drift apart. Those
+# named --lora-* there are renamed here (RENAMED), and their --lora-* spellings stay as hidden deprecated aliases.
 SHARED_OPTIONS = (
     "model_path", "data", "validation_data", "validation_split", "lora_targets", "lora_schedule", "lora_warmup_steps",
     "lora_min_lr", "batch_size", "lora_gradient_accumulation", "max_seq_len", "max_steps", "epochs",
@@ -22,6 +25,13 @@ SHARED_OPTIONS = (
     "lora_overfit_ratio", "qa_variants", "system", "pack", "skip_bad_records", "seed", "bptt_window",
     "grad_checkpoint", "compute_dtype", "weights_cache", "device", "threads", "save_every", "metrics_out",
     "events_out", "progress")
+# full's option name -> the name of the same option on `juno-py lora` (and of the deprecated alias here)
+RENAMED = {
+    "lr": "lora_lr", "weight_decay": "lora_weight_decay", "max_grad_norm": "lora_max_grad_norm",
+    "targets": "lora_targets", "schedule": "lora_schedule", "warmup_steps": "lora_warmup_steps",
+    "min_lr": "lora_min_lr", "gradient_accumulation": "lora_gradient_accumulation", "loss_target": "lora_loss_target",
+    "validation_patience": "lora_validation_patience", "validation_min_delta": "lora_validation_min_delta",
+    "overfit_ratio": "lora_overfit_ratio"}
 # learning rates: GaLore's lifted step is scaled by α and spread by an r-column projector, so per weight it moves
 # about an eighth of AdamW's at the same rate (1e-3 learns the built-in facts in 4 epochs on SmolLM2-135M)
 DEFAULTS = dict(lr={"galore": 1e-3, "adamw": 1e-4}, rank=128, update_gap=200, scale=0.25)
@@ -35,18 +45,18 @@ def world_size() -> int:
         return 1
 
 
-@cli.command("full")
+@click.command("full")
 @click.option("--output", required=True, type=click.Path(dir_okay=False),
               help="The trained model as GGUF (written at the end by the merge stage); the resume state goes to "
                    "<output>.state.")
 @click.option("--optimizer", type=click.Choice(["galore", "adamw"]), default="galore", show_default=True,
               help="GaLore-AdamW (moments in a low-rank subspace of each gradient) or AdamW (full moments).")
-@click.option("--lora-lr", default=None, type=click.FloatRange(0, min_open=True),
+@click.option("--lr", default=None, type=click.FloatRange(0, min_open=True),
               help="Peak learning rate (default: 1e-3 for galore, whose steps are further scaled by --galore-scale; "
                    "1e-4 for adamw).")
-@click.option("--lora-weight-decay", default=0.0, show_default=True, type=click.FloatRange(0),
+@click.option("--weight-decay", default=0.0, show_default=True, type=click.FloatRange(0),
               help="Decoupled weight decay on every trained matrix.")
-@click.option("--lora-max-grad-norm", default=1.0, show_default=True, type=click.FloatRange(0),
+@click.option("--max-grad-norm", default=1.0, show_default=True, type=click.FloatRange(0),
               help="Clip gradients to this L2 norm (0: no clipping): globally or per matrix, see --grad-clip.")
 @click.option("--grad-clip", type=click.Choice(["auto", "global", "per-matrix"]), default="auto", show_default=True,
               help="Clip the global gradient norm, or each matrix's (auto: per matrix in GaLore's per-layer mode, "
@@ -78,7 +88,6 @@ def full(**o) -> None:
     """Train every weight of the chosen targets (the rest stays quantized and frozen); write a GGUF. Prints its path."""
     import torch
 
-    from juno_py.cli.merge_cmd import warnings_to_stderr
     from juno_py.lora import parse_targets
     from juno_py.merge import merge_trained, parse_requant
     from juno_py.merge.merge import check_output_path
@@ -86,14 +95,14 @@ def full(**o) -> None:
     from juno_py.store import resolve_model
     from juno_py.train.dense import build_dense_optimizer, densify
     from juno_py.train.galore import GaLoreConfig, resolve_update_mode
-    from juno_py.train.loop import TrainConfig, train
+    from juno_py.train.loop import train
 
-    say = lora_cmd._say
+    o = take_deprecated_aliases(o)
     galore = o["optimizer"] == "galore"
-    lr = o["lora_lr"] or DEFAULTS["lr"][o["optimizer"]]
+    lr = o["lr"] or DEFAULTS["lr"][o["optimizer"]]
     per_layer, clip, global_norm, matrix_norm = resolve_update_mode(
-        o["optimizer"], o["galore_per_layer"], o["grad_clip"], o["lora_max_grad_norm"],
-        o["lora_gradient_accumulation"], o["bptt_window"], world_size())
+        o["optimizer"], o["galore_per_layer"], o["grad_clip"], o["max_grad_norm"],
+        o["gradient_accumulation"], o["bptt_window"], world_size())
     parse_requant(o["requant"])  # a bad type fails now, not after the training
     galore_cfg = GaLoreConfig(rank=o["galore_rank"], update_gap=o["galore_update_gap"], scale=o["galore_scale"],
                               svd=o["galore_svd"], per_layer=per_layer, max_matrix_norm=matrix_norm)
@@ -103,33 +112,26 @@ def full(**o) -> None:
     model_file = resolve_model(o["model_path"])
     check_output_path(output, [Path(model_file)])
 
-    model = lora_cmd.load_training_model(o, model_file)
-    train_set, val_set = lora_cmd.load_training_data(o, model)
-    targets = parse_targets(o["lora_targets"])
+    model = load_training_model(o, model_file)
+    train_set, val_set = load_training_data(o, model)
+    targets = parse_targets(o["targets"])
     dense = densify(model, targets)
     identity = Identity(algorithm=f"full-{o['optimizer']}", scaling="-", init="-",
                         architecture=model.args.architecture, device=str(o["device"]),
                         rank=galore_cfg.rank if galore else 0, alpha=galore_cfg.scale if galore else 1.0,
                         targets=",".join(targets))
     recorder = MetricsRecorder(identity, o["events_out"])
-    optimizer = build_dense_optimizer(o["optimizer"], dense, lr, o["lora_weight_decay"], galore_cfg,
+    optimizer = build_dense_optimizer(o["optimizer"], dense, lr, o["weight_decay"], galore_cfg,
                                       o["seed"], recorder)
     what = (f"GaLore r={galore_cfg.rank} T={galore_cfg.update_gap} α={galore_cfg.scale} {galore_cfg.svd} SVD, "
             f"{'per-layer updates' if per_layer else 'updates after backward'}" if galore else "AdamW")
     say(f"full training: {len(dense.linears)} matrices ({','.join(targets)}), {dense.n_parameters():,} trainable "
-        f"weights (fp32 masters); {what}; lr {lr:g}; clipping {clip} at {o['lora_max_grad_norm']}")
+        f"weights (fp32 masters); {what}; lr {lr:g}; clipping {clip} at {o['max_grad_norm']}")
 
-    cfg = TrainConfig(
-        lr=lr, batch_size=o["batch_size"], accumulation=o["lora_gradient_accumulation"],
-        max_grad_norm=global_norm, weight_decay=o["lora_weight_decay"], schedule=o["lora_schedule"],
-        warmup_steps=o["lora_warmup_steps"], min_lr=o["lora_min_lr"], max_steps=o["max_steps"], epochs=o["epochs"],
-        loss_target=o["lora_loss_target"], validation_every=o["validation_every"],
-        patience=o["lora_validation_patience"], min_delta=o["lora_validation_min_delta"],
-        overfit_ratio=o["lora_overfit_ratio"], bptt_window=o["bptt_window"], grad_checkpoint=o["grad_checkpoint"],
-        pack=o["pack"], max_seq_len=o["max_seq_len"], pad_id=model.tokenizer.pad_id or 0, seed=o["seed"],
-        save_every=o["save_every"], lora_path=output)
+    cfg = train_config_from_options(o, lr=lr, max_grad_norm=global_norm, pad_id=model.tokenizer.pad_id or 0,
+                                    output=output)
     try:
-        with lora_cmd._StopFlag() as stop:
+        with StopFlag() as stop:
             result = train(model, dense, train_set, cfg, val_set, recorder, resume=o["resume"], stop_requested=stop,
                            progress=o["progress"], log=say, optimizer=optimizer)
         say(result.summary())
@@ -154,13 +156,56 @@ def full(**o) -> None:
     click.echo(str(output))
 
 
+def _deprecated(ctx, param, value):
+    if value is not None and ctx.get_parameter_source(param.name) == ParameterSource.COMMANDLINE:
+        new = next(n for n, old in RENAMED.items() if old == param.name).replace("_", "-")
+        click.echo(f"juno-py: note: juno-py full: {param.opts[0]} is deprecated; use --{new}", err=True)
+    return value
+
+
 def _share_lora_options() -> None:
+    """Put `juno-py lora`'s SHARED_OPTIONS on `full`: those in RENAMED under full's name, each with its old --lora-*
+    spelling as a hidden option (default None) that take_deprecated_aliases folds into the new one."""
     names = {p.name for p in full.params}
-    shared = [p for p in lora_cmd.lora.params if p.name in SHARED_OPTIONS and p.name not in names]
+    training = click.command()(training_options(lambda **o: None))
+    shared = [p for p in training.params if p.name in SHARED_OPTIONS and p.name not in names]
     missing = set(SHARED_OPTIONS) - {p.name for p in shared}
     if missing:  # a renamed `juno-py lora` option: say which, rather than lose it silently
         raise RuntimeError(f"juno-py full: options {sorted(missing)} not found on juno-py lora")
+    renamed = {old: new for new, old in RENAMED.items()}
+    for p in shared:
+        if p.name in renamed:
+            p.name, p.opts = renamed[p.name], [f"--{renamed[p.name].replace('_', '-')}"]
+    aliases = [click.Option([f"--{old.replace('_', '-')}", old], type=next(
+        (p.type for p in [*shared, *full.params] if p.name == new), None), default=None, hidden=True,
+        callback=_deprecated, expose_value=True) for new, old in RENAMED.items()]
     full.params[:0] = shared
+    full.params.extend(aliases)
+
+
+def take_deprecated_aliases(o: dict) -> dict:
+    """The options with each deprecated --lora-* spelling's value (when given) moved to its new name."""
+    o = dict(o)
+    for new, old in RENAMED.items():
+        value = o.pop(old, None)
+        if value is not None:
+            o[new] = value
+    return o
+
+
+def train_config_from_options(o: dict, *, lr: float, max_grad_norm: float, pad_id: int, output: Path):
+    """`juno-py full`'s options as the training loop's TrainConfig; lr and the global clipping norm are resolved
+    by the caller (the optimizer's default rate; 0 when GaLore clips per matrix)."""
+    from juno_py.train.loop import TrainConfig
+
+    return TrainConfig(
+        lr=lr, batch_size=o["batch_size"], accumulation=o["gradient_accumulation"], max_grad_norm=max_grad_norm,
+        weight_decay=o["weight_decay"], schedule=o["schedule"], warmup_steps=o["warmup_steps"], min_lr=o["min_lr"],
+        max_steps=o["max_steps"], epochs=o["epochs"], loss_target=o["loss_target"],
+        validation_every=o["validation_every"], patience=o["validation_patience"], min_delta=o["validation_min_delta"],
+        overfit_ratio=o["overfit_ratio"], bptt_window=o["bptt_window"], grad_checkpoint=o["grad_checkpoint"],
+        pack=o["pack"], max_seq_len=o["max_seq_len"], pad_id=pad_id, seed=o["seed"], save_every=o["save_every"],
+        lora_path=output)
 
 
 _share_lora_options()

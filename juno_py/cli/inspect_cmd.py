@@ -5,7 +5,7 @@ from collections import defaultdict
 
 import click
 
-from juno_py.cli.main import cli, one_line_errors
+from juno_py.cli.common import one_line_errors
 from juno_py.gguf import GGUFFile
 from juno_py.store import resolve_model
 
@@ -40,7 +40,7 @@ def summarize(f: GGUFFile) -> dict:
     }
 
 
-@cli.command()
+@click.command()
 @click.argument("model")
 @click.option("--tensors", is_flag=True, help="List every tensor: name, type, row-major shape, bytes.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")

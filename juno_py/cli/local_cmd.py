@@ -7,7 +7,7 @@ import time
 
 import click
 
-from juno_py.cli.main import cli, one_line_errors
+from juno_py.cli.common import one_line_errors
 from juno_py.cli.options import model_options, open_model
 
 
@@ -35,7 +35,7 @@ def _reply(model, messages, max_tokens, temperature, top_k, top_p, seed, stream_
     return tok.decode(out), len(out), time.perf_counter() - t0
 
 
-@cli.command()
+@click.command()
 @model_options
 @click.option("--prompt", help="Answer this one prompt (only the reply goes to stdout) instead of chatting.")
 @click.option("--system", help="A system message placed before the conversation.")

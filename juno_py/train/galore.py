@@ -66,12 +66,12 @@ def check_per_layer(accumulation: int, max_grad_norm: float, bptt_window: int = 
     gradient, so nothing may need the gradients of several passes, or of all matrices at once."""
     if accumulation > 1:
         raise GaLoreConfigError(f"--galore-per-layer updates each matrix during backward, so gradient accumulation "
-                                f"(--lora-gradient-accumulation {accumulation}) cannot add up several micro-batches: "
+                                f"(--gradient-accumulation {accumulation}) cannot add up several micro-batches: "
                                 f"use --no-galore-per-layer, or a larger --batch-size")
     if max_grad_norm > 0:
         raise GaLoreConfigError("--galore-per-layer updates each matrix before the others have gradients, so the "
                                 "global gradient norm is never known before an update: use --grad-clip per-matrix "
-                                "(each matrix clipped to --lora-max-grad-norm), or --no-galore-per-layer")
+                                "(each matrix clipped to --max-grad-norm), or --no-galore-per-layer")
     if bptt_window:
         raise GaLoreConfigError(f"--galore-per-layer needs one backward pass per step; --bptt-window {bptt_window} "
                                 f"runs one per window: use --no-galore-per-layer")

@@ -7,13 +7,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from juno_py.cli.main import _register, cli
+from juno_py.cli.main import cli
 from juno_py.models import load_model
 
 
 @pytest.fixture(scope="module")
 def runner():
-    _register()
     return CliRunner()
 
 

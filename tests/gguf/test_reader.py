@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from juno_py.cli.main import cli, _register
+from juno_py.cli.main import cli
 from juno_py.errors import GGUFFormatError
 from juno_py.gguf import GGMLType, GGUFFile, GGUFWriter, ValueType
 from juno_py.gguf import quants
@@ -241,7 +241,6 @@ def test_hostile_mutations_of_a_real_header(smollm2_path, tmp_path_factory, data
 def test_inspect_on_a_hostile_file_prints_one_line(tmp_path):
     p = write_small_gguf(tmp_path / "small.gguf")
     p.write_bytes(p.read_bytes()[:100])
-    _register()
     res = CliRunner().invoke(cli, ["inspect", str(p)])
     assert res.exit_code != 0
     lines = [line for line in res.stderr.splitlines() if line.strip()]

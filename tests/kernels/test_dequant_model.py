@@ -116,9 +116,8 @@ def test_trained_dora_fused_matches_eager_relative_to_adapter(tiny_gguf, monkeyp
 def test_cli_lora_local_eval_on_cuda(tiny_gguf, tmp_path):
     from click.testing import CliRunner
 
-    from juno_py.cli.main import _register, cli
+    from juno_py.cli.main import cli
 
-    _register()
     path = tiny_gguf("llama", GGMLType.Q8_0)
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "the river flows on and on through the old town"}\n{"Q": "Who sings?", "A": "Juno."}\n')

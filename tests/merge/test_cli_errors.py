@@ -7,12 +7,11 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from juno_py.cli.main import _register, cli
+from juno_py.cli.main import cli
 from juno_py.gguf import GGMLType
 from juno_py.lora import Mode
 from tests.merge.helpers import make_adapter
 
-_register()
 
 
 def run(*args):

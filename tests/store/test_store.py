@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from juno_py import store
-from juno_py.cli.main import _register, cli
+from juno_py.cli.main import cli
 from juno_py.errors import ModelStoreError
 
 
@@ -66,14 +66,12 @@ def test_unknown_name_is_a_clear_error(tmp_path):
 
 
 def test_cli_pull_prints_path_last(smollm2_path):
-    _register()
     res = CliRunner().invoke(cli, ["models", "pull", "smollm2-135m"])
     assert res.exit_code == 0, res.output
     assert res.stdout.strip().splitlines()[-1] == str(smollm2_path)
 
 
 def test_cli_inspect_real_model(smollm2_path):
-    _register()
     res = CliRunner().invoke(cli, ["inspect", "smollm2-135m", "--json"])
     assert res.exit_code == 0, res.output
     import json

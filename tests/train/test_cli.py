@@ -9,13 +9,12 @@ import time
 
 from click.testing import CliRunner
 
-from juno_py.cli.main import _register, cli
+from juno_py.cli.main import cli
 from juno_py.lora import read_adapter
 from juno_py.train.state import load_state
 
 
 def invoke(*args):
-    _register()
     return CliRunner().invoke(cli, ["lora", *map(str, args)], catch_exceptions=False)
 
 

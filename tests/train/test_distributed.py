@@ -14,7 +14,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from juno_py.cli.main import _register, cli
+from juno_py.cli.main import cli
 from juno_py.lora import read_adapter
 from juno_py.train.distributed import World, shard_rows
 from juno_py.train.state import load_state, state_path
@@ -148,7 +148,6 @@ def test_lora_nproc_2_trains_like_one_process_and_only_rank_0_writes(tiny_path, 
     assert [e["step"] for e in events if e["kind"] == "train_step"] == [1, 2, 3]
     assert json.loads((tmp_path / "metrics.json").read_text())["series"]["train_step.loss"]["count"] == 3
 
-    _register()
     one = tmp_path / "one.bin"
     r1 = CliRunner().invoke(cli, ["lora", *map(str, args), "--lora-path", str(one)], catch_exceptions=False)
     assert r1.exit_code == 0, r1.stderr
@@ -184,7 +183,6 @@ def test_nproc_forwards_the_given_options_to_the_ranks():
 
     from juno_py.cli.launch import torchrun_argv
 
-    _register()
     cmd = cli.commands["lora"]
     ctx = cmd.make_context("lora", ["--nproc", "2", "--data", "a.jsonl", "--data", "b.jsonl", "--lora-lr", "0.001",
                                     "--resume", "--no-progress", "--lora-path", "x y.bin"])

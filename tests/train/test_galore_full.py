@@ -7,7 +7,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from juno_py.cli.main import _register, cli
+from juno_py.cli.main import cli
 from juno_py.gguf import GGUFFile
 from juno_py.models import load_model
 from juno_py.train.data import load_dataset
@@ -116,14 +116,13 @@ def test_a_non_finite_gradient_in_per_layer_mode_keeps_the_last_checkpoint(tiny_
 
 # ------------------------------------------------------------------------------------------------ the command
 def invoke(*args):
-    _register()
     return CliRunner().invoke(cli, ["full", *map(str, args)], catch_exceptions=False)
 
 
 def test_full_command_writes_a_gguf_holding_the_trained_weights(tiny_path, mixed_data, tmp_path):
     out = tmp_path / "full.gguf"
     r = invoke("--model-path", tiny_path, "--data", mixed_data, "--output", out, "--max-steps", 4, "--galore-rank", 4,
-               "--galore-update-gap", 2, "--lora-lr", 1e-2, "--validation-split", 0.2, "--requant", "source",
+               "--galore-update-gap", 2, "--lr", 1e-2, "--validation-split", 0.2, "--requant", "source",
                "--report", tmp_path / "report.json", "--metrics-out", tmp_path / "metrics.json",
                "--events-out", tmp_path / "events.jsonl", "--compute-dtype", "fp32", "--no-progress")
     assert r.exit_code == 0, r.stderr
@@ -155,7 +154,7 @@ def test_full_command_writes_a_gguf_holding_the_trained_weights(tiny_path, mixed
 def test_full_command_with_adamw_and_a_forced_type(tiny_path, mixed_data, tmp_path):
     out = tmp_path / "adamw.gguf"
     r = invoke("--model-path", tiny_path, "--data", mixed_data, "--output", out, "--max-steps", 2, "--optimizer",
-               "adamw", "--lora-targets", "qv", "--requant", "f16", "--compute-dtype", "fp32", "--no-progress")
+               "adamw", "--targets", "qv", "--requant", "f16", "--compute-dtype", "fp32", "--no-progress")
     assert r.exit_code == 0, r.stderr
     assert "AdamW; lr 0.0001; clipping global" in r.stderr and "4 tensors patched" in r.stderr
     assert "F32->F16" in r.stderr
@@ -165,7 +164,7 @@ def test_full_command_with_adamw_and_a_forced_type(tiny_path, mixed_data, tmp_pa
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--lora-gradient-accumulation", 2], "gradient accumulation (--lora-gradient-accumulation 2) cannot add up"),
+    (["--gradient-accumulation", 2], "gradient accumulation (--gradient-accumulation 2) cannot add up"),
     (["--grad-clip", "global"], "global gradient norm is never known"),
     (["--optimizer", "adamw", "--galore-per-layer"], "--galore-per-layer applies to --optimizer galore"),
     (["--optimizer", "adamw", "--grad-clip", "per-matrix"], "--grad-clip per-matrix applies to --optimizer galore"),

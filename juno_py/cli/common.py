@@ -1,0 +1,110 @@
+"""Helpers shared by the `juno-py` commands: one-line errors and warnings, stderr messages, the Ctrl-C stop
+flag, and opening the model and data the training commands train on."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import signal
+import sys
+import warnings
+from pathlib import Path
+
+import click
+
+from juno_py.errors import JunoError
+
+
+def one_line_errors(fn):
+    """Turn a JunoError (or a missing file) into one line on stderr and exit status 1, no traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (JunoError, FileNotFoundError, PermissionError, IsADirectoryError) as e:
+            rank = os.environ.get("RANK") if os.environ.get("WORLD_SIZE", "1") not in ("", "1") else None
+            click.echo(f"juno-py: error{f' (rank {rank})' if rank else ''}: {e}", err=True)  # rank: under torchrun
+            sys.exit(1)
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def warnings_to_stderr():
+    """Library warnings (a differing fingerprint, a skipped tensor) as one `juno-py: warning:` line each."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            for w in caught:
+                click.echo(f"juno-py: warning: {w.message}", err=True)
+
+
+_quiet = False  # under torchrun, ranks other than 0 keep quiet (errors still reach stderr)
+
+
+def set_quiet(quiet: bool) -> None:
+    """Silence `say` (ranks other than 0 of a torchrun job)."""
+    global _quiet
+    _quiet = quiet
+
+
+def say(msg: str) -> None:
+    if not _quiet:
+        click.echo(msg, err=True)
+
+
+class StopFlag:
+    """First Ctrl-C: finish the step, save, exit cleanly. Second: stop at once (the last checkpoint stays)."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __call__(self) -> bool:
+        return self.requested
+
+    def _handle(self, signum, frame):
+        self.requested = True
+        say("juno-py: interrupted: finishing this step, then saving (Ctrl-C again to stop without saving)")
+        signal.signal(signal.SIGINT, self._previous)
+
+    def __enter__(self):
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self._previous)
+
+
+def load_training_model(o: dict, model_file):
+    """The model as the training commands open it (`juno-py lora`, `juno-py full`): compute dtype and weights
+    cache resolved from their options."""
+    from juno_py.models import load_model
+    from juno_py.train.setup import resolve_compute_dtype, resolve_weights_cache
+
+    compute = resolve_compute_dtype(o["compute_dtype"], o["device"])
+    cache = resolve_weights_cache(o["weights_cache"], model_file, compute, o["device"])
+    model = load_model(model_file, device=o["device"], weights_cache=cache, compute_dtype=compute)
+    say(f"model: {model_file} ({model.args.architecture}, {model.args.n_layer} layers); compute "
+         f"{str(compute).removeprefix('torch.')}, weights cache {cache}")
+    return model
+
+
+def load_training_data(o: dict, model) -> tuple[list, list]:
+    """Training and validation sequences from the data options (no --data: the built-in facts)."""
+    from juno_py.train.data import BUILTIN_FACTS, load_dataset
+
+    data = [Path(p) for p in o["data"]] or [BUILTIN_FACTS]
+    if not o["data"]:
+        say(f"data: the built-in facts ({BUILTIN_FACTS}); set --data to train on your own")
+    train_set, val_set, stats = load_dataset(
+        data, model.tokenizer, o["max_seq_len"], o["qa_variants"], o["skip_bad_records"], o["validation_split"],
+        o["seed"], o["system"], [Path(p) for p in o["validation_data"]])
+    say(f"data: {stats.line()}; {len(val_set)} validation sequences")
+    if not train_set:
+        raise click.UsageError("no training sequences left (all records dropped by --max-seq-len?)")
+    return train_set, val_set
