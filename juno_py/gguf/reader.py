@@ -78,7 +78,7 @@ def typed_value(fields: Mapping[str, Field], metadata: Mapping[str, Any], key: s
     file, by its Python type otherwise; ints also within [lo, hi]. A wrong type or range is a GGUFFormatError."""
     if key not in metadata:
         if default is _MISSING:
-            raise format_error(path, f"metadata {key!r}", f"missing, expected {kind.__name__}")
+            raise GGUFFormatError(one_line(f"{_where(path)}: metadata {key!r} is missing, expected {kind.__name__}"))
         return default
     value = metadata[key]
     field = fields.get(key)
@@ -411,7 +411,8 @@ class GGUFFile:
         for i in range(2, n + 1):
             p = self.path.with_name(f"{m.group('prefix')}-{i:05d}-of-{n:05d}.gguf")
             if not p.exists():
-                raise format_error(self.path, f"split {i} of {n}", f"missing, expected {_where(p)}")
+                raise GGUFFormatError(one_line(f"{_where(self.path)}: split {i} of {n} is missing, expected "
+                                               f"{_where(p)}"))
             shard = _Shard(p)
             self.shards.append(shard)
             count = typed_value(shard.fields, shard.metadata, "split.count", int, p, n)
@@ -436,7 +437,7 @@ class GGUFFile:
         try:
             return self.tensors[name]
         except KeyError:
-            raise format_error(self.path, f"tensor {show(name)}", "missing") from None
+            raise GGUFFormatError(one_line(f"{_where(self.path)}: tensor {show(name)} is missing")) from None
 
     def raw_rows(self, name: str, rows: Optional[slice] = None) -> np.ndarray:
         """The bytes of a range of rows (first dimension), uint8 `[n, bytes_per_row_of_that_dim]`: a view."""

@@ -264,5 +264,5 @@ def test_split_files_read_as_one_model(tmp_path):
     assert set(f.tensors) == {"t1", "t2"}
     assert torch.equal(f.dequantize("t2"), torch.from_numpy(x * 2))
     (tmp_path / "m-00002-of-00002.gguf").unlink()
-    with pytest.raises(GGUFFormatError, match="split 2 of 2: missing"):
+    with pytest.raises(GGUFFormatError, match="split 2 of 2 is missing"):
         GGUFFile(tmp_path / "m-00001-of-00002.gguf")
