@@ -211,6 +211,6 @@ def resolve_model(path_or_name, log: Callable[[str], None] = _log) -> Path:
         return p
     name = str(path_or_name)
     if name in MODELS:
-        return cached_path(name, log) or pull(name, log=log)
+        return pull(name, log=log)  # the cached file when it passes its check
     raise ModelStoreError(f"{path_or_name}: no such file, and not a model-store name (the store has "
                           f"{', '.join(MODELS)})")
