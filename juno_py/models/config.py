@@ -9,11 +9,12 @@ and which targets' rows llama.cpp's converter permuted.
 
 from __future__ import annotations
 
+import array
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from juno_py.errors import GGUFFormatError, UnsupportedArchitecture
+from juno_py.errors import GGUFFormatError, UnsupportedArchitecture, show
 
 _MISSING = object()
 
@@ -61,7 +62,7 @@ def arch_spec(architecture: str, path: Any = "") -> ArchSpec:
     spec = ARCHITECTURES.get(architecture)
     if spec is None:
         where = f"{path}: " if path else ""
-        raise UnsupportedArchitecture(f"{where}architecture {architecture!r} is not supported: expected one of "
+        raise UnsupportedArchitecture(f"{where}architecture {show(architecture)} is not supported: expected one of "
                                       f"{', '.join(ARCHITECTURES)}")
     return spec
 
@@ -81,15 +82,15 @@ class _Meta:
                 raise GGUFFormatError(f"{self.path}: metadata {full!r} is missing, expected {kind.__name__}")
             return default
         value = self.values[full]
-        if isinstance(value, list):  # per-layer arrays (head counts, ff sizes): we need them uniform
+        if isinstance(value, (list, array.array)):  # per-layer arrays (head counts, ff sizes): must be uniform
             if not value or any(v != value[0] for v in value):
-                raise GGUFFormatError(f"{self.path}: metadata {full!r} varies per layer ({value[:4]}...): "
+                raise GGUFFormatError(f"{self.path}: metadata {full!r} varies per layer ({show(value)}): "
                                       f"expected one value for every layer")
             value = value[0]
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else \
             isinstance(value, kind) and not (kind is int and isinstance(value, bool))
         if not ok:
-            raise GGUFFormatError(f"{self.path}: metadata {full!r} is {value!r}, expected {kind.__name__}")
+            raise GGUFFormatError(f"{self.path}: metadata {full!r} is {show(value)}, expected {kind.__name__}")
         return kind(value)
 
     def positive(self, key: str, default: Any = _MISSING) -> int:
@@ -162,8 +163,9 @@ class ModelArgs:
                                   f"number no larger than the head size {head_dim}")
         scaling = m.get("rope.scaling.type", "linear", str)  # llama.cpp's default; a factor of 0 means none
         if scaling not in ("none", "linear", "longrope"):
-            raise UnsupportedArchitecture(f"{gguf.path}: metadata {arch}.rope.scaling.type is {scaling!r}: supported "
-                                          f"RoPE scalings are none, linear and longrope (LongRoPE factor tensors)")
+            raise UnsupportedArchitecture(f"{gguf.path}: metadata {arch}.rope.scaling.type is {show(scaling)}: "
+                                          f"supported RoPE scalings are none, linear and longrope (LongRoPE factor "
+                                          f"tensors)")
         factor = m.get("rope.scaling.factor", 0.0, float) or m.get("rope.scale_linear", 0.0, float)
         n_ctx_train = m.positive("context_length", 2048)
         n_layer = m.positive("block_count")

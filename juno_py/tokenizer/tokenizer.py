@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from juno_py.errors import TokenizerError
+from juno_py.errors import TokenizerError, show
 from juno_py.tokenizer import pretokenize
 from juno_py.tokenizer.bpe import ByteLevelBPE
 from juno_py.tokenizer.spm import SentencePieceBPE
@@ -101,7 +101,7 @@ class Tokenizer:
         self.architecture = architecture or metadata.get("general.architecture")
         self.model = metadata.get("tokenizer.ggml.model")
         if self.model not in ("gpt2", "llama"):
-            raise TokenizerError(f"{source}: tokenizer.ggml.model {self.model!r} is not supported (expected 'gpt2' or 'llama')")
+            raise TokenizerError(f"{source}: tokenizer.ggml.model {show(self.model)} is not supported (expected 'gpt2' or 'llama')")
         self._read_vocabulary()
         pre = self._read_flags()
         ids = self._read_special_ids()
@@ -158,7 +158,7 @@ class Tokenizer:
         self._ids = {t: i for i, t in enumerate(self.tokens)}
         if len(self._ids) != n:
             dup = next(t for i, t in enumerate(self.tokens) if self._ids[t] != i)
-            raise TokenizerError(f"{self.source}: duplicate token {dup!r} in tokenizer.ggml.tokens")
+            raise TokenizerError(f"{self.source}: duplicate token {show(dup)} in tokenizer.ggml.tokens")
         types = self.metadata.get("tokenizer.ggml.token_type")
         if types is not None and len(types) < n:
             raise TokenizerError(f"{self.source}: tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
@@ -173,7 +173,7 @@ class Tokenizer:
             self.pre = meta("pre") or "default"  # llama.cpp warns and uses 'default' when it is missing
             pre = PRE_TOKENIZERS.get(self.pre)
             if pre is None:
-                raise TokenizerError(f"{self.source}: unknown pre-tokenizer tokenizer.ggml.pre = {self.pre!r} "
+                raise TokenizerError(f"{self.source}: unknown pre-tokenizer tokenizer.ggml.pre = {show(self.pre)} "
                                      f"(known: {', '.join(sorted(PRE_TOKENIZERS))})")
             self.add_space_prefix, self.add_bos, self.clean_spaces = False, pre.add_bos, pre.clean_spaces
         else:

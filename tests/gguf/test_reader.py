@@ -1,5 +1,6 @@
 """GGUFFile: exact reading, and hostile headers that must end in GGUFFormatError without over-allocating or hanging."""
 
+import array
 import signal
 import struct
 import tracemalloc
@@ -95,8 +96,11 @@ def test_reads_every_value_type_and_tensor(tmp_path):
     assert f.architecture == "llama"
     assert f.metadata["general.name"] == "tiny ünïcode"
     assert f.metadata["test.uint64"] == 1 << 40 and f.metadata["test.int8"] == -7
-    assert f.metadata["test.bool"] is True and f.metadata["test.empty"] == []
+    assert f.metadata["test.bool"] is True and f.metadata["test.empty"] == array.array("i")
     assert f.metadata["tokenizer.ggml.tokens"] == ["a", "b", "<s>", "é"]
+    # numeric arrays are compact: array.array of the stored item type, Python scalars when indexed
+    scores = f.metadata["tokenizer.ggml.scores"]
+    assert scores == array.array("f", [0.0, -1.0, -2.0, -3.0]) and isinstance(scores[1], float)
     assert f.fields["test.uint16"].vtype == ValueType.UINT16
     for t in ref.tensors:
         mine = f.tensors[t.name]

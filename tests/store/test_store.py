@@ -1,6 +1,7 @@
 """Model store: verified pulls, nothing cached on failure, names accepted wherever a model path is."""
 
 import hashlib
+import os
 import zipfile
 
 import pytest
@@ -79,3 +80,48 @@ def test_cli_inspect_real_model(smollm2_path):
     info = json.loads(res.stdout)
     assert info["architecture"] == "llama" and info["tensor_count"] == 272
     assert info["types"]["Q4_1"]["tensors"] == 210 and info["tokenizer"]["pre"] == "smollm"
+
+
+def test_cached_file_is_hashed_once_per_change(tiny_entry, monkeypatch):
+    entry, content = tiny_entry
+    path = store.pull("tiny", log=lambda m: None, download=_fake_index(content, "tiny/m.gguf"))
+    calls = []
+    real = store._sha256
+    monkeypatch.setattr(store, "_sha256", lambda p: calls.append(p) or real(p))
+    assert store.cached_path("tiny") == path and calls == []  # the pull recorded its verified hash
+    store._record_path(path).unlink()
+    assert store.cached_path("tiny") == path and store.cached_path("tiny") == path
+    assert len(calls) == 1
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1000))  # touched: hashed again
+    assert store.cached_path("tiny") == path and len(calls) == 2
+
+
+def test_a_flipped_byte_is_caught_and_fetched_again(tiny_entry):
+    entry, content = tiny_entry
+    path = store.pull("tiny", log=lambda m: None, download=_fake_index(content, "tiny/m.gguf"))
+    damaged = bytearray(content)
+    damaged[10] ^= 1
+    path.write_bytes(bytes(damaged))  # same size
+    logs = []
+    assert store.cached_path("tiny", log=logs.append) is None
+    assert len(logs) == 1 and str(path) in logs[0] and "juno-py models pull tiny" in logs[0] and "\n" not in logs[0]
+    with pytest.raises(ModelStoreError, match="not a model-store name"):
+        store.resolve_model(str(path.with_name("nothing.gguf")))
+    again = store.pull("tiny", log=logs.append, download=_fake_index(content, "tiny/m.gguf"))
+    assert again == path and path.read_bytes() == content and store.cached_path("tiny") == path
+
+
+def test_a_damaged_cache_entry_is_refetched_on_resolve(tiny_entry, monkeypatch):
+    entry, content = tiny_entry
+    path = store.pull("tiny", log=lambda m: None, download=_fake_index(content, "tiny/m.gguf"))
+    path.write_bytes(content[:-1] + bytes([content[-1] ^ 0xFF]))
+    fetched = []
+    real_pull = store.pull
+
+    def pull(name, log):
+        fetched.append(name)
+        return real_pull(name, log=log, download=_fake_index(content, "tiny/m.gguf"))
+
+    monkeypatch.setattr(store, "pull", pull)
+    assert store.resolve_model("tiny", log=lambda m: None) == path and fetched == ["tiny"]
+    assert path.read_bytes() == content
