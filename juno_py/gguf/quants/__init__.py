@@ -104,6 +104,8 @@ def dequantize(ggml_type: int, raw, n_cols: int, what: str = "", dtype: torch.dt
     data = _as_uint8_tensor(raw)
     rows = data.numel() // codec.row_bytes(n_cols) if n_cols else 0
     blocks = data.reshape(-1, codec.type_size)
+    if blocks.shape[0] == 0:  # an empty view may have any strides, which no byte reinterpretation accepts
+        return torch.empty(rows, n_cols, dtype=dtype)
     out = native.decode(ggml_type, blocks, dtype)  # the same bits, from the C decoder where it is built
     if out is not None:
         return out.reshape(rows, n_cols)
@@ -142,3 +144,5 @@ from juno_py.gguf.quants import simple as _simple  # noqa: E402,F401
 from juno_py.gguf.quants import kquants as _kquants  # noqa: E402,F401
 from juno_py.gguf.quants import iquants as _iquants  # noqa: E402,F401
 from juno_py.gguf.quants import kquant_quantize as _kquant_quantize  # noqa: E402,F401
+from juno_py.gguf.quants import codebooks as _codebooks  # noqa: E402,F401
+from juno_py.gguf.quants import ternary as _ternary  # noqa: E402,F401
