@@ -84,15 +84,15 @@ def _half_scale(d: torch.Tensor, s: torch.Tensor, factor: float) -> torch.Tensor
     return d * (s.float() + 0.5) * factor
 
 
-def _signed_points(scale: torch.Tensor, points: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-    """scale `[n, S]` · points · signs (`[n, S, G, K]` each), flattened to `[n, S·G·K]`."""
-    n = points.shape[0]
-    return (scale.view(n, -1, 1, 1) * points * signs).view(n, -1)
+def _signed_points(scale: torch.Tensor, points: torch.Tensor, signs: torch.Tensor, out: torch.Tensor) -> None:
+    """out `[n, S·G·K]` = scale `[n, S]` · points · signs (`[n, S, G, K]` each)."""
+    scaled = scale.view(points.shape[0], -1, 1, 1) * points
+    torch.mul(scaled, signs, out=out.view(scaled.shape))
 
 
 # ---- IQ2 ---------------------------------------------------------------------------------------------------------
 
-def _iq2_xxs(blocks: torch.Tensor) -> torch.Tensor:
+def _iq2_xxs(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # d, then 8 pairs of uint32: 4 grid indices (bytes), then 4 × 7 sign bits and a 4-bit scale
     n = blocks.shape[0]
     d = f16_field(blocks, 0)
@@ -101,19 +101,19 @@ def _iq2_xxs(blocks: torch.Tensor) -> torch.Tensor:
     aux = words[:, :, 1]
     scale = _half_scale(d, aux >> 28, 0.25)
     sign_index = (aux.unsqueeze(2) >> torch.tensor([0, 7, 14, 21])) & 0x7F
-    return _signed_points(scale, _rows(GRIDS[GGMLType.IQ2_XXS], index), _rows(SIGNS_OF_INDEX, sign_index))
+    _signed_points(scale, _rows(GRIDS[GGMLType.IQ2_XXS], index), _rows(SIGNS_OF_INDEX, sign_index), out)
 
 
-def _iq2_xs(blocks: torch.Tensor) -> torch.Tensor:
+def _iq2_xs(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # d, 32 uint16s (9-bit grid index, 7-bit sign index), 16 4-bit scales
     n = blocks.shape[0]
     d = f16_field(blocks, 0)
     qs = _u16(blocks, 2, 64).view(n, 16, 2)
     scale = _half_scale(d, _nibbles(blocks, 66, 8), 0.25)
-    return _signed_points(scale, _rows(GRIDS[GGMLType.IQ2_XS], qs & 511), _rows(SIGNS_OF_INDEX, qs >> 9))
+    _signed_points(scale, _rows(GRIDS[GGMLType.IQ2_XS], qs & 511), _rows(SIGNS_OF_INDEX, qs >> 9), out)
 
 
-def _iq2_s(blocks: torch.Tensor) -> torch.Tensor:
+def _iq2_s(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # d, 32 low index bytes, 32 sign bytes, 8 bytes of 2-bit high index parts, 16 4-bit scales
     n = blocks.shape[0]
     d = f16_field(blocks, 0)
@@ -121,12 +121,12 @@ def _iq2_s(blocks: torch.Tensor) -> torch.Tensor:
     index = (blocks[:, 2:34].int() | ((qh & 3).view(n, 32) << 8)).view(n, 16, 2)
     scale = _half_scale(d, _nibbles(blocks, 74, 8), 0.25)
     signs = _rows(SIGNS_OF_BYTE, blocks[:, 34:66]).view(n, 16, 2, 8)
-    return _signed_points(scale, _rows(GRIDS[GGMLType.IQ2_S], index), signs)
+    _signed_points(scale, _rows(GRIDS[GGMLType.IQ2_S], index), signs, out)
 
 
 # ---- IQ3 ---------------------------------------------------------------------------------------------------------
 
-def _iq3_xxs(blocks: torch.Tensor) -> torch.Tensor:
+def _iq3_xxs(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # d, 64 grid index bytes (4 values each), 8 uint32s of 4 × 7 sign bits and a 4-bit scale
     n = blocks.shape[0]
     d = f16_field(blocks, 0)
@@ -134,10 +134,10 @@ def _iq3_xxs(blocks: torch.Tensor) -> torch.Tensor:
     scale = _half_scale(d, aux >> 28, 0.5)
     sign_index = (aux.unsqueeze(2) >> torch.tensor([0, 7, 14, 21])) & 0x7F
     points = _rows(GRIDS[GGMLType.IQ3_XXS], blocks[:, 2:66]).view(n, 8, 4, 8)
-    return _signed_points(scale, points, _rows(SIGNS_OF_INDEX, sign_index))
+    _signed_points(scale, points, _rows(SIGNS_OF_INDEX, sign_index), out)
 
 
-def _iq3_s(blocks: torch.Tensor) -> torch.Tensor:
+def _iq3_s(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # d, 64 low index bytes, 8 bytes of high index bits, 32 sign bytes, 8 4-bit scales: d · (1 + 2s)
     n = blocks.shape[0]
     d = f16_field(blocks, 0)
@@ -146,19 +146,19 @@ def _iq3_s(blocks: torch.Tensor) -> torch.Tensor:
     scale = d * (1 + 2 * _nibbles(blocks, 106, 4)).float()
     points = _rows(GRIDS[GGMLType.IQ3_S], index).view(n, 8, 4, 8)
     signs = _rows(SIGNS_OF_BYTE, blocks[:, 74:106]).view(n, 8, 4, 8)
-    return _signed_points(scale, points, signs)
+    _signed_points(scale, points, signs, out)
 
 
 # ---- IQ1 ---------------------------------------------------------------------------------------------------------
 
-def _iq1_values(scale: torch.Tensor, points: torch.Tensor, negative_delta: torch.Tensor) -> torch.Tensor:
-    """scale `[n, S]` · (points + ±delta): points `[n, S, G, 8]`, the offset's sign per group `[n, S, G]`."""
-    n = points.shape[0]
-    delta = torch.where(negative_delta, -IQ1_DELTA, IQ1_DELTA).unsqueeze(3)
-    return (scale.view(n, -1, 1, 1) * (points + delta)).view(n, -1)
+def _iq1_values(scale: torch.Tensor, points: torch.Tensor, negative_delta: torch.Tensor, out: torch.Tensor) -> None:
+    """out `[n, S·G·8]` = scale `[n, S]` · (points + ±delta): points `[n, S, G, 8]`, the offset's sign per group
+    `[n, S, G]`."""
+    shifted = points + torch.where(negative_delta, -IQ1_DELTA, IQ1_DELTA).unsqueeze(3)
+    torch.mul(scale.view(points.shape[0], -1, 1, 1), shifted, out=out.view(shifted.shape))
 
 
-def _iq1_s(blocks: torch.Tensor) -> torch.Tensor:
+def _iq1_s(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # d, 32 low index bytes, 8 uint16s: 4 × 3 high index bits, a 3-bit scale, the offset's sign
     n = blocks.shape[0]
     d = f16_field(blocks, 0)
@@ -167,7 +167,7 @@ def _iq1_s(blocks: torch.Tensor) -> torch.Tensor:
     high = (qh.unsqueeze(2) >> torch.tensor([0, 3, 6, 9], dtype=torch.int32)) & 7
     index = (blocks[:, 2:34].int() | (high.view(n, 32) << 8)).view(n, 8, 4)
     negative = (qh & 0x8000 != 0).view(n, 8, 1).expand(n, 8, 4)
-    return _iq1_values(scale, _rows(GRIDS[GGMLType.IQ1_S], index), negative)
+    _iq1_values(scale, _rows(GRIDS[GGMLType.IQ1_S], index), negative, out)
 
 
 def iq1_m_scale(blocks: torch.Tensor) -> torch.Tensor:
@@ -178,7 +178,7 @@ def iq1_m_scale(blocks: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int16).view(torch.float16).float().view(-1, 1)
 
 
-def _iq1_m(blocks: torch.Tensor) -> torch.Tensor:
+def _iq1_m(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # 32 low index bytes, 16 bytes of two nibbles (3 high index bits, the offset's sign), 4 uint16s of 4 × 3-bit
     # scales (and the block scale's nibbles)
     n = blocks.shape[0]
@@ -188,14 +188,11 @@ def _iq1_m(blocks: torch.Tensor) -> torch.Tensor:
     qh = _nibbles(blocks, 32, 16)
     index = (blocks[:, 0:32].int() | ((qh & 7) << 8)).view(n, 16, 2)
     negative = (qh & 8 != 0).view(n, 16, 2)
-    return _iq1_values(scale, _rows(GRIDS[GGMLType.IQ1_M], index), negative)
+    _iq1_values(scale, _rows(GRIDS[GGMLType.IQ1_M], index), negative, out)
 
 
-def _chunked(decode: Callable[[torch.Tensor], torch.Tensor]):
-    def chunk(raw: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(decode(raw))
-
-    return lambda raw: decode_in_chunks(raw, QK_K, chunk)
+def _chunked(decode: Callable[[torch.Tensor, torch.Tensor], None]):
+    return lambda raw: decode_in_chunks(raw, QK_K, decode)
 
 
 CODEBOOK_DECODERS = {
