@@ -1,5 +1,6 @@
 """The decoders of IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, TQ1_0, TQ2_0 and MXFP4 against the `gguf`
-package, bit for bit, on enough random valid blocks that every grid index, sign pattern and scale code appears."""
+package, bit for bit, on enough random valid blocks that every grid index, sign pattern and scale code appears:
+the native decoder (where it is built) and the torch codecs alone (`JUNO_PY_NATIVE=0`)."""
 
 import gguf
 import numpy as np
@@ -18,6 +19,13 @@ from tests.gguf.newtype_blocks import (
 )
 
 N_BLOCKS = 4096
+BACKENDS = ["native", "torch"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    monkeypatch.setenv("JUNO_PY_NATIVE", "0" if request.param == "torch" else "1")
+    return request.param
 
 
 def reference(ggml_type: GGMLType, raw: np.ndarray) -> np.ndarray:
@@ -38,7 +46,7 @@ def assert_bits_equal(expected: np.ndarray, actual: torch.Tensor) -> int:
 
 
 @pytest.mark.parametrize("ggml_type", NEW_TYPES, ids=lambda t: t.name)
-def test_decode_matches_gguf_bit_for_bit(ggml_type):
+def test_decode_matches_gguf_bit_for_bit(ggml_type, backend):
     block, size = GGML_BLOCK_SIZES[ggml_type]
     blocks = random_blocks(ggml_type, N_BLOCKS, seed=int(ggml_type))
     # every value of every byte that is not a float16 field appears, so every packed field takes every value
@@ -53,7 +61,7 @@ def test_decode_matches_gguf_bit_for_bit(ggml_type):
 
 
 @pytest.mark.parametrize("ggml_type", NEW_TYPES, ids=lambda t: t.name)
-def test_decode_covers_every_scale_pattern(ggml_type):
+def test_decode_covers_every_scale_pattern(ggml_type, backend):
     """The float16 scale of every block takes each finite pattern's exponent and sign: zeros, subnormals, the
     largest values (and for MXFP4 every e8m0 byte, whose largest two overflow as in gguf)."""
     block = GGML_BLOCK_SIZES[ggml_type][0]
@@ -77,7 +85,7 @@ def test_decode_covers_every_scale_pattern(ggml_type):
 
 
 @pytest.mark.parametrize("ggml_type", NEW_TYPES, ids=lambda t: t.name)
-def test_decode_over_chunks_unaligned_and_to_bf16(ggml_type):
+def test_decode_over_chunks_unaligned_and_to_bf16(ggml_type, backend):
     """More blocks than a chunk, with a ragged last one, from a buffer that starts at an odd address; bfloat16
     output is the float32 result rounded to nearest even."""
     block = GGML_BLOCK_SIZES[ggml_type][0]

@@ -88,7 +88,8 @@ def _as_uint8_tensor(raw) -> torch.Tensor:
 
 # decoders that write a bfloat16 result themselves (their last float32 pass rounds): `dequantize_blocks(raw,
 # out_dtype=torch.bfloat16)`; others decode to float32, then convert
-NARROW_OUTPUT = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+NARROW_OUTPUT = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS",
+                 "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"}
 
 
 def dequantize(ggml_type: int, raw, n_cols: int, what: str = "", dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -170,12 +170,17 @@ def _iq1_s(blocks: torch.Tensor, out: torch.Tensor) -> None:
     _iq1_values(scale, _rows(GRIDS[GGMLType.IQ1_S], index), negative, out)
 
 
+# every float16 bit pattern as float32, converted by torch's vectorized path (the native decoder's table too): a
+# conversion of a few values may take torch's scalar path, which writes every NaN as 0x7FFFFFFF
+F16_VALUES = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+
+
 def iq1_m_scale(blocks: torch.Tensor) -> torch.Tensor:
     """IQ1_M's float16 block scale, assembled from the top nibbles of the four uint16s at byte 48 (the first one's
     at the low end), as float32 `[n, 1]`."""
     top = _u16(blocks, 48, 8) & 0xF000
     bits = (top[:, 0] >> 12) | (top[:, 1] >> 8) | (top[:, 2] >> 4) | top[:, 3]
-    return bits.to(torch.int16).view(torch.float16).float().view(-1, 1)
+    return F16_VALUES.index_select(0, bits).view(-1, 1)
 
 
 def _iq1_m(blocks: torch.Tensor, out: torch.Tensor) -> None:
@@ -192,7 +197,8 @@ def _iq1_m(blocks: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _chunked(decode: Callable[[torch.Tensor, torch.Tensor], None]):
-    return lambda raw: decode_in_chunks(raw, QK_K, decode)
+    # a bfloat16 `out` is written by the last product: the exact float32 value rounded once, to nearest even
+    return lambda raw, out_dtype=torch.float32: decode_in_chunks(raw, QK_K, decode, out_dtype)
 
 
 CODEBOOK_DECODERS = {

@@ -59,7 +59,7 @@ TQ2_0_LAYOUT = BlockLayout(GGMLType.TQ2_0, QK_K, PackedCodes(0, 64, 32, 2), (64,
 TQ2_0_LAYOUT.register()
 
 F16_SCALE_OFFSETS[GGMLType.TQ1_0] = (52,)
-register(GGMLType.TQ1_0, lambda raw: decode_in_chunks(raw, QK_K, _tq1_0_chunk))
+register(GGMLType.TQ1_0, lambda raw, out_dtype=torch.float32: decode_in_chunks(raw, QK_K, _tq1_0_chunk, out_dtype))
 
 if MXFP4_LEVELS is not None:  # gguf packages before 0.18 do not know the type
     MXFP4_LAYOUT = BlockLayout(GGMLType.MXFP4, 32, PackedCodes(1, 16, 16, 4), (), _mxfp4_scales, lookup=MXFP4_LEVELS)
