@@ -7,8 +7,10 @@ own: its scale is the top nibbles of the four uint16s at byte 48, and is set the
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 
+from juno_py.gguf import GGUFWriter
 from juno_py.gguf.constants import GGML_BLOCK_SIZES, GGMLType
 
 NEW_TYPES = [GGMLType.IQ1_S, GGMLType.IQ1_M, GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S, GGMLType.IQ3_XXS,
@@ -85,3 +87,42 @@ def codebook_indices(ggml_type: GGMLType, blocks: np.ndarray) -> dict[str, tuple
         qh = blocks[:, 32:48, None].astype(np.int64) >> np.array([0, 4])
         return {"grid": (blocks[:, 0:32] | ((qh.reshape(n, 32) & 7) << 8), 2048)}
     return {}
+
+
+# a one-layer llama whose rows are 256 columns: every input width is a whole number of 256-value blocks
+TINY_LLAMA = dict(hidden_size=256, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64)
+
+
+def tiny_llama_parts():
+    """(metadata, fp32 tensors under GGUF names) of the tiny llama `TINY_LLAMA`."""
+    from tests.fixtures.tiny_models import gguf_metadata, gguf_tensors, hf_tiny_model
+
+    model = hf_tiny_model("llama", 0, TINY_LLAMA)
+    return gguf_metadata("llama", model), gguf_tensors("llama", model)
+
+
+def write_model_pair(folder, metadata, tensors, ggml_type: GGMLType):
+    """The model with every linear (2-D tensors but the embeddings) as random `ggml_type` blocks, and the same
+    model with those weights decoded by the gguf package and stored as F32: their paths."""
+    from tests.fixtures.tiny_models import _ITEM_TYPES
+
+    paths = folder / f"{ggml_type.name}.gguf", folder / f"{ggml_type.name}-dense.gguf"
+    gtype = gguf.GGMLQuantizationType(int(ggml_type))
+    with GGUFWriter(paths[0]) as quant, GGUFWriter(paths[1]) as dense:
+        for key, value, vtype in metadata:
+            for w in (quant, dense):
+                w.add_field(key, value, vtype, _ITEM_TYPES.get(key))
+        for i, (name, t) in enumerate(tensors.items()):
+            t = t.detach().float().contiguous()
+            if t.dim() != 2 or name == "token_embd.weight":
+                data = t.numpy().reshape(-1, t.shape[-1]) if t.dim() == 2 else t.numpy()
+                for w in (quant, dense):
+                    w.add_tensor(name, data, GGMLType.F32, tuple(t.shape))
+                continue
+            n_blocks = t.numel() // GGML_BLOCK_SIZES[ggml_type][0]
+            raw = random_blocks(ggml_type, n_blocks, seed=i, moderate=True).reshape(t.shape[0], -1)
+            values = gguf.quants.dequantize(raw, gtype).astype(np.float32)
+            quant.add_tensor(name, raw, ggml_type, tuple(t.shape))
+            dense.add_tensor(name, np.ascontiguousarray(values.reshape(t.shape)), GGMLType.F32, tuple(t.shape))
+    return paths

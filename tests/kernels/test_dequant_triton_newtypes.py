@@ -15,7 +15,9 @@ from juno_py.gguf.constants import GGML_BLOCK_SIZES  # noqa: E402
 from juno_py.kernels.dequant import (TRITON_TYPES, dequant_matvec, dequantize_reference,  # noqa: E402
                                      dequantize_split_reference, dequantize_split_tile, dequantize_tile,
                                      matvec_reference)
-from tests.gguf.newtype_blocks import NEW_TYPES, codebook_indices, random_blocks  # noqa: E402
+from juno_py.models import load_model  # noqa: E402
+from tests.gguf.newtype_blocks import (NEW_TYPES, codebook_indices, random_blocks, tiny_llama_parts,  # noqa: E402
+                                       write_model_pair)
 from tests.kernels.conftest import DEVICE  # noqa: E402
 
 U32 = 2.0 ** -24
@@ -112,3 +114,25 @@ def test_matvec_within_fp32_accumulation_bound(ggml_type, round_bf16):
         bound = n_cols * U32 * (x.double().abs() @ w.abs().T)
         assert y.shape == (tokens, n_rows) and float(ref.abs().max()) > 0
         assert bool(((y - ref).abs() <= bound).all())
+
+
+# the interpreter needs several seconds a type for the whole model: two types on the CPU, every one on a GPU
+@pytest.mark.parametrize("ggml_type", NEW_TYPES if DEVICE == "cuda" else [GGMLType.IQ2_XXS, GGMLType.MXFP4],
+                         ids=lambda t: t.name)
+def test_device_model_logits_match_eager_cpu(tmp_path, ggml_type):
+    """A tiny model whose every linear is of the type: its frozen linears decoding on the device path give the
+    eager CPU model's logits (within fp32 summation differences of cuBLAS vs the CPU)."""
+    path = write_model_pair(tmp_path, *tiny_llama_parts(), ggml_type)[0]
+    eager = load_model(path)
+    if DEVICE == "cuda":
+        dev = load_model(path, device="cuda", compute_dtype="fp32")
+    else:
+        dev = load_model(path, compute_dtype="fp32")
+        for lin in dev.frozen_linears():
+            lin.dequant = "triton"
+    ids = [1, 5, 9, 200, 17, 42, 3, 77]
+    with torch.no_grad():
+        ref, got = eager.logits(ids), dev.logits(ids)
+    assert got.shape == ref.shape and float(ref.std()) > 0
+    assert float((got.cpu() - ref).abs().max()) <= 1e-3
+    assert float((got.cpu().double() - ref.double()).norm() / ref.double().norm()) <= 1e-5

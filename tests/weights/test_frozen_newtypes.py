@@ -2,57 +2,25 @@
 (random valid blocks, decoded by the frozen linear through the generic codec path): its logits equal those of the
 same model with the weights stored dense (F32, decoded by the `gguf` package), and a LoRA step trains on it."""
 
-import gguf
-import numpy as np
 import pytest
 import torch
 
-from juno_py.gguf import GGMLType, GGUFWriter
 from juno_py.lora import Mode, attach
 from juno_py.models import load_model
 from juno_py.weights.frozen import FrozenQuantLinear
-from tests.fixtures.tiny_models import _ITEM_TYPES, gguf_metadata, gguf_tensors, hf_tiny_model
-from tests.gguf.newtype_blocks import NEW_TYPES, random_blocks
+from tests.gguf.newtype_blocks import NEW_TYPES, tiny_llama_parts, write_model_pair
 
-# rows of 256 columns: every input width is a whole number of 256-value blocks
-CONFIG = dict(hidden_size=256, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=64)
 IDS = [1, 5, 9, 200, 17, 42, 3, 77, 150, 8, 64, 99]
 
 
 @pytest.fixture(scope="module")
 def tiny_llama():
-    model = hf_tiny_model("llama", 0, CONFIG)
-    return gguf_metadata("llama", model), gguf_tensors("llama", model)
-
-
-def write_pair(folder, metadata, tensors, ggml_type: GGMLType):
-    """The model with every linear (2-D tensors but the embeddings) as random `ggml_type` blocks, and the same
-    model with those weights decoded by the gguf package and stored as F32."""
-    paths = folder / f"{ggml_type.name}.gguf", folder / f"{ggml_type.name}-dense.gguf"
-    with GGUFWriter(paths[0]) as quant, GGUFWriter(paths[1]) as dense:
-        for key, value, vtype in metadata:
-            for w in (quant, dense):
-                w.add_field(key, value, vtype, _ITEM_TYPES.get(key))
-        for i, (name, t) in enumerate(tensors.items()):
-            t = t.detach().float().contiguous()
-            if t.dim() != 2 or name == "token_embd.weight":
-                data = t.numpy().reshape(-1, t.shape[-1]) if t.dim() == 2 else t.numpy()
-                for w in (quant, dense):
-                    w.add_tensor(name, data, GGMLType.F32, tuple(t.shape))
-                continue
-            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(ggml_type))]
-            n_blocks = t.numel() // block
-            raw = random_blocks(ggml_type, n_blocks, seed=i, moderate=True).reshape(t.shape[0], -1)
-            values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(int(ggml_type))).astype(np.float32)
-            quant.add_tensor(name, raw, ggml_type, tuple(t.shape))
-            dense.add_tensor(name, np.ascontiguousarray(values.reshape(t.shape)), GGMLType.F32, tuple(t.shape))
-    return paths
+    return tiny_llama_parts()
 
 
 @pytest.mark.parametrize("ggml_type", NEW_TYPES, ids=lambda t: t.name)
 def test_model_in_new_type_matches_dense_and_trains(tmp_path, tiny_llama, ggml_type):
-    quant_path, dense_path = write_pair(tmp_path, *tiny_llama, ggml_type)
+    quant_path, dense_path = write_model_pair(tmp_path, *tiny_llama, ggml_type)
     model, dense = load_model(quant_path), load_model(dense_path)
     linears = [lin for blk in model.blocks for lin in blk.linears.values()]
     assert len(linears) == 7 and all(isinstance(lin, FrozenQuantLinear) for lin in linears)

@@ -1,9 +1,9 @@
 """Decoders of the ternary types TQ1_0 and TQ2_0 (256 values per block, each −1, 0 or +1 times the block's float16
 scale) and of MXFP4 (32 e2m1 values per block under a shared power-of-two scale).
 
-TQ2_0 stores a code of 2 bits per value (code − 1); TQ1_0 packs five values in a byte as the leading base-3 digits
-of a fraction (the digit k of byte b is `(uint8(b · 3^k) · 3) >> 8`), four in each of its last four bytes. MXFP4's
-e2m1 levels (doubled, as integers) and its scale come from the `gguf` package (`MXFP4.kvalues`; the e8m0 byte e is
+TQ2_0 stores a code of 2 bits per value (code − 1); TQ1_0 packs five values in a byte as the first base-3 digits of a
+fraction (the digit k of byte b is `(uint8(b · 3^k) · 3) >> 8`), four in each of its last four bytes. MXFP4's e2m1
+levels (doubled, as integers) and its scale come from the `gguf` package (`MXFP4.kvalues`; the e8m0 byte e is
 2^(e − 128) as float32, the half that pairs with the doubled levels). Every value is one exact float32 product.
 """
 
