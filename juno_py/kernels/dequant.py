@@ -34,8 +34,13 @@ from juno_py.gguf.constants import GGML_BLOCK_SIZES, GGMLType
 from juno_py.kernels import split_bf16
 from juno_py.kernels.launch import interpreting, launch
 
+# the codebook types read their grid points from a table on the device (`_grid_table`)
+CODEBOOK_TYPES = frozenset({GGMLType.IQ1_S, GGMLType.IQ1_M, GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S,
+                            GGMLType.IQ3_XXS, GGMLType.IQ3_S})
 TRITON_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0,
-                          GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
+                          GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.TQ1_0,
+                          GGMLType.TQ2_0} | CODEBOOK_TYPES
+                         | ({GGMLType.MXFP4} if "MXFP4" in quants.supported_types() else set()))
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 
 # values per block as the kernels cut rows (float types: 256 columns a block), and per type (decode: blocks a program
@@ -65,6 +70,23 @@ def kernels():
     if _kernels is None:
         _kernels = importlib.import_module("juno_py.kernels.dequant_triton")
     return _kernels
+
+
+_GRID_TABLES: dict = {}
+
+
+def _grid_table(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """The int8 grid `[points, 8 or 4]` of a codebook type on raw's device (made once per device), or `raw` itself
+    for the other types (their kernels never read it)."""
+    if ggml_type not in CODEBOOK_TYPES:
+        return raw
+    key = (int(ggml_type), raw.device)
+    table = _GRID_TABLES.get(key)
+    if table is None:
+        from juno_py.gguf.quants.codebooks import GRIDS
+
+        table = _GRID_TABLES[key] = GRIDS[GGMLType(ggml_type)].to(torch.int8).contiguous().to(raw.device)
+    return table
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -137,7 +159,8 @@ def _decode(raw: torch.Tensor, ggml_type: int, n_cols: int, row_bytes: int, r0: 
     ra = _row_alignment(row_bytes)
     with _on(raw):
         launch(kernels().dequant_kernel, (_cdiv((r1 - r0) * n_blk, nb),), (
-            raw, dst, dst if lo_dst is None else lo_dst, row_bytes // ra, r0, blk0, n_blk, r1 - r0, c0, c1, stride),
+            raw, _grid_table(raw, ggml_type), dst, dst if lo_dst is None else lo_dst, row_bytes // ra, r0, blk0, n_blk,
+            r1 - r0, c0, c1, stride),
             warps, TYPE=int(ggml_type), B=B, BLOCK_BYTES=block_bytes, RA=ra, BF16=bf16,
             EDGES=bool(c0 % B or c1 % B), NB=nb, SPLIT=lo_dst is not None)
 
@@ -199,8 +222,8 @@ def dequant_matvec(raw: torch.Tensor, ggml_type: int, n_cols: int, x: torch.Tens
         ra = _row_alignment(row_bytes)
         grid = (_cdiv(n_rows, bn), x.shape[0])
         with _on(raw):
-            launch(kernels().matvec_kernel, grid, (raw, x, y, n_rows, n_cols, _cdiv(n_cols, B), row_bytes // ra,
-                                                   x.stride(0), y.stride(0)), 4,
+            launch(kernels().matvec_kernel, grid, (raw, _grid_table(raw, ggml_type), x, y, n_rows, n_cols,
+                                                   _cdiv(n_cols, B), row_bytes // ra, x.stride(0), y.stride(0)), 4,
                    TYPE=int(ggml_type), B=B, BLOCK_BYTES=block_bytes, RA=ra, ROUND_BF16=round_bf16, BN=bn, KB=kb)
     return y
 

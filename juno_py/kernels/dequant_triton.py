@@ -18,7 +18,12 @@ Axes of a block's value tensor (`v` is the value's index inside its block):
 - Q4_K/Q5_K: [NB, 4 (c), 2 (h), 32 (l)], v = 64c + 32h + l; byte qs[32c + l] shifted by 4h, sub-block 2c + h;
 - Q6_K: [NB, 2 (n), 2 (a), 2 (b), 32 (l)], v = 128n + 64a + 32b + l; low bits ql[64n + 32b + l] >> 4a, high bits
   qh[32n + l] >> 2(2a + b), scale sc[v // 16];
-- F32/F16/BF16: [NB, 8, 32], v = 32s + l (256 columns a block, the last one masked at the row's end).
+- F32/F16/BF16: [NB, 8, 32], v = 32s + l (256 columns a block, the last one masked at the row's end);
+- IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, TQ1_0, TQ2_0: [NB, 256], and MXFP4: [NB, 32], v the value
+  itself: each value reads the bytes of its own fields (its grid index, sign bits, sub-block scale), the codebook
+  types their grid points from `grid_ptr` (the int8 grid `[points, 8 or 4]` of `gguf.quants.codebooks.GRIDS`;
+  any pointer for the other types). IQ2_XXS/IQ2_XS/IQ3_XXS's 7-bit sign indices become sign bytes by their
+  parity (llama.cpp's ksigns: bit 7 makes the count of negatives even), MXFP4's e2m1 levels are computed.
 """
 
 import triton
@@ -28,7 +33,8 @@ from juno_py.kernels.launch import interpreting
 
 INTERPRETED = interpreting()
 
-# TYPE is the GGML type number: F32 0, F16 1, Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14, BF16 30
+# TYPE is the GGML type number: F32 0, F16 1, Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14,
+# BF16 30; IQ2_XXS 16, IQ2_XS 17, IQ3_XXS 18, IQ1_S 19, IQ3_S 21, IQ2_S 22, IQ1_M 29, TQ1_0 34, TQ2_0 35, MXFP4 39
 
 
 @triton.jit
@@ -40,6 +46,96 @@ def _u8(ptr):
 def _f16(ptr):
     """The little-endian float16 at each byte address `ptr`, as fp32 (exact)."""
     return (_u8(ptr) | (_u8(ptr + 1) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _u16(ptr):
+    """The little-endian uint16 at each byte address `ptr`, as int32."""
+    return _u8(ptr) | (_u8(ptr + 1) << 8)
+
+
+@triton.jit
+def _ksign_bit(index, j):
+    """Bit j of llama.cpp's ksigns[index] for 7-bit sign indices: the index's own bits, and as bit 7 their parity."""
+    p = index ^ (index >> 4)
+    p = p ^ (p >> 2)
+    p = p ^ (p >> 1)
+    return tl.where(j < 7, (index >> j) & 1, p & 1)
+
+
+@triton.jit
+def _codebook_values(b2, grid_ptr, TYPE: tl.constexpr):
+    """The 256 values of each block at byte addresses `b2` [NB, 1] of a codebook or ternary type, fp32 [NB, 256]
+    (v = the value's index), with the torch codec's float operations (every one exact)."""
+    v = tl.arange(0, 256)[None, :]
+    j = v % 8
+    grp = v // 8  # group of 8 values (one grid point of the IQ1/IQ2 types)
+    if TYPE == 16:  # IQ2_XXS: d, then per 32 values 4 grid index bytes and a uint32 of 4 × 7 sign bits and a scale
+        w = b2 + 2 + 8 * (v // 32)
+        aux = _u8(w + 4) | (_u8(w + 5) << 8) | (_u8(w + 6) << 16) | (_u8(w + 7) << 24)
+        sign = _ksign_bit((aux >> (7 * ((v % 32) // 8))) & 0x7F, j)
+        point = tl.load(grid_ptr + 8 * _u8(w + (v % 32) // 8) + j).to(tl.float32)
+        scale = _f16(b2) * ((_u8(w + 7) >> 4).to(tl.float32) + 0.5) * 0.25
+        val = scale * point * (1 - 2 * sign).to(tl.float32)
+    elif TYPE == 17:  # IQ2_XS: d, 32 uint16s (9-bit grid index, 7-bit sign index), 16 scales of 4 bits
+        q = _u16(b2 + 2 + 2 * grp)
+        sb = v // 16
+        s = (_u8(b2 + 66 + sb // 2) >> (4 * (sb % 2))) & 0xF
+        point = tl.load(grid_ptr + 8 * (q & 511) + j).to(tl.float32)
+        scale = _f16(b2) * (s.to(tl.float32) + 0.5) * 0.25
+        val = scale * point * (1 - 2 * _ksign_bit(q >> 9, j)).to(tl.float32)
+    elif TYPE == 22:  # IQ2_S: d, 32 index bytes, 32 sign bytes, 2-bit high index parts, 16 scales of 4 bits
+        index = _u8(b2 + 2 + grp) | (((_u8(b2 + 66 + grp // 4) >> (2 * (grp % 4))) & 3) << 8)
+        sign = (_u8(b2 + 34 + grp) >> j) & 1
+        sb = v // 16
+        s = (_u8(b2 + 74 + sb // 2) >> (4 * (sb % 2))) & 0xF
+        point = tl.load(grid_ptr + 8 * index + j).to(tl.float32)
+        scale = _f16(b2) * (s.to(tl.float32) + 0.5) * 0.25
+        val = scale * point * (1 - 2 * sign).to(tl.float32)
+    elif TYPE == 18:  # IQ3_XXS: d, 64 index bytes (4 values each), per 32 values a uint32 of signs and a scale
+        w = b2 + 66 + 4 * (v // 32)
+        aux = _u8(w) | (_u8(w + 1) << 8) | (_u8(w + 2) << 16) | (_u8(w + 3) << 24)
+        sign = _ksign_bit((aux >> (7 * ((v % 32) // 8))) & 0x7F, j)
+        point = tl.load(grid_ptr + 4 * _u8(b2 + 2 + v // 4) + v % 4).to(tl.float32)
+        scale = _f16(b2) * ((_u8(w + 3) >> 4).to(tl.float32) + 0.5) * 0.5
+        val = scale * point * (1 - 2 * sign).to(tl.float32)
+    elif TYPE == 21:  # IQ3_S: d, 64 index bytes, 8 bytes of high index bits, 32 sign bytes, 8 scales: d · (1 + 2s)
+        g4 = v // 4
+        index = _u8(b2 + 2 + g4) | (((_u8(b2 + 66 + g4 // 8) >> (g4 % 8)) & 1) << 8)
+        sign = (_u8(b2 + 74 + grp) >> j) & 1
+        sb = v // 32
+        s = (_u8(b2 + 106 + sb // 2) >> (4 * (sb % 2))) & 0xF
+        point = tl.load(grid_ptr + 4 * index + v % 4).to(tl.float32)
+        val = _f16(b2) * (1 + 2 * s).to(tl.float32) * point * (1 - 2 * sign).to(tl.float32)
+    elif TYPE == 19:  # IQ1_S: d, 32 index bytes, per 32 values a uint16: 4 × 3 high index bits, scale, offset sign
+        qh = _u16(b2 + 34 + 2 * (v // 32))
+        index = _u8(b2 + 2 + grp) | (((qh >> (3 * (grp % 4))) & 7) << 8)
+        point = tl.load(grid_ptr + 8 * index + j).to(tl.float32)
+        delta = tl.where((qh & 0x8000) != 0, -0.125, 0.125)
+        val = _f16(b2) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32) * (point + delta)
+    elif TYPE == 29:  # IQ1_M: 32 index bytes, 32 nibbles (3 high index bits, offset sign), 16 scales of 3 bits;
+        # the float16 scale is the top nibbles of the four uint16s at byte 48
+        d = ((_u16(b2 + 48) >> 12) | ((_u16(b2 + 50) >> 12) << 4) | ((_u16(b2 + 52) >> 12) << 8)
+             | ((_u16(b2 + 54) >> 12) << 12))
+        d = d.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        sb = v // 16
+        sc = (_u16(b2 + 48 + 2 * (sb // 4)) >> (3 * (sb % 4))) & 7
+        nib = (_u8(b2 + 32 + grp // 2) >> (4 * (grp % 2))) & 0xF
+        point = tl.load(grid_ptr + 8 * (_u8(b2 + grp) | ((nib & 7) << 8)) + j).to(tl.float32)
+        delta = tl.where((nib & 8) != 0, -0.125, 0.125)
+        val = d * (2 * sc + 1).to(tl.float32) * (point + delta)
+    elif TYPE == 34:  # TQ1_0: 48 bytes of 5 base-3 digits (32 bytes, then 16), 4 bytes of 4, d
+        first = v < 160
+        second = v < 240
+        off = tl.where(first, v % 32, tl.where(second, 32 + (v - 160) % 16, 48 + (v - 240) % 4))
+        k = tl.where(first, v // 32, tl.where(second, (v - 160) // 16, (v - 240) // 4))
+        power = tl.where(k == 0, 1, tl.where(k == 1, 3, tl.where(k == 2, 9, tl.where(k == 3, 27, 81))))
+        q = ((((_u8(b2 + off) * power) & 0xFF) * 3) >> 8) - 1
+        val = q.to(tl.float32) * _f16(b2 + 52)
+    else:  # TQ2_0: 64 bytes of 2-bit codes (code − 1), planar per 32 bytes, d
+        q = ((_u8(b2 + 32 * (v // 128) + v % 32) >> (2 * ((v % 128) // 32))) & 3) - 1
+        val = q.to(tl.float32) * _f16(b2 + 64)
+    return val
 
 
 @triton.jit
@@ -82,12 +178,28 @@ def _emit(val, idx, base, lo, hi, ok, out_ptr, lo_out_ptr, MODE: tl.constexpr, B
 
 
 @triton.jit
-def _blocks(raw_ptr, blk, base, lo, hi, ok, out_ptr, lo_out_ptr, TYPE: tl.constexpr, MODE: tl.constexpr,
+def _blocks(raw_ptr, grid_ptr, blk, base, lo, hi, ok, out_ptr, lo_out_ptr, TYPE: tl.constexpr, MODE: tl.constexpr,
             BF16: tl.constexpr, EDGES: tl.constexpr, NB: tl.constexpr):
     """Decode the NB blocks at byte offsets `blk` [NB] (int64, always inside the bytes) and hand their values to
     `_emit` with the block's output offset `base`, its kept value range [lo, hi) and `ok` (the block is real)."""
     b = raw_ptr + blk
-    if TYPE == 12 or TYPE == 13:  # Q4_K: d dmin scales[12] qs[128]; Q5_K: d dmin scales[12] qh[32] qs[128]
+    if (TYPE == 16 or TYPE == 17 or TYPE == 18 or TYPE == 19 or TYPE == 21 or TYPE == 22 or TYPE == 29 or TYPE == 34
+            or TYPE == 35):
+        val = _codebook_values(b[:, None], grid_ptr, TYPE)
+        return _emit(val, tl.arange(0, 256)[None, :], base[:, None], lo[:, None], hi[:, None], ok[:, None], out_ptr,
+                     lo_out_ptr, MODE, BF16, EDGES, NB, 256)
+    elif TYPE == 39:  # MXFP4: an e8m0 scale byte, 16 bytes of e2m1 codes (values 0-15 low nibbles, 16-31 high)
+        b2 = b[:, None]
+        v = tl.arange(0, 32)[None, :]
+        c = (_u8(b2 + 1 + v % 16) >> (4 * (v // 16))) & 0xF
+        m = c & 7  # the doubled e2m1 magnitudes 0, 1, 2, 3, 4, 6, 8, 12
+        mag = tl.where(m < 4, m, (2 + (m & 1)) << tl.maximum((m >> 1) - 1, 0))
+        e = _u8(b2)
+        d = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)  # 2^(e − 128)
+        val = tl.where(c >= 8, -mag, mag).to(tl.float32) * d
+        return _emit(val, v, base[:, None], lo[:, None], hi[:, None], ok[:, None], out_ptr, lo_out_ptr, MODE, BF16,
+                     EDGES, NB, 32)
+    elif TYPE == 12 or TYPE == 13:  # Q4_K: d dmin scales[12] qs[128]; Q5_K: d dmin scales[12] qh[32] qs[128]
         c = tl.arange(0, 4)[None, :, None, None]
         h = tl.arange(0, 2)[None, None, :, None]
         l = tl.arange(0, 32)[None, None, None, :]
@@ -174,8 +286,8 @@ def _blocks(raw_ptr, blk, base, lo, hi, ok, out_ptr, lo_out_ptr, TYPE: tl.conste
 
 
 @triton.jit
-def dequant_kernel(raw_ptr, out_ptr, lo_out_ptr, row_units, row0, blk0, n_blk, n_out_rows, col0, col1, out_stride,
-                   TYPE: tl.constexpr, B: tl.constexpr, BLOCK_BYTES: tl.constexpr, RA: tl.constexpr,
+def dequant_kernel(raw_ptr, grid_ptr, out_ptr, lo_out_ptr, row_units, row0, blk0, n_blk, n_out_rows, col0, col1,
+                   out_stride, TYPE: tl.constexpr, B: tl.constexpr, BLOCK_BYTES: tl.constexpr, RA: tl.constexpr,
                    BF16: tl.constexpr, EDGES: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr):
     """Write W[row0 : row0 + n_out_rows, col0:col1] into out (row stride `out_stride`, column col0 at 0); SPLIT: its
     bf16 halves w_hi into out and w_lo into lo_out (the same row stride; unused otherwise). The
@@ -194,13 +306,13 @@ def dequant_kernel(raw_ptr, out_ptr, lo_out_ptr, row_units, row0, blk0, n_blk, n
     lo = col0 - first
     hi = col1 - first
     if SPLIT:
-        _blocks(raw_ptr, blk, base, lo, hi, ok, out_ptr, lo_out_ptr, TYPE, 2, True, EDGES, NB)
+        _blocks(raw_ptr, grid_ptr, blk, base, lo, hi, ok, out_ptr, lo_out_ptr, TYPE, 2, True, EDGES, NB)
     else:
-        _blocks(raw_ptr, blk, base, lo, hi, ok, out_ptr, out_ptr, TYPE, 0, BF16, EDGES, NB)
+        _blocks(raw_ptr, grid_ptr, blk, base, lo, hi, ok, out_ptr, out_ptr, TYPE, 0, BF16, EDGES, NB)
 
 
 @triton.jit
-def matvec_kernel(raw_ptr, x_ptr, y_ptr, n_rows, n_cols, n_blk, row_units, x_stride, y_stride,
+def matvec_kernel(raw_ptr, grid_ptr, x_ptr, y_ptr, n_rows, n_cols, n_blk, row_units, x_stride, y_stride,
                   TYPE: tl.constexpr, B: tl.constexpr, BLOCK_BYTES: tl.constexpr, RA: tl.constexpr,
                   ROUND_BF16: tl.constexpr, BN: tl.constexpr, KB: tl.constexpr):
     """y[t, rows] = x[t] · W[rows]ᵀ for BN rows and one token t a program, KB blocks of each row a step, fp32."""
@@ -217,8 +329,8 @@ def matvec_kernel(raw_ptr, x_ptr, y_ptr, n_rows, n_cols, n_blk, row_units, x_str
         blk = rows_c * (row_units * RA) + bcc * BLOCK_BYTES
         first = bcc * B
         hi = (n_cols - first).to(tl.int32)
-        acc += _blocks(raw_ptr, blk, t * x_stride + first, hi * 0, hi, ok, x_ptr, x_ptr, TYPE, 1, ROUND_BF16, True,
-                       BN * KB)
+        acc += _blocks(raw_ptr, grid_ptr, blk, t * x_stride + first, hi * 0, hi, ok, x_ptr, x_ptr, TYPE, 1,
+                       ROUND_BF16, True, BN * KB)
     y = tl.sum(tl.reshape(acc, [BN, KB]), axis=1)
     r = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     tl.store(y_ptr + t * y_stride + r, y, mask=r < n_rows)

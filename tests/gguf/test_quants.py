@@ -328,9 +328,9 @@ def test_quantize_then_dequantize_round_trips_through_gguf_layout():
 # ---- unsupported ----------------------------------------------------------------------------------------------
 
 def test_unsupported_type_raises_naming_it():
-    raw = np.zeros((1, 66), dtype=np.uint8)
-    with pytest.raises(UnsupportedQuantType, match="IQ2_XXS"):
-        quants.dequantize(16, raw, 256)
+    raw = np.zeros((1, 292), dtype=np.uint8)
+    with pytest.raises(UnsupportedQuantType, match="Q8_K"):
+        quants.dequantize(int(GGMLType.Q8_K), raw, 256)
     with pytest.raises(UnsupportedQuantType, match="IQ2_XXS"):
         quants.quantize(16, torch.zeros(1, 256))
     with pytest.raises(UnsupportedQuantType, match="type 99"):

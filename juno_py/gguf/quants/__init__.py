@@ -88,7 +88,8 @@ def _as_uint8_tensor(raw) -> torch.Tensor:
 
 # decoders that write a bfloat16 result themselves (their last float32 pass rounds): `dequantize_blocks(raw,
 # out_dtype=torch.bfloat16)`; others decode to float32, then convert
-NARROW_OUTPUT = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+NARROW_OUTPUT = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS",
+                 "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"}
 
 
 def dequantize(ggml_type: int, raw, n_cols: int, what: str = "", dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -104,6 +105,8 @@ def dequantize(ggml_type: int, raw, n_cols: int, what: str = "", dtype: torch.dt
     data = _as_uint8_tensor(raw)
     rows = data.numel() // codec.row_bytes(n_cols) if n_cols else 0
     blocks = data.reshape(-1, codec.type_size)
+    if blocks.shape[0] == 0:  # an empty view may have any strides, which no byte reinterpretation accepts
+        return torch.empty(rows, n_cols, dtype=dtype)
     out = native.decode(ggml_type, blocks, dtype)  # the same bits, from the C decoder where it is built
     if out is not None:
         return out.reshape(rows, n_cols)
@@ -142,3 +145,5 @@ from juno_py.gguf.quants import simple as _simple  # noqa: E402,F401
 from juno_py.gguf.quants import kquants as _kquants  # noqa: E402,F401
 from juno_py.gguf.quants import iquants as _iquants  # noqa: E402,F401
 from juno_py.gguf.quants import kquant_quantize as _kquant_quantize  # noqa: E402,F401
+from juno_py.gguf.quants import codebooks as _codebooks  # noqa: E402,F401
+from juno_py.gguf.quants import ternary as _ternary  # noqa: E402,F401

@@ -30,10 +30,12 @@ import torch
 from juno_py.gguf.constants import GGML_BLOCK_SIZES, GGMLType
 
 SOURCE = Path(__file__).with_name("native_decode.c")
-ABI = 1  # juno_native_abi() of the source this module speaks to
+ABI = 2  # juno_native_abi() of the source this module speaks to
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off")
 TYPES = frozenset(int(t) for t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
-                                   GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K))
+                                   GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K,
+                                   GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S, GGMLType.IQ3_XXS, GGMLType.IQ3_S,
+                                   GGMLType.IQ1_S, GGMLType.IQ1_M, GGMLType.TQ1_0, GGMLType.TQ2_0, GGMLType.MXFP4))
 OUT_DTYPES = (torch.float32, torch.bfloat16)
 # threads one decode is split over (pthreads inside the library): one, because a training step ran slower with
 # two (docs/benchmarks.md, "Native block decoder"): right after a matmul torch's threads hold the cores
@@ -123,6 +125,18 @@ def open_library(path: Path) -> ctypes.CDLL:
     # subnormal values are then those of the torch codecs
     table = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16).float().contiguous()
     lib.juno_set_f16_table(table.data_ptr())
+    # the codebook grids and MXFP4's levels: the codecs' own tables (read from the gguf package)
+    from juno_py.gguf.quants.codebooks import GRIDS
+    from juno_py.gguf.quants.ternary import MXFP4_LEVELS
+
+    lib.juno_set_table.restype = ctypes.c_int
+    lib.juno_set_table.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
+    tables = {int(t): grid.to(torch.int8).contiguous() for t, grid in GRIDS.items()}
+    if MXFP4_LEVELS is not None:
+        tables[int(GGMLType.MXFP4)] = MXFP4_LEVELS.contiguous()
+    for ggml_type, values in tables.items():
+        if lib.juno_set_table(ggml_type, values.data_ptr(), values.numel()) != 0:
+            raise OSError(f"{path} takes no table of {values.numel()} values for GGML type {ggml_type}")
     return lib
 
 

@@ -1,5 +1,5 @@
 /* Native block decoder for the CPU: GGML block types to float32 or bfloat16, bit for bit as the torch codecs in
- * simple.py and kquants.py decode them.
+ * simple.py, kquants.py, codebooks.py and ternary.py decode them.
  *
  * Built by native.py with the system C compiler (-O3 -march=native -ffp-contract=off, never -ffast-math) and
  * called through ctypes. Every float operation is the torch codec's, in its order: a sub-block scale is formed
@@ -26,7 +26,7 @@
 #error "GGUF blocks are little-endian: the native decoder reads them in place"
 #endif
 
-#define JUNO_NATIVE_ABI 1
+#define JUNO_NATIVE_ABI 2
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 /* ---- vectors of LANES int32/float32 lanes: one register of the widest unit the target has ------------------------ */
@@ -276,6 +276,215 @@ ALWAYS_INLINE void dec_q6_k(const uint8_t *b, void *out, int64_t at, int bf16) {
     }
 }
 
+/* ---- codebook, ternary and MXFP4 types: one value at a time ----------------------------------------------------- */
+
+/* The grids (int8 points, 8 or 4 values each) and MXFP4's doubled e2m1 levels, set by juno_set_table from the codec's
+ * own tables (which come from the gguf package). Each value is the torch codec's product, in its order: a sub-block
+ * scale (d · (s + 0.5) · factor, d · (1 + 2s) or d · (2s + 1)) times the grid point, then times ±1 (IQ2, IQ3) or
+ * times (point ± 1/8) (IQ1), or code · d (TQ1_0, TQ2_0, MXFP4). Every product is exact; for bfloat16 the float32
+ * value is rounded to nearest even once, a NaN written as 0xFFFF (emit_run's rule). */
+static int8_t GRID_IQ2_XXS[256 * 8], GRID_IQ2_XS[512 * 8], GRID_IQ2_S[1024 * 8], GRID_IQ3_XXS[256 * 4],
+    GRID_IQ3_S[512 * 4], GRID_IQ1_S[2048 * 8], GRID_IQ1_M[2048 * 8], LEVELS_MXFP4[16];
+
+/* copy a table in: the GGML type's grid or levels, n bytes; 0, or -1 for another type or size */
+int juno_set_table(int ggml_type, const int8_t *table, int64_t n) {
+    int8_t *dst;
+    int64_t size;
+    switch (ggml_type) {
+        case 16: dst = GRID_IQ2_XXS, size = sizeof GRID_IQ2_XXS; break;
+        case 17: dst = GRID_IQ2_XS, size = sizeof GRID_IQ2_XS; break;
+        case 18: dst = GRID_IQ3_XXS, size = sizeof GRID_IQ3_XXS; break;
+        case 19: dst = GRID_IQ1_S, size = sizeof GRID_IQ1_S; break;
+        case 21: dst = GRID_IQ3_S, size = sizeof GRID_IQ3_S; break;
+        case 22: dst = GRID_IQ2_S, size = sizeof GRID_IQ2_S; break;
+        case 29: dst = GRID_IQ1_M, size = sizeof GRID_IQ1_M; break;
+        case 39: dst = LEVELS_MXFP4, size = sizeof LEVELS_MXFP4; break;
+        default: return -1;
+    }
+    if (n != size) return -1;
+    memcpy(dst, table, (size_t)size);
+    return 0;
+}
+
+/* v[0 .. n) to out[at ..) as float32, or rounded to bfloat16 */
+ALWAYS_INLINE void store_values(const float *v, int n, void *out, int64_t at, int bf16) {
+    if (!bf16) {
+        memcpy((float *)out + at, v, sizeof(float) * (size_t)n);
+        return;
+    }
+    uint16_t *o = (uint16_t *)out + at;
+    for (int i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, v + i, 4);
+        o[i] = v[i] != v[i] ? 0xFFFF : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    }
+}
+
+ALWAYS_INLINE uint32_t u16_at(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8; }
+
+ALWAYS_INLINE uint32_t u32_at(const uint8_t *p) {
+    uint32_t x;
+    memcpy(&x, p, 4);
+    return x;
+}
+
+/* llama.cpp's ksigns: a 7-bit sign index, and as bit 7 its parity */
+ALWAYS_INLINE int ksign(uint32_t index) { return (int)(index | (uint32_t)__builtin_parity(index) << 7); }
+
+/* 8 values: scale · point · (±1 by the bits of sign). The ±1 is made from its bits: a product with a constant −1
+ * may be compiled as a negation, which flips the sign of a NaN where torch's product keeps it. */
+ALWAYS_INLINE void signed_point(float *v, float scale, const int8_t *point, int sign) {
+    for (int j = 0; j < 8; j++) {
+        const uint32_t one = 0x3F800000u | (uint32_t)((sign >> j) & 1) << 31;
+        float pm;
+        memcpy(&pm, &one, 4);
+        v[j] = scale * (float)point[j] * pm;
+    }
+}
+
+ALWAYS_INLINE void dec_iq2_xxs(const uint8_t *b, void *out, int64_t at, int bf16) {
+    const float d = f16_at(b);
+    float v[256];
+    for (int ib = 0; ib < 8; ib++) {
+        const uint8_t *q = b + 2 + 8 * ib;
+        const uint32_t aux = u32_at(q + 4);
+        const float scale = d * ((float)(aux >> 28) + 0.5f) * 0.25f;
+        for (int l = 0; l < 4; l++)
+            signed_point(v + 32 * ib + 8 * l, scale, GRID_IQ2_XXS + 8 * q[l], ksign((aux >> (7 * l)) & 127));
+    }
+    store_values(v, 256, out, at, bf16);
+}
+
+ALWAYS_INLINE void dec_iq2_xs(const uint8_t *b, void *out, int64_t at, int bf16) {
+    const float d = f16_at(b);
+    float v[256];
+    for (int g = 0; g < 32; g++) {
+        const uint32_t q = u16_at(b + 2 + 2 * g);
+        const int sb = g / 2;
+        const float scale = d * ((float)((b[66 + sb / 2] >> (4 * (sb % 2))) & 15) + 0.5f) * 0.25f;
+        signed_point(v + 8 * g, scale, GRID_IQ2_XS + 8 * (q & 511), ksign(q >> 9));
+    }
+    store_values(v, 256, out, at, bf16);
+}
+
+ALWAYS_INLINE void dec_iq2_s(const uint8_t *b, void *out, int64_t at, int bf16) {
+    const float d = f16_at(b);
+    float v[256];
+    for (int g = 0; g < 32; g++) {
+        const int index = b[2 + g] | ((b[66 + g / 4] >> (2 * (g % 4))) & 3) << 8;
+        const int sb = g / 2;
+        const float scale = d * ((float)((b[74 + sb / 2] >> (4 * (sb % 2))) & 15) + 0.5f) * 0.25f;
+        signed_point(v + 8 * g, scale, GRID_IQ2_S + 8 * index, b[34 + g]);
+    }
+    store_values(v, 256, out, at, bf16);
+}
+
+ALWAYS_INLINE void dec_iq3_xxs(const uint8_t *b, void *out, int64_t at, int bf16) {
+    const float d = f16_at(b);
+    float v[256];
+    for (int ib = 0; ib < 8; ib++) {
+        const uint32_t aux = u32_at(b + 66 + 4 * ib);
+        const float scale = d * ((float)(aux >> 28) + 0.5f) * 0.5f;
+        for (int l = 0; l < 4; l++) {
+            int8_t point[8];
+            memcpy(point, GRID_IQ3_XXS + 4 * b[2 + 8 * ib + 2 * l], 4);
+            memcpy(point + 4, GRID_IQ3_XXS + 4 * b[2 + 8 * ib + 2 * l + 1], 4);
+            signed_point(v + 32 * ib + 8 * l, scale, point, ksign((aux >> (7 * l)) & 127));
+        }
+    }
+    store_values(v, 256, out, at, bf16);
+}
+
+ALWAYS_INLINE void dec_iq3_s(const uint8_t *b, void *out, int64_t at, int bf16) {
+    const float d = f16_at(b);
+    float v[256];
+    for (int ib = 0; ib < 8; ib++) {
+        const float scale = d * (float)(1 + 2 * ((b[106 + ib / 2] >> (4 * (ib % 2))) & 15));
+        for (int l = 0; l < 4; l++) {
+            const int g = 4 * ib + l, k = 2 * g;
+            int8_t point[8];
+            memcpy(point, GRID_IQ3_S + 4 * (b[2 + k] | ((b[66 + k / 8] >> (k % 8)) & 1) << 8), 4);
+            memcpy(point + 4, GRID_IQ3_S + 4 * (b[3 + k] | ((b[66 + (k + 1) / 8] >> ((k + 1) % 8)) & 1) << 8), 4);
+            signed_point(v + 8 * g, scale, point, b[74 + g]);
+        }
+    }
+    store_values(v, 256, out, at, bf16);
+}
+
+/* 8 values: scale · (point ± 1/8) */
+ALWAYS_INLINE void shifted_point(float *v, float scale, const int8_t *point, int negative) {
+    const float delta = negative ? -0.125f : 0.125f;
+    for (int j = 0; j < 8; j++) v[j] = scale * ((float)point[j] + delta);
+}
+
+ALWAYS_INLINE void dec_iq1_s(const uint8_t *b, void *out, int64_t at, int bf16) {
+    const float d = f16_at(b);
+    float v[256];
+    for (int ib = 0; ib < 8; ib++) {
+        const uint32_t qh = u16_at(b + 34 + 2 * ib);
+        const float scale = d * (float)(2 * ((qh >> 12) & 7) + 1);
+        for (int l = 0; l < 4; l++) {
+            const int index = b[2 + 4 * ib + l] | (int)((qh >> (3 * l)) & 7) << 8;
+            shifted_point(v + 32 * ib + 8 * l, scale, GRID_IQ1_S + 8 * index, (qh & 0x8000) != 0);
+        }
+    }
+    store_values(v, 256, out, at, bf16);
+}
+
+ALWAYS_INLINE void dec_iq1_m(const uint8_t *b, void *out, int64_t at, int bf16) {
+    /* the float16 scale: the top nibbles of the four uint16s at byte 48 */
+    const uint32_t bits = (u16_at(b + 48) >> 12) | (u16_at(b + 50) >> 12) << 4 | (u16_at(b + 52) >> 12) << 8 |
+                          (u16_at(b + 54) >> 12) << 12;
+    const float d = F16_TO_F32[bits];
+    float v[256];
+    for (int sb = 0; sb < 16; sb++) {
+        const float scale = d * (float)(2 * ((u16_at(b + 48 + 2 * (sb / 4)) >> (3 * (sb % 4))) & 7) + 1);
+        for (int h = 0; h < 2; h++) {
+            const int g = 2 * sb + h, nib = (b[32 + sb] >> (4 * h)) & 15;
+            shifted_point(v + 8 * g, scale, GRID_IQ1_M + 8 * (b[g] | (nib & 7) << 8), (nib & 8) != 0);
+        }
+    }
+    store_values(v, 256, out, at, bf16);
+}
+
+/* digit k (0-4) of a TQ1_0 byte, as −1, 0, +1 */
+ALWAYS_INLINE int trit(int byte, int k) {
+    static const int POW3[5] = {1, 3, 9, 27, 81};
+    return (((byte * POW3[k]) & 0xFF) * 3 >> 8) - 1;
+}
+
+ALWAYS_INLINE void dec_tq1_0(const uint8_t *b, void *out, int64_t at, int bf16) {
+    const float d = f16_at(b + 52);
+    float v[256];
+    for (int k = 0; k < 5; k++) {
+        for (int l = 0; l < 32; l++) v[32 * k + l] = (float)trit(b[l], k) * d;
+        for (int l = 0; l < 16; l++) v[160 + 16 * k + l] = (float)trit(b[32 + l], k) * d;
+    }
+    for (int k = 0; k < 4; k++)
+        for (int l = 0; l < 4; l++) v[240 + 4 * k + l] = (float)trit(b[48 + l], k) * d;
+    store_values(v, 256, out, at, bf16);
+}
+
+ALWAYS_INLINE void dec_tq2_0(const uint8_t *b, void *out, int64_t at, int bf16) {
+    /* element 128g + 32f + l: bits 2f of byte 32g + l, offset by 1 */
+    const float d = f16_at(b + 64);
+    for (int g = 0; g < 2; g++)
+        for (int f = 0; f < 4; f++)
+            emit_run(field_run(b + 32 * g, 2 * f, 3, 1), d, 0.0f, 0, out, at + 128 * g + 32 * f, 32, bf16);
+}
+
+ALWAYS_INLINE void dec_mxfp4(const uint8_t *b, void *out, int64_t at, int bf16) {
+    /* the e8m0 byte e as float32 bits: 2^(e − 128), the subnormals 2^-128 and 2^-127 below e = 2 */
+    const uint32_t e = b[0], bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
+    float d, v[32];
+    memcpy(&d, &bits, 4);
+    for (int l = 0; l < 16; l++) {
+        v[l] = (float)LEVELS_MXFP4[b[1 + l] & 15] * d;
+        v[16 + l] = (float)LEVELS_MXFP4[b[1 + l] >> 4] * d;
+    }
+    store_values(v, 32, out, at, bf16);
+}
+
 /* ---- the block loop and threads -------------------------------------------------------------------------------- */
 
 typedef void (*range_fn)(const uint8_t *src, int64_t first, int64_t last, void *dst, int bf16);
@@ -299,6 +508,16 @@ BLOCK_LOOP(q3_k, 256, 110)
 BLOCK_LOOP(q4_k, 256, 144)
 BLOCK_LOOP(q5_k, 256, 176)
 BLOCK_LOOP(q6_k, 256, 210)
+BLOCK_LOOP(iq2_xxs, 256, 66)
+BLOCK_LOOP(iq2_xs, 256, 74)
+BLOCK_LOOP(iq3_xxs, 256, 98)
+BLOCK_LOOP(iq1_s, 256, 50)
+BLOCK_LOOP(iq3_s, 256, 110)
+BLOCK_LOOP(iq2_s, 256, 82)
+BLOCK_LOOP(iq1_m, 256, 56)
+BLOCK_LOOP(tq1_0, 256, 54)
+BLOCK_LOOP(tq2_0, 256, 66)
+BLOCK_LOOP(mxfp4, 32, 17)
 
 /* by GGML type id */
 static range_fn decoder_of(int ggml_type) {
@@ -313,6 +532,16 @@ static range_fn decoder_of(int ggml_type) {
         case 12: return q4_k_range;
         case 13: return q5_k_range;
         case 14: return q6_k_range;
+        case 16: return iq2_xxs_range;
+        case 17: return iq2_xs_range;
+        case 18: return iq3_xxs_range;
+        case 19: return iq1_s_range;
+        case 21: return iq3_s_range;
+        case 22: return iq2_s_range;
+        case 29: return iq1_m_range;
+        case 34: return tq1_0_range;
+        case 35: return tq2_0_range;
+        case 39: return mxfp4_range;
         default: return 0;
     }
 }
