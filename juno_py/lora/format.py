@@ -1,6 +1,6 @@
 """adapter.bin: Juno's `.lora` checkpoint (big-endian), read in versions 1 and 2, written in version 2.
 
-The layout is `../shared/formats/juno-lora-v2.md`. Every declared length is checked against the bytes that
+The layout is `docs/formats/juno-lora-v2.md`. Every declared length is checked against the bytes that
 remain before it is used; every error names the file, the entry key and the field.
 """
 
