@@ -24,7 +24,7 @@ from juno_py.cli.options import model_options, open_model
 def eval_cmd(data, max_seq_len, batch_size, skip_bad_records, as_json, **model_kw) -> None:
     """Loss and perplexity over the supervised tokens of DATA (assistant turns, completions, or all text)."""
     from juno_py.train.data import load_examples
-    from juno_py.train.loop import evaluate
+    from juno_py.train.steps import evaluate
 
     model = open_model(**model_kw)
     examples, stats = load_examples(data, model.tokenizer, max_seq_len, skip_bad=skip_bad_records)

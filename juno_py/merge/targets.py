@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from juno_py.errors import AdapterMismatch, JunoError
-from juno_py.lora.adapters import DORA_EPS
+from juno_py.kernels.dora import DORA_EPS
 from juno_py.lora.format import AdapterEntry, Fingerprint, Mode, parse_key, read_adapter, sort_key
 from juno_py.models.config import ModelArgs, arch_spec
 from juno_py.models.layout import TargetSlot, resolve_layout
