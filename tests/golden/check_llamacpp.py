@@ -46,7 +46,7 @@ def compare_tiny(arch, targets, scaling, folder) -> dict:
     against our playback. Returns max-abs differences and the adapter's effect on the logits."""
     from juno_py.gguf import GGMLType
     from juno_py.merge import export_gguf_lora, merge_model
-    from tests.fixtures.tiny_models import sample_ids, write_tiny_gguf
+    from juno_py.testing.tiny_models import sample_ids, write_tiny_gguf
     from tests.merge.helpers import LLAMA_CPP_NAME, make_adapter, model_logits, playback_logits
 
     folder = Path(folder)

@@ -15,7 +15,7 @@ from juno_py.merge import export_gguf_lora, export_peft, import_gguf_lora, impor
 from juno_py.merge.gguf_lora import llama_cpp_scale
 from juno_py.merge.peft import gguf_rows, hf_rows
 from juno_py.merge.targets import ModelTargets
-from tests.fixtures.tiny_models import llama_permute, sample_ids
+from juno_py.testing.tiny_models import llama_permute, sample_ids
 from tests.merge.helpers import combine, make_adapter, playback_logits
 
 
