@@ -68,7 +68,7 @@ def _cell(v) -> str:
 
 def section(record: dict) -> str:
     software = ", ".join(f"{k} {v}" for k, v in record["software"].items())
-    facts = [f"Hardware: {record['hardware']}.", f"Software: {software}." if software else "",
+    facts = [f"Hardware: {record['hardware']}.", f"Software: {software or 'not recorded'}.",
              f"Date: {record['date']}."]
     if record.get("load_average"):
         facts.append(f"Load average: {record['load_average']}.")
