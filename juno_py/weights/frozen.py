@@ -47,7 +47,7 @@ COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 
 # Device path. Bytes of one dequantized tile (in the compute dtype): 128 MiB decodes an 8192 × 8192 bf16 W in one
 # tile (a 28672-wide one in four), so a step issues few decodes and GEMMs (each launch costs the H200's host 10 to
-# 50 µs of CPU). On the H200 (docs/performance.md, session 7): a Q4_K DoRA step at 8192→8192, r 384 took 1.36× and
+# 50 µs of CPU). On the H200: a Q4_K DoRA step at 8192→8192, r 384 took 1.36× and
 # 1.14× the dense step's time in two runs, against 1.43× with 64 MiB; llama8b-4l's graphed step 59.1 against 61.2 ms.
 # A DoRA step holds two such tiles (W's bf16 halves), 256 MiB, beside its activations.
 DEFAULT_DEVICE_SCRATCH_BYTES = 128 << 20

@@ -36,7 +36,7 @@ TYPES = frozenset(int(t) for t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, 
                                    GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K))
 OUT_DTYPES = (torch.float32, torch.bfloat16)
 # threads one decode is split over (pthreads inside the library): one, because a training step ran slower with
-# two (docs/performance.md, "Native block decoder"): right after a matmul torch's threads hold the cores
+# two (measured in the training loop): right after a matmul torch's threads hold the cores
 THREADS = 1
 
 _log = logging.getLogger(__name__)
