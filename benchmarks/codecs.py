@@ -1,9 +1,10 @@
 """Throughput of the quant codecs against the `gguf` package, both measured in the same run.
 
-    python benchmarks/codecs.py [--types q4_0,q4_k,...] [--rows 1024] [--cols 4096] [--repeat 7] [--threads N]
-                                [--clock wall|thread]
+    python -m benchmarks.codecs [--types q4_0,q4_k,...] [--rows 1024] [--cols 4096] [--repeat 7] [--threads N]
+                              [--clock wall|thread]
 
-Prints a markdown table: decode and encode speed per type in MB/s of quantized data and M elements/s, for
+Prints a markdown table and writes benchmarks/results/codecs.json: decode and encode speed per type in MB/s of
+quantized data and M elements/s, for
 juno-py and for gguf, and their ratio. juno-py's decode is `quants.dequantize`: the native decoder for the block
 types it covers (where it is built; `JUNO_PY_NATIVE=0` measures without it), the torch codecs otherwise; the
 torch codecs' own decode speed is shown beside it. Each figure is the best of `--repeat` alternating runs, which keeps a
@@ -15,8 +16,6 @@ every step, so compare on an idle machine, or with `--threads 1`).
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
-import platform
 import time
 import warnings
 
@@ -24,6 +23,7 @@ import gguf
 import numpy as np
 import torch
 
+from benchmarks import harness
 from juno_py.gguf import quants
 from juno_py.gguf.quants import native
 from juno_py.gguf.constants import GGML_BLOCK_SIZES, GGMLType, parse_type_name
@@ -62,13 +62,7 @@ clock = time.perf_counter
 
 
 def best_times(runs: dict[str, callable], repeat: int) -> dict[str, float]:
-    best = {name: float("inf") for name in runs}
-    for _ in range(repeat):
-        for name, run in runs.items():
-            start = clock()
-            run()
-            best[name] = min(best[name], clock() - start)
-    return best
+    return harness.best_interleaved(runs, repeat, clock)
 
 
 def measure(ggml_type: GGMLType, rows: int, cols: int, repeat: int, rng: np.random.Generator) -> dict:
@@ -100,15 +94,13 @@ def _cells(times: dict[str, float] | None, n_bytes: int, n_elements: int, torch_
     return cells + [f"{n_elements / ref / 1e6:,.0f}", f"**{ref / juno:.2f}×**"]
 
 
-def markdown_table(results: list[dict]) -> str:
-    header = ("| type | decode MB/s | decode M el/s | torch codecs M el/s | gguf M el/s | ratio | encode MB/s | "
-              "encode M el/s | gguf M el/s | ratio |")
-    lines = [header, "|" + "---|" * 10]
-    for r in results:
-        cells = _cells(r["decode"], r["bytes"], r["elements"], torch_column=True) + \
-            _cells(r.get("encode"), r["bytes"], r["elements"])
-        lines.append(f"| {r['type']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+COLUMNS = ["type", "decode MB/s", "decode M el/s", "torch codecs M el/s", "gguf M el/s", "ratio", "encode MB/s",
+           "encode M el/s", "gguf M el/s", "ratio"]
+
+
+def table_rows(results: list[dict]) -> list[list[str]]:
+    return [[r["type"], *_cells(r["decode"], r["bytes"], r["elements"], torch_column=True),
+             *_cells(r.get("encode"), r["bytes"], r["elements"])] for r in results]
 
 
 def main() -> None:
@@ -122,6 +114,7 @@ def main() -> None:
                         help="'thread' counts CPU time of this thread only: steady on a busy machine, and exact for "
                              "both sides with --threads 1")
     parser.add_argument("--seed", type=int, default=0)
+    harness.add_output_args(parser)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -136,12 +129,14 @@ def main() -> None:
     # the first large allocations of a process fault in fresh pages: warm the allocators up before measuring
     measure(types[0], args.rows, args.cols, 2, rng)
     results = [measure(t, args.rows, args.cols, args.repeat, rng) for t in types]
-    print(f"{args.rows} × {args.cols} elements per type, best of {args.repeat} ({args.clock} clock); "
-          f"torch {torch.__version__} with "
-          f"{torch.get_num_threads()} threads, gguf {importlib.metadata.version('gguf')}, "
-          f"numpy {np.__version__}, {platform.processor() or platform.machine()}; native decoder "
-          f"{'built: ' + ', '.join(GGMLType(t).name for t in sorted(native.TYPES)) if native.library() else 'off'}\n")
-    print(markdown_table(results))
+    note = (f"{args.rows} × {args.cols} elements per type, best of {args.repeat} ({args.clock} clock); "
+            f"{torch.get_num_threads()} torch threads; native decoder "
+            f"{'built: ' + ', '.join(GGMLType(t).name for t in sorted(native.TYPES)) if native.library() else 'off'}.")
+    record = harness.results("codecs", "Quant codecs on CPU against the gguf package",
+                             harness.command_line("benchmarks.codecs"), COLUMNS, table_rows(results), [note])
+    print(note + "\n")
+    print(harness.markdown_table(record["columns"], record["rows"]))
+    harness.write_results(args, record)
 
 
 if __name__ == "__main__":

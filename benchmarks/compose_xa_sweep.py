@@ -1,14 +1,14 @@
 """DoRA's composition with the adapter's product inside the kernel (`compose_forward_xa`: y = g·(base + s·xa·Bᵀ),
 and inner when m trains) against the two-step path it replaces in the bf16 training step and in inference (the
 GEMM lora = xa·Bᵀ, written to memory, then `compose_forward` reading it back), at the layer shapes of
-benchmarks/dora_layer.py (tokens T, d_out, rank r), bf16. Also the traffic bound: what a copy of the bytes the fused
+benchmarks.dora_layer (tokens T, d_out, rank r), bf16. Also the traffic bound: what a copy of the bytes the fused
 kernel must move (base in; y, and inner, out) takes in the same run.
 
 GPU µs: 20 calls captured as one CUDA graph, replayed `--reps` times, median per call (no launch costs). CPU µs:
 the time to issue one call. `--sweep` adds other tiles of the fused kernel (rows with inner). Errors:
 max |y − y_fp64| / max |y_fp64|.
 
-    python benchmarks/compose_xa_sweep.py [--reps 15] [--sweep]
+    python -m benchmarks.compose_xa_sweep [--reps 15] [--sweep]
 """
 
 from __future__ import annotations
@@ -16,19 +16,22 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import harness
+from juno_py.kernels import dora_triton as dt
 
-from norm_gram_sweep import cpu_us, gpu_us  # noqa: E402
-
-from juno_py.kernels import dora_triton as dt  # noqa: E402
+BATCH = 20
+cpu_us = harness.host_us
 
 SHAPES = [(4096, 8192, 384), (4096, 8192, 768), (8192, 4096, 16), (8192, 4096, 64), (8192, 4096, 384)]
 S = 2.0
+
+
+def gpu_us(fn, reps):
+    """Median GPU µs per call of fn, from a CUDA graph of BATCH calls."""
+    return harness.graphed_ms(lambda: [fn() for _ in range(BATCH)], reps, warmup=2) * 1e3 / BATCH
 
 
 def data(T, n, r, dev):

@@ -9,9 +9,9 @@
 
 Times are medians of `triton.testing.do_bench` (CUDA events, L2 flushed between runs).
 
-    python benchmarks/dequant_gpu.py --json dequant_gpu.json          # needs a CUDA GPU
-    python benchmarks/dequant_gpu.py --sweep                          # also try other blocks-per-program / warps
-    TRITON_INTERPRET=1 python benchmarks/dequant_gpu.py --smoke       # tiny shapes on the CPU: tests the script
+    python -m benchmarks.dequant_gpu --json dequant_gpu.json      # needs a CUDA GPU; results/gpu-decode.json
+    python -m benchmarks.dequant_gpu --sweep                      # also try other blocks-per-program / warps
+    TRITON_INTERPRET=1 python -m benchmarks.dequant_gpu --smoke --out /tmp/d.json   # tiny shapes on the CPU
 """
 
 from __future__ import annotations
@@ -19,21 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from train_7b_synthetic import random_blocks  # noqa: E402
-
-from juno_py.gguf import GGMLType  # noqa: E402
-from juno_py.kernels import dequant  # noqa: E402
-from juno_py.kernels.dequant import dequant_matvec, dequantize_reference, dequantize_tile  # noqa: E402
-from juno_py.weights import FrozenQuantLinear  # noqa: E402
+from benchmarks import harness
+from juno_py.gguf import GGMLType
+from juno_py.kernels import dequant
+from juno_py.kernels.dequant import dequant_matvec, dequantize_reference, dequantize_tile
+from juno_py.testing.synthetic import random_blocks
+from juno_py.weights import FrozenQuantLinear
 
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 SHAPES = [(8192, 8192), (28672, 8192)]
@@ -43,15 +38,8 @@ DEV = "cuda"  # "cpu" with --smoke
 def bench(fn, rep: int = 100) -> float:
     """Median milliseconds (triton.testing.do_bench: CUDA events, L2 flushed between runs)."""
     if DEV == "cpu":  # --smoke: the numbers mean nothing
-        ts = []
-        for _ in range(2):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(1e3 * (time.perf_counter() - t0))
-        return statistics.median(ts)
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=10, rep=rep, return_mode="median")
+        return statistics.median(harness.cpu_times(fn, 2)) * 1e3
+    return harness.do_bench_ms(fn, rep=rep, warmup=10)
 
 
 def copy_bandwidth(n_out: int, n_in: int) -> float:
@@ -74,19 +62,27 @@ def spot_check(raw: torch.Tensor, t: GGMLType, n_in: int, out: torch.Tensor) -> 
     return True
 
 
-def decode_table(types, shapes, gen, sweep: bool) -> list[dict]:
+DECODE_COLUMNS = ["type", "W", "config (blocks, warps)", "decode bf16 ms", "GB/s", "of bf16 copy", "of 1 GiB clone",
+                  "columns 0:4096 ms (of copy)", "fp32 out ms (of copy)", "spot check"]
+MATVEC_COLUMNS = ["type", "W", "tokens", "fused matvec ms", "decode + cuBLAS ms", "bf16 cache (cuBLAS) ms"]
+
+
+def emit(table: list, cells: list) -> None:
+    table.append(cells)
+    print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
+
+
+def decode_table(types, shapes, gen, sweep: bool, table: list) -> list[dict]:
     big = torch.empty(1 << (30 if DEV == 'cuda' else 16), dtype=torch.uint8, device=DEV)
     clone_gbs = 2 * big.numel() / bench(lambda: big.clone()) / 1e6
     del big
     print(f"1 GiB uint8 clone: {clone_gbs:.0f} GB/s (read + write)\n")
-    print("| type | W | config (blocks, warps) | decode bf16 ms | GB/s | of bf16 copy | of 1 GiB clone | "
-          "columns 0:4096 ms (of copy) | fp32 out ms (of copy) | spot check |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---|")
+    print(harness.markdown_table(DECODE_COLUMNS, []))
     rows = []
     for n_out, n_in in shapes:
         copy_gbs = copy_bandwidth(n_out, n_in)
-        print(f"| copy | {n_out}x{n_in} bf16 | - | {4 * n_out * n_in / copy_gbs / 1e6:.3f} | {copy_gbs:.0f} | "
-              f"100% | {copy_gbs / clone_gbs:.0%} | | | |")
+        emit(table, ["copy", f"{n_out}x{n_in} bf16", "-", f"{4 * n_out * n_in / copy_gbs / 1e6:.3f}", f"{copy_gbs:.0f}",
+                     "100%", f"{copy_gbs / clone_gbs:.0%}", "", "", ""])
         for name in types:
             t = GGMLType[name]
             raw = random_blocks(t, n_out, n_in, gen, device=DEV).view(n_out, -1)
@@ -116,21 +112,20 @@ def decode_table(types, shapes, gen, sweep: bool) -> list[dict]:
                     del out32
                     row.update(spot_check=ok, cols_ms=ms_c, cols_of_copy=moved_c / ms_c / 1e6 / copy_gbs,
                                fp32_ms=ms_f, fp32_of_copy=moved_f / ms_f / 1e6 / copy_gbs)
-                    extra = (f"{ms_c:.3f} ({row['cols_of_copy']:.0%}) | {ms_f:.3f} ({row['fp32_of_copy']:.0%}) | "
-                             f"{'bit-exact' if ok else 'MISMATCH'}")
+                    extra = [f"{ms_c:.3f} ({row['cols_of_copy']:.0%})", f"{ms_f:.3f} ({row['fp32_of_copy']:.0%})",
+                             "bit-exact" if ok else "MISMATCH"]
                 else:
-                    extra = " | | "
-                print(f"| {name} | {n_out}x{n_in} | {cfg[0]}, {cfg[1]} | {ms:.3f} | {row['gbs']:.0f} | "
-                      f"{row['of_copy']:.0%} | {row['of_clone']:.0%} | {extra} |", flush=True)
+                    extra = ["", "", ""]
+                emit(table, [name, f"{n_out}x{n_in}", f"{cfg[0]}, {cfg[1]}", f"{ms:.3f}", f"{row['gbs']:.0f}",
+                             f"{row['of_copy']:.0%}", f"{row['of_clone']:.0%}", *extra])
                 rows.append(row)
             dequant.KERNEL_CONFIG[t] = default
             del raw, out
     return rows
 
 
-def matvec_table(types, gen) -> list[dict]:
-    print("\n| type | W | tokens | fused matvec ms | decode + cuBLAS ms | bf16 cache (cuBLAS) ms |")
-    print("|---|---|---:|---:|---:|---:|")
+def matvec_table(types, gen, table: list) -> list[dict]:
+    print("\n" + harness.markdown_table(MATVEC_COLUMNS, []))
     rows = []
     for name in types:
         t = GGMLType[name]
@@ -150,8 +145,7 @@ def matvec_table(types, gen) -> list[dict]:
 
                 tiles_ms = bench(tiles, rep=50)
                 cache_ms = bench(lambda: cached(x), rep=50)
-                print(f"| {name} | {n_out}x{n_in} | {tokens} | {mv:.3f} | {tiles_ms:.3f} | {cache_ms:.3f} |",
-                      flush=True)
+                emit(table, [name, f"{n_out}x{n_in}", tokens, f"{mv:.3f}", f"{tiles_ms:.3f}", f"{cache_ms:.3f}"])
                 rows.append(dict(type=name, n_out=n_out, n_in=n_in, tokens=tokens, matvec_ms=mv, tiles_ms=tiles_ms,
                                  cache_ms=cache_ms))
             del raw, lin, cached
@@ -166,6 +160,7 @@ def main() -> None:
     ap.add_argument("--matvec-types", nargs="*", default=["Q4_K", "Q8_0"])
     ap.add_argument("--json", type=Path, help="also write every number here")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): a script test")
+    harness.add_output_args(ap)
     args = ap.parse_args()
     global DEV
     if args.smoke:
@@ -175,17 +170,25 @@ def main() -> None:
         raise SystemExit("dequant_gpu.py needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
     gen = torch.Generator(DEV).manual_seed(0)
-    import triton
-
-    name = torch.cuda.get_device_name() if DEV == "cuda" else "CPU (interpreter)"
-    print(f"{name}, torch {torch.__version__}, triton {triton.__version__}\n")
+    env = harness.environment(DEV)
+    print(env["hardware"], env["software"], "\n")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
-    result = dict(device=name, torch=torch.__version__, triton=triton.__version__,
-                  decode=decode_table(args.types, shapes, gen, args.sweep))
+    decode_rows, matvec_rows = [], []
+    result = dict(hardware=env["hardware"], software=env["software"],
+                  decode=decode_table(args.types, shapes, gen, args.sweep, decode_rows))
     if args.matvec_types:
-        result["matvec"] = matvec_table(args.matvec_types, gen)
+        result["matvec"] = matvec_table(args.matvec_types, gen, matvec_rows)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
+    command = harness.command_line("benchmarks.dequant_gpu")
+    harness.write_results(args, harness.results(
+        "gpu-decode", "Decoding quantized weights on one GPU", command, DECODE_COLUMNS, decode_rows,
+        ["Medians of triton.testing.do_bench (CUDA events, L2 flushed between runs); bandwidth = quantized bytes "
+         "read + bf16 written over the time; \"of copy\": over a bf16 device copy of the same shape."], env=env))
+    if matvec_rows:
+        harness.write_results(args, harness.results(
+            "gpu-matvec", "The frozen linear's forward at few tokens on one GPU", command, MATVEC_COLUMNS,
+            matvec_rows, ["Medians of triton.testing.do_bench; bf16 activations."], env=env), part="matvec")
 
 
 if __name__ == "__main__":

@@ -7,11 +7,11 @@ tokens over the steps after `--warmup`, from the recorder's event clock on rank 
 configuration trained on the same batches (equal to float tolerance).
 
 Model: `--model NAME|PATH` (a GGUF, e.g. the store's smollm2-135m), or `--shape smollm2|7b` to write a synthetic
-model of that shape once (random valid blocks, benchmarks/train_7b_synthetic.py), for machines without the store.
+model of that shape once (random valid blocks, juno_py.testing.synthetic), for machines without the store.
 
-    python benchmarks/distributed.py --device cpu --procs single,2 --model smollm2-135m
-    python benchmarks/distributed.py --device cuda --procs single,1,2 --shape smollm2 --batch 32 --seq 256
-    python benchmarks/distributed.py ... --append docs/benchmarks.md --json results.json
+    python -m benchmarks.distributed --device cpu --procs single,2 --model smollm2-135m   # distributed-cpu.json
+    python -m benchmarks.distributed --device cuda --procs single,1,2 --shape smollm2 --batch 32 --seq 256
+    python -m benchmarks.distributed ... --json rows.json --out /tmp/distributed.json
 
 `--procs`: `single` is one plain process (no torchrun, no DDP); an integer N runs `torchrun --nproc-per-node N`
 (`1` checks the NCCL/Gloo path on one device).
@@ -22,15 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks import harness
 
 
 def worker(args) -> None:
@@ -89,19 +87,19 @@ def launch(args, procs: str, result: Path, model: str) -> dict:
                 "--compute-dtype", args.compute_dtype, "--micro-batch", str(args.micro_batch)]
     if args.grad_checkpoint:
         cmd_args.append("--grad-checkpoint")
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": str(harness.ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     if procs == "single":
         if args.threads:
             cmd_args += ["--threads", str(args.threads)]
-        cmd = [sys.executable, __file__, *cmd_args]
+        cmd = harness.module_cmd("benchmarks.distributed", *cmd_args)
     else:
         n = int(procs)
         if args.device == "cpu":  # the same cores in total: threads per process = total / N
             env["OMP_NUM_THREADS"] = str(max(1, (args.threads or os.cpu_count() or 1) // n))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), __file__,
-               *cmd_args]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), "--module",
+               "benchmarks.distributed", *cmd_args]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=harness.ROOT)
     if proc.returncode != 0:
         sys.exit(f"{procs}: failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     out = json.loads(result.read_text())
@@ -110,20 +108,22 @@ def launch(args, procs: str, result: Path, model: str) -> dict:
     return out
 
 
-def table(rows: list[dict], args, model: str) -> str:
+COLUMNS = ["run", "backend", "threads/process", "tokens/s", "vs first row", "final loss", "peak RSS (sum) GiB",
+           "peak GPU (sum) GiB", "wall s"]
+
+
+def table_rows(rows: list[dict]) -> list[list]:
     base = rows[0]["tokens_per_s"]
-    lines = ["| run | backend | threads/process | tokens/s | vs first row | final loss | peak RSS (sum) | "
-             "peak GPU (sum) | wall s |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['label']} | {r['backend']} | {r['threads_per_process']} | {r['tokens_per_s']:.0f} | "
-                     f"{r['tokens_per_s'] / base:.2f}x | {r['final_loss']:.6f} | {r['peak_rss_gib_sum']:.2f} GiB | "
-                     f"{r['peak_gpu_gib_sum']:.2f} GiB | {r['wall_s']:.0f} |")
-    lines += ["", f"{model} on {args.device} (compute {rows[0]['compute']}, weights cache {rows[0]['weights_cache']});"
-                  f" LoRA r={args.rank} on {args.targets}; global batch {args.batch} x {args.seq} tokens per step "
-                  f"(micro-batches of {args.micro_batch or args.batch} rows); {args.steps} steps, tokens/s over the "
-                  f"{args.steps - args.warmup} after {args.warmup} warm-up; {os.cpu_count()} CPUs, load average "
-                  f"{os.getloadavg()[0]:.1f} at the end; {platform.processor() or platform.machine()}."]
-    return "\n".join(lines)
+    return [[r["label"], r["backend"], r["threads_per_process"], round(r["tokens_per_s"]),
+             f"{r['tokens_per_s'] / base:.2f}x", round(r["final_loss"], 6), round(r["peak_rss_gib_sum"], 2),
+             round(r["peak_gpu_gib_sum"], 2), round(r["wall_s"])] for r in rows]
+
+
+def note(rows: list[dict], args, model: str) -> str:
+    return (f"{model} on {args.device} (compute {rows[0]['compute']}, weights cache {rows[0]['weights_cache']}); "
+            f"LoRA r={args.rank} on {args.targets}; global batch {args.batch} x {args.seq} tokens per step "
+            f"(micro-batches of {args.micro_batch or args.batch} rows); {args.steps} steps, tokens/s over the "
+            f"{args.steps - args.warmup} after {args.warmup} warm-up.")
 
 
 def main() -> None:
@@ -142,8 +142,8 @@ def main() -> None:
     ap.add_argument("--compute-dtype", default="auto", choices=["auto", "fp32", "bf16"])
     ap.add_argument("--threads", type=int, default=0, help="CPU threads in total (0: every core)")
     ap.add_argument("--grad-checkpoint", action="store_true")
-    ap.add_argument("--append", type=Path, help="append the table to this markdown file")
-    ap.add_argument("--json", type=Path, help="write the rows as JSON")
+    ap.add_argument("--json", type=Path, help="also write the measured rows as JSON")
+    harness.add_output_args(ap)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -157,21 +157,21 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="juno-dist-"))
     model = args.model or "smollm2-135m"
     if args.shape:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from train_7b_synthetic import SHAPE_7B, SHAPE_SMOLLM2, write_synthetic_llama
+        from juno_py.testing.synthetic import SHAPE_7B, SHAPE_SMOLLM2, write_synthetic_llama
 
         shape = {"smollm2": SHAPE_SMOLLM2, "7b": SHAPE_7B}[args.shape]
         model = str(write_synthetic_llama(folder / f"synthetic-{args.shape}.gguf", shape))
     rows = [launch(args, p.strip(), folder / f"result-{p.strip()}.json", model) for p in args.procs.split(",")]
     label = f"synthetic {args.shape}-shaped model" if args.shape else model
-    text = table(rows, args, label)
-    print(text)
+    kind = "gpu" if args.device.startswith("cuda") else "cpu"
+    record = harness.results(f"distributed-{kind}", f"Data-parallel training ({kind.upper()})",
+                             harness.command_line("benchmarks.distributed"), COLUMNS, table_rows(rows),
+                             [note(rows, args, label)], device=args.device)
+    print(harness.markdown_table(record["columns"], record["rows"]))
+    print(record["notes"][0])
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
-    if args.append:
-        command = "python benchmarks/distributed.py " + " ".join(a for a in sys.argv[1:])
-        with open(args.append, "a") as f:
-            f.write(f"\n## Distributed ({args.device.upper()})\n\n`{command}`\n\n{text}\n")
+    harness.write_results(args, record)
     for f in folder.iterdir():
         f.unlink()
     folder.rmdir()

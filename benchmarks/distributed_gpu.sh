@@ -2,9 +2,9 @@
 # Data parallel on GPUs, in one go (logs and results under $OUT, default ./dist-gpu-out):
 #  1. smoke: `juno-py lora --nproc 1 --device cuda` (torchrun, NCCL, one rank) on the tiny test model, and the same
 #     with 2 ranks when 2 GPUs are visible; the adapters must equal a plain one-process run's to float tolerance;
-#  2. scaling: benchmarks/distributed.py, one plain process against torchrun 1 and 2 (and 4, 8 if visible) on a
+#  2. scaling: benchmarks.distributed, one plain process against torchrun 1 and 2 (and 4, 8 if visible) on a
 #     synthetic SmolLM2-shaped model, the same global batches.
-# Usage (repository root, PYTHONPATH with the repository): bash benchmarks/distributed_gpu.sh [scaling args...]
+# Usage (repository root): bash benchmarks/distributed_gpu.sh [scaling args...]
 set -u
 OUT=${OUT:-./dist-gpu-out}
 mkdir -p "$OUT"
@@ -17,8 +17,8 @@ echo "GPUs visible: $GPUS; torch $(python -c 'import torch; print(torch.__versio
 python - "$OUT" <<'EOF' > "$OUT/setup.log" 2>&1
 import sys
 from pathlib import Path
-from tests.fixtures.tiny_models import write_tiny_gguf
-from tests.train.conftest import MIXED_RECORDS, write_jsonl
+from juno_py.testing.records import MIXED_RECORDS, write_jsonl
+from juno_py.testing.tiny_models import write_tiny_gguf
 out = Path(sys.argv[1])
 write_tiny_gguf(out / "tiny.gguf", "llama", seed=3)
 write_jsonl(out / "mixed.jsonl", MIXED_RECORDS)
@@ -49,8 +49,8 @@ done
 
 PROCS=single,1
 for N in 2 4 8; do [ "$GPUS" -ge "$N" ] && PROCS="$PROCS,$N"; done
-timeout 360 python benchmarks/distributed.py --device "$DEVICE" --procs "$PROCS" --shape smollm2 --batch 32 --seq 256 \
-  --steps 12 --warmup 2 --targets all --rank 16 --json "$OUT/scaling.json" "$@" > "$OUT/scaling.md" \
+timeout 360 python -m benchmarks.distributed --device "$DEVICE" --procs "$PROCS" --shape smollm2 --batch 32 --seq 256 \
+  --steps 12 --warmup 2 --targets all --rank 16 --json "$OUT/scaling.json" --out "$OUT/distributed.json" "$@" > "$OUT/scaling.md" \
   2> "$OUT/scaling.err"
 echo "scaling: exit $?" | tee -a "$OUT/summary.txt"
 cat "$OUT/scaling.md" | tee -a "$OUT/summary.txt"

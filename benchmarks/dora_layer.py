@@ -1,11 +1,11 @@
 """One DoRA layer on the GPU: juno-py against PEFT (plain LoRA, DoRA with bf16 adapters, DoRA with its default
 fp32 adapters), plus the composition kernel's bandwidth against a copy and the factored norm's memory and error.
 
-    python benchmarks/dora_layer.py                  # the H200 tables of docs/benchmarks.md (## DoRA layer (H200))
-    python benchmarks/dora_layer.py --crossover      # eager vs fused composition by size (docs/kernels.md)
-    python benchmarks/dora_layer.py --tiles          # tile configurations of the kernels, by bandwidth
-    python benchmarks/dora_layer.py --graphed        # also each fwd+bwd and inference call replayed as a CUDA graph
-    python benchmarks/dora_layer.py --quick          # tiny shapes on the CPU: a smoke test of this script
+    python -m benchmarks.dora_layer                  # the layer tables; targets in benchmarks/results/dora-layer.json
+    python -m benchmarks.dora_layer --crossover      # eager vs fused composition by size (docs/kernels.md)
+    python -m benchmarks.dora_layer --tiles          # tile configurations of the kernels, by bandwidth
+    python -m benchmarks.dora_layer --graphed        # also each fwd+bwd and inference call replayed as a CUDA graph
+    python -m benchmarks.dora_layer --quick --out /tmp/dora.json   # tiny shapes on the CPU: a smoke test
 
 Every layer sees the same bf16 x, W, A, B and m: W ~ N(0, 0.02²), A kaiming-uniform, B ≠ 0 (‖sBA‖ ≈ 0.3‖W‖ per
 row), m = ‖W + sBA‖_row·(1 + 1.5e-3·N(0, 1)) so g ≈ 1 with a spread of about 1.5e-3, s = alpha/r with alpha = r.
@@ -29,10 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
-import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -40,15 +37,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import harness
+from benchmarks.harness import capture, interleaved
+from juno_py import kernels
+from juno_py.kernels.gemm import addmm_out_, mm_out
+from juno_py.kernels.reference import compose_eager
+from juno_py.lora.adapters import AdaptedLinear, AdapterConfig, LoraAdapter
+from juno_py.lora.format import Mode
 
-from juno_py import kernels  # noqa: E402
-from juno_py.kernels.reference import compose_eager  # noqa: E402
-from juno_py.lora.adapters import AdaptedLinear, AdapterConfig, LoraAdapter  # noqa: E402
-from juno_py.lora.format import Mode  # noqa: E402
-from juno_py.kernels.gemm import addmm_out_, mm_out  # noqa: E402
-
-# (tokens, d_in, d_out, rank): DESIGN.md §6
+# (tokens, d_in, d_out, rank): the layer shapes of DESIGN.md §6
 SHAPES = [(4096, 8192, 8192, 384), (4096, 28672, 8192, 384), (8192, 4096, 4096, 16), (8192, 4096, 4096, 64),
           (8192, 4096, 4096, 384), (4096, 8192, 8192, 768)]
 QUICK_SHAPES = [(64, 256, 128, 8), (33, 512, 256, 16)]
@@ -219,7 +216,7 @@ def quant_layer(type_name, d_in, d_out, device):
     """juno-py's frozen quantized linear on the device (random valid blocks), or the reason it cannot run."""
     from juno_py.gguf import GGMLType
     from juno_py.weights import FrozenQuantLinear
-    from tests.weights.random_blocks import random_rows
+    from juno_py.testing.blocks import random_rows
 
     ggml_type = GGMLType[type_name]
     raw = torch.from_numpy(random_rows(ggml_type, d_out, d_in, seed=7)).to(device)
@@ -230,97 +227,6 @@ def quant_layer(type_name, d_in, d_out, device):
 
 
 # ---------------------------------------------------------------------------------------------------- timing
-class Clock:
-    """CUDA events on a GPU (GPU time between the call's start and end), perf_counter on the CPU."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-
-    def start(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def stop(self, start):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return (start, e)
-        return time.perf_counter() - start
-
-    def ms(self, mark):
-        if self.cuda:
-            return mark[0].elapsed_time(mark[1])
-        return mark * 1e3
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
-
-def interleaved(calls: dict, reps: int, warmup: int, device, batch: int = 1) -> dict:
-    """Median ms per call of each callable, called in turn `reps` times after warm-up, in a new (seeded) random order
-    each round: with a fixed or rotating order each call always follows the same other one, and a call right after
-    PEFT's fp32 DoRA layer measured slower than it does elsewhere (juno-py Q4_K, next in the list: 1.36× the dense
-    layer's time interleaved with PEFT, 1.14× without; the same code on Q6_K, two places later, 1.26×).
-
-    batch 1: each call is timed alone from an idle GPU (its CPU time to launch counts where it is the longer).
-    batch > 1: each sample times `batch` calls back to back from an idle GPU, divided by `batch`: the launches
-    overlap the GPU's work, so the time is the kernels' own (what a bandwidth figure means)."""
-    clock = Clock(device)
-    names = list(calls)
-    for _ in range(warmup):
-        for n in names:
-            calls[n]()
-    clock.sync()
-    marks = {n: [] for n in names}
-    rng = random.Random(0)
-    for _ in range(reps):
-        for n in rng.sample(names, len(names)):
-            clock.sync()  # each call starts on an idle GPU: no queued work of another implementation hides its CPU time
-            t0 = clock.start()
-            for _ in range(batch):
-                calls[n]()
-            marks[n].append(clock.stop(t0))
-    clock.sync()
-    return {n: statistics.median(clock.ms(m) for m in marks[n]) / batch for n in names}
-
-
-def capture(step) -> "torch.cuda.CUDAGraph":
-    """`step` captured once in a CUDA graph, after three warm-up calls on a side stream (as torch asks)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph
-
-
-def graphed_ms(step, reps: int, warmup: int) -> float:
-    """Median GPU ms of `step` (forward and backward) captured once in a CUDA graph and replayed from an idle GPU:
-    the GPU's time alone, no launches (juno-py's whole-model training replays each step's graph this way)."""
-    graph = capture(step)
-    for _ in range(warmup):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    del graph
-    return statistics.median(times)
-
-
 def graphed_calls(calls: dict, label: str, notes: dict, reps: int, warmup: int, device) -> dict:
     """Median ms of each call captured once in a CUDA graph and replayed (GPU only; {} elsewhere), the replays
     interleaved in random order as the eager calls, so that drift of the machine's speed reaches every implementation
@@ -578,17 +484,21 @@ def target_rows(res):
     return out
 
 
-def print_targets(results):
-    """One table of every layer target at every shape run, with eager and graphed ratios side by side."""
+TARGET_COLUMNS = ["T, d_in→d_out, r", "ratio", "target", "eager", "graphed", "met, graphed", "met, eager"]
+
+
+def print_targets(results) -> tuple[list[list], str]:
+    """One table of every layer target at every shape run, with eager and graphed ratios side by side; returns its
+    rows and the count of misses."""
     rows = [(res, t) for res in results for t in target_rows(res)]
     if not rows:
-        return
+        return [], ""
     print("\n### Layer targets (DESIGN.md §6)\n")
     print("Graphed: each implementation's call (PEFT's too) replayed as a CUDA graph, the GPU's time alone, which is "
           "how juno-py's trainer runs its steps. Eager: each call launched from Python; where the launches take "
           "longer than the GPU's work, the ratio measures the host.\n")
-    print("| T, d_in→d_out, r | ratio | target | eager | graphed | met, graphed | met, eager |")
-    print("|---|---|---|---:|---:|---|---|")
+    print(harness.markdown_table(TARGET_COLUMNS, []))
+    table = []
     missed = {"graphed": 0, "eager": 0}
     checked = {"graphed": 0, "eager": 0}
 
@@ -605,11 +515,14 @@ def print_targets(results):
 
     for res, (what, bound, at_least, eager, graphed) in rows:
         sign = "≥" if at_least else "≤"
-        print(f"| {res['T']}, {res['d_in']}→{res['d_out']}, {res['r']} | {what} | {sign} {bound} | {fmt(eager)} | "
-              f"{fmt(graphed)} | {verdict(graphed, bound, at_least, 'graphed')} | "
-              f"{verdict(eager, bound, at_least, 'eager')} |")
-    print("\ntargets missed: " + ", ".join(f"{missed[c]} of {checked[c]} {c}" if checked[c] else f"{c} not timed"
-                                          for c in ("graphed", "eager")))
+        table.append([f"{res['T']}, {res['d_in']}→{res['d_out']}, {res['r']}", what, f"{sign} {bound}", fmt(eager),
+                      fmt(graphed), verdict(graphed, bound, at_least, "graphed"),
+                      verdict(eager, bound, at_least, "eager")])
+        print("| " + " | ".join(table[-1]) + " |")
+    summary = "targets missed: " + ", ".join(f"{missed[c]} of {checked[c]} {c}" if checked[c] else f"{c} not timed"
+                                             for c in ("graphed", "eager"))
+    print("\n" + summary)
+    return table, summary
 
 
 # ---------------------------------------------------------------------------------------------------- kernels alone
@@ -806,6 +719,7 @@ def main():
                     help="also juno-py layers that recompute U = W·Aᵀ at every step (no running U), interleaved")
     ap.add_argument("--device-scratch-mib", type=int, default=None,
                     help="the quantized layers' decode tile in MiB (default: FrozenQuantLinear's)")
+    harness.add_output_args(ap)
     args = ap.parse_args()
     global DEVICE_SCRATCH_BYTES
     if args.device_scratch_mib is not None:
@@ -814,12 +728,10 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
-    if device.type == "cuda":
-        print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-              f"triton {__import__('triton').__version__}, peft {__import__('peft').__version__}")
-    else:
-        print(f"CPU ({platform.processor() or platform.machine()}), torch {torch.__version__}: smoke test, no GPU "
-              f"numbers (eager composition on the CPU)")
+    env = harness.environment(device.type)
+    print(env["hardware"], env["software"])
+    if device.type != "cuda":
+        print("smoke test, no GPU numbers (eager composition on the CPU)")
     out = {}
     if args.crossover:
         out["crossover"] = crossover(device)
@@ -848,7 +760,15 @@ def main():
             out["layers"].append(res)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        print_targets(out["layers"])
+        targets, summary = print_targets(out["layers"])
+        if targets:
+            harness.write_results(args, harness.results(
+                "dora-layer", "One DoRA layer on one GPU against PEFT", harness.command_line("benchmarks.dora_layer"),
+                TARGET_COLUMNS, targets,
+                ["Ratios of times: \"PEFT / juno-py\" reads the peer's time over juno-py's. CUDA events, "
+                 "implementations interleaved, median of the calls after warm-up, TF32 off. Graphed: each call "
+                 "captured in a CUDA graph and replayed (the GPU's time alone, how the trainer runs its steps); "
+                 "eager: each call launched from Python.", summary], env=env))
         if device.type == "cuda" and not args.no_norm:
             out["norm"] = factored_norm(device)
             print_norm(out["norm"])

@@ -5,8 +5,7 @@ Each configuration runs in its own subprocess so that its peak RSS (ru_maxrss, w
 file pages it touched) is its own. Prefill: one forward over `--prefill` tokens (best of `--repeats`). Decode:
 `--decode` greedy tokens with a KV cache after a 16-token prompt.
 
-    python benchmarks/forward.py                       # both store models, table on stdout
-    python benchmarks/forward.py --append docs/benchmarks.md
+    python -m benchmarks.forward                       # both store models: table, benchmarks/results/cpu-forward.json
 """
 
 from __future__ import annotations
@@ -14,19 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from benchmarks import harness
+
 CONFIGS = [("juno", "none"), ("juno", "bf16"), ("juno", "fp32"), ("transformers", "fp32")]
 MODELS = ["smollm2-135m", "gemma3-270m"]
-
-
-def _peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def _juno(path: str, cache: str):
@@ -87,19 +81,13 @@ def worker(args) -> dict:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(10, 5000, (args.prefill,), generator=g).tolist()
     forward(ids[:8])  # warm-up
-    best = min(_timed(forward, ids) for _ in range(args.repeats))
+    best = min(harness.cpu_times(lambda: forward(ids), args.repeats))
     t0 = time.perf_counter()
     decode(ids[:16], args.decode)
     decode_s = time.perf_counter() - t0
     return dict(model=args.model, impl=args.impl, cache=args.cache, load_s=load_s,
                 prefill_tok_s=args.prefill / best, decode_tok_s=args.decode / decode_s,
-                peak_rss_gib=_peak_rss_gib(), threads=torch.get_num_threads(), load_avg=os.getloadavg()[0])
-
-
-def _timed(fn, ids) -> float:
-    t0 = time.perf_counter()
-    fn(ids)
-    return time.perf_counter() - t0
+                peak_rss_gib=harness.peak_rss_gib(), threads=torch.get_num_threads(), load_avg=os.getloadavg()[0])
 
 
 def run_all(args) -> list[dict]:
@@ -109,13 +97,11 @@ def run_all(args) -> list[dict]:
     for _ in range(args.rounds):
         for model in args.models:
             for impl, cache in CONFIGS:
-                cmd = [sys.executable, __file__, "--worker", "--model", model, "--impl", impl, "--cache", cache,
-                       "--prefill", str(args.prefill), "--decode", str(args.decode), "--repeats", str(args.repeats),
-                       "--threads", str(args.threads)]
-                proc = subprocess.run(cmd, capture_output=True, text=True)
-                if proc.returncode != 0:
-                    raise SystemExit(f"{model} {impl} {cache} failed:\n{proc.stderr[-3000:]}")
-                row = json.loads(proc.stdout.strip().splitlines()[-1])
+                cmd = harness.module_cmd(
+                    "benchmarks.forward", "--worker", "--model", model, "--impl", impl, "--cache", cache,
+                    "--prefill", str(args.prefill), "--decode", str(args.decode), "--repeats", str(args.repeats),
+                    "--threads", str(args.threads))
+                row = harness.run_json(cmd, f"{model} {impl} {cache}")
                 print(f"{model:14s} {impl:12s} cache={cache:5s} prefill {row['prefill_tok_s']:8.1f} tok/s  decode "
                       f"{row['decode_tok_s']:6.2f} tok/s  peak RSS {row['peak_rss_gib']:.2f} GiB  load "
                       f"{row['load_avg']:.1f}", file=sys.stderr)
@@ -130,32 +116,30 @@ def run_all(args) -> list[dict]:
     return list(best.values())
 
 
-def table(rows: list[dict], args) -> str:
-    lines = ["| model | implementation | weights | prefill tok/s | decode tok/s | peak RSS GiB | load s | load avg |",
-             "|---|---|---|---|---|---|---|---|"]
+COLUMNS = ["model", "implementation", "weights", "prefill tok/s", "decode tok/s", "peak RSS GiB", "load s",
+           "load avg"]
+
+
+def table_rows(rows: list[dict]) -> list[list]:
+    out = []
     for r in rows:
         impl = "juno-py" if r["impl"] == "juno" else "transformers (GGUF → fp32)"
         weights = {"none": "streamed from quantized bytes", "bf16": "cached bf16", "fp32": "cached fp32"}[r["cache"]]
         if r["impl"] != "juno":
             weights = "dense fp32"
-        lines.append(f"| {r['model']} | {impl} | {weights} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.2f} | "
-                     f"{r['peak_rss_gib']:.2f} | {r['load_s']:.1f} | {r['load_avg']:.1f} |")
+        out.append([r["model"], impl, weights, round(r["prefill_tok_s"], 1), round(r["decode_tok_s"], 2),
+                    round(r["peak_rss_gib"], 2), round(r["load_s"], 1), round(r["load_avg"], 1)])
+    return out
+
+
+def notes(rows: list[dict], args) -> list[str]:
     threads = rows[0]["threads"] if rows else "?"
-    lines.append("")
-    lines.append(f"Prefill: one forward of {args.prefill} tokens (best of {args.repeats}); decode: {args.decode} "
-                 f"greedy tokens with a KV cache after a 16-token prompt; best of {args.rounds} round(s) of every "
-                 f"configuration. fp32 compute, {threads} torch threads, "
-                 f"{platform.processor() or platform.machine()}, torch {_torch_version()}. Peak RSS is the "
-                 f"subprocess's ru_maxrss, memory-mapped GGUF pages included. Load avg: the machine's 1-minute load "
-                 f"average when the configuration finished (lowest over the rounds; {os.cpu_count()} CPUs); above "
-                 f"the CPU count, other processes shared the cores and every number is pessimistic.")
-    return "\n".join(lines)
-
-
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__
+    return [f"Prefill: one forward of {args.prefill} tokens (best of {args.repeats}); decode: {args.decode} greedy "
+            f"tokens with a KV cache after a 16-token prompt; best of {args.rounds} round(s) of every configuration. "
+            f"fp32 compute, {threads} torch threads.",
+            "Peak RSS is the subprocess's ru_maxrss, memory-mapped GGUF pages included. Load avg: the machine's "
+            "1-minute load average when the configuration finished (lowest over the rounds); above the CPU count, "
+            "other processes shared the cores and every number is pessimistic."]
 
 
 def main() -> None:
@@ -166,7 +150,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="prefill timings per run (the best is kept)")
     ap.add_argument("--rounds", type=int, default=1, help="runs of every configuration (the best is kept)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default)")
-    ap.add_argument("--append", type=Path, help="append the results to this markdown file")
+    harness.add_output_args(ap)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--impl", help=argparse.SUPPRESS)
@@ -176,12 +160,11 @@ def main() -> None:
         print(json.dumps(worker(args)))
         return
     rows = run_all(args)
-    text = table(rows, args)
-    print(text)
-    if args.append:
-        command = "python benchmarks/forward.py " + " ".join(sys.argv[1:])
-        with open(args.append, "a") as f:
-            f.write(f"\n## Forward pass (CPU)\n\n`{command}`\n\n{text}\n")
+    record = harness.results("cpu-forward", "Forward pass and decoding on CPU",
+                             harness.command_line("benchmarks.forward"), COLUMNS, table_rows(rows), notes(rows, args))
+    print(harness.markdown_table(record["columns"], record["rows"]))
+    print("\n".join(record["notes"]))
+    harness.write_results(args, record)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
 For each SmolLM2-135M projection (its real Q4_1 tensors from the model store) and each token count, times
 the forward and the forward+backward (input gradient only, as in adapter training: the dense weight has no
 gradient either) of: the dense reference, the streaming layer (cache none) in fp32 and bf16 compute, and
-the resident caches. Prints a markdown table; ratios are time / dense time of the same pass.
+the resident caches. Prints a markdown table and writes benchmarks/results/frozen-linear.json; ratios are
+time / dense time of the same pass.
 
-    python benchmarks/frozen_linear.py [--tokens 1 64 512] [--threads N] [--rounds 5] [--sweep-chunks] [--synthetic]
+    python -m benchmarks.frozen_linear [--tokens 1 64 512] [--threads N] [--rounds 5] [--sweep-chunks] [--synthetic]
 
 The runner is shared and noisy: every configuration is timed as the fastest single call, over several
 interleaved rounds.
@@ -15,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import tempfile
-import time
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks import harness
 from juno_py import store
 from juno_py.gguf import GGMLType, GGUFFile, GGUFWriter, quants
 from juno_py.weights import FrozenQuantLinear
@@ -43,17 +43,7 @@ CONFIGS = [  # label, FrozenQuantLinear keyword arguments (None: the dense refer
 ]
 
 
-def time_per_call(fn, min_seconds: float = 0.1, min_calls: int = 10) -> float:
-    """The fastest of repeated single calls (after one warm-up call): on a shared runner the minimum is the
-    call that no other process interrupted, and it is measured the same way for every configuration."""
-    fn()
-    best, spent, calls = float("inf"), 0.0, 0
-    while spent < min_seconds or calls < min_calls:
-        start = time.perf_counter()
-        fn()
-        elapsed = time.perf_counter() - start
-        best, spent, calls = min(best, elapsed), spent + elapsed, calls + 1
-    return best
+time_per_call = harness.fastest_call
 
 
 def passes(layer, x: torch.Tensor, dy: torch.Tensor):
@@ -118,21 +108,16 @@ def write_synthetic_model(path: str) -> str:
     return path
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
+COLUMNS = ["target (n_out×n_in, type)", "T", "configuration", "forward ms", "× dense", "fwd+bwd ms", "× dense"]
 
 
-def report(f: GGUFFile, args) -> None:
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_name()}, load average "
+def report(f: GGUFFile, args) -> list[list]:
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {harness.cpu_name()}, load average "
           f"{os.getloadavg()[0]:.1f}; fastest call of {args.rounds} interleaved rounds; "
           f"model {os.path.basename(f.path)}")
     print()
-    print("| target (n_out×n_in, type) | T | configuration | forward ms | × dense | fwd+bwd ms | × dense |")
-    print("|---|---:|---|---:|---:|---:|---:|")
+    print(harness.markdown_table(COLUMNS, []))
+    table = []
     for target in args.targets:
         info = f.tensor(LAYERS[target])
         shape = f"{target} ({info.shape[0]}×{info.shape[1]}, {info.type_name})"
@@ -140,10 +125,12 @@ def report(f: GGUFFile, args) -> None:
             rows = bench(f, target, tokens, args.rounds)
             _, dense_f, dense_fb = rows[0]
             for label, t_f, t_fb in rows:
-                print(f"| {shape} | {tokens} | {label} | {t_f * 1e3:.3f} | {t_f / dense_f:.2f} | "
-                      f"{t_fb * 1e3:.3f} | {t_fb / dense_fb:.2f} |", flush=True)
+                table.append([shape, tokens, label, f"{t_f * 1e3:.3f}", f"{t_f / dense_f:.2f}", f"{t_fb * 1e3:.3f}",
+                              f"{t_fb / dense_fb:.2f}"])
+                print("| " + " | ".join(str(c) for c in table[-1]) + " |", flush=True)
     if args.sweep_chunks:
         sweep_chunks(f, args.targets, args.tokens, args.rounds)
+    return table
 
 
 def main() -> None:
@@ -156,6 +143,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--sweep-chunks", action="store_true",
                     help="also time fwd+bwd of the fp32 streaming layer (ms) by chunk size")
+    harness.add_output_args(ap)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -165,7 +153,14 @@ def main() -> None:
         else:
             path = args.model if os.path.exists(args.model) else store.resolve_model(args.model)
         with GGUFFile(path) as f:
-            report(f, args)
+            table = report(f, args)
+            model = os.path.basename(f.path)
+    note = (f"{'synthetic Q4_1 tensors in SmolLM2-135M shapes' if args.synthetic else model}; "
+            f"{torch.get_num_threads()} torch threads; each cell the fastest single call over {args.rounds} "
+            "interleaved rounds; × dense: time over the dense fp32 F.linear's of the same pass.")
+    harness.write_results(args, harness.results("frozen-linear", "The frozen quantized linear on CPU",
+                                                harness.command_line("benchmarks.frozen_linear"), COLUMNS, table,
+                                                [note]))
 
 
 if __name__ == "__main__":

@@ -11,11 +11,12 @@ norm at 1.0. A step time is the median over `--steps` steps after the first `--w
 best round counts. Peak memory: on the CPU the subprocess's ru_maxrss (model pages read through the memory map
 included), on CUDA `torch.cuda.max_memory_allocated` over the training.
 
-    python benchmarks/galore.py                                    # CPU, the model store's SmolLM2-135M
-    python benchmarks/galore.py --synthetic                        # random valid blocks in SmolLM2's shapes
-    python benchmarks/galore.py --device cuda --synthetic --batch 8 --seq 512
-    python benchmarks/galore.py --grad-checkpoint                  # small activations: gradients set the peak
-    python benchmarks/galore.py ... --append docs/benchmarks.md    # and append the table there
+    python -m benchmarks.galore                                    # CPU, the model store's SmolLM2-135M
+    python -m benchmarks.galore --synthetic                        # random valid blocks in SmolLM2's shapes
+    python -m benchmarks.galore --device cuda --synthetic --batch 8 --seq 512
+    python -m benchmarks.galore --grad-checkpoint                  # small activations: gradients set the peak
+
+The table goes to benchmarks/results/galore-cpu.json (galore-gpu.json on CUDA; `--out FILE` elsewhere).
 
 Per-layer updates free each gradient as soon as its matrix has stepped. That lowers the peak only where the
 gradients (106.2M fp32 values, 405 MiB, for all targets) would outweigh the activations saved for backward: the
@@ -23,7 +24,7 @@ activations peak at the end of forward, the gradients at the end of backward. Wi
 (`--grad-checkpoint`) or short batches the gradients set the peak.
 
 `--synthetic` writes SmolLM2-135M's exact shapes and types with random valid blocks
-(`train_7b_synthetic.write_synthetic_llama`), for machines without the model store: time and memory do not
+(`juno_py.testing.synthetic.write_synthetic_llama`), for machines without the model store: time and memory do not
 depend on the values.
 """
 
@@ -34,17 +35,13 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from train_7b_synthetic import SHAPE_SMOLLM2, write_synthetic_llama  # noqa: E402
-from train_cpu import _peak_rss_gib, _tokens  # noqa: E402
+from benchmarks import harness
+from juno_py.testing.synthetic import SHAPE_SMOLLM2, write_synthetic_llama
 
 # name -> (trainer, GaLore SVD, per-layer updates)
 CONFIGS = {
@@ -55,6 +52,14 @@ CONFIGS = {
     "galore-exact": ("galore", "exact", True),
 }
 MODEL = "smollm2-135m"
+
+
+def _tokens(args):
+    """Random tokens (ids below 20000 exist in SmolLM2's vocabulary), the same for every configuration."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(10, 20000, (args.batch, args.seq), generator=g)
 
 
 def _reset_peak(cuda: bool) -> None:
@@ -139,7 +144,7 @@ def worker(args) -> dict:
     refresh = [e.values["refresh_ms"] / e.values["refreshes"] for e in rec.events
                if e.kind == "galore" and e.values["refreshes"]][1:]  # after the first step's 210
     steady = _steady_peak_gib(cuda)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else _peak_rss_gib()
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else harness.peak_rss_gib()
     if cuda:  # the allocator's peak was reset after the warm-up: the whole run's is the larger of the two
         peak = max(peak, rec.first_peak)
     step = statistics.median(times[args.warmup:])
@@ -156,53 +161,55 @@ def run_all(args) -> list[dict]:
         for name in CONFIGS:
             if args.only and name not in args.only:
                 continue
-            cmd = [sys.executable, __file__, "--worker", "--config", name, "--model-file", str(args.model_file),
-                   "--device", args.device, "--compute-dtype", args.compute_dtype, "--batch", str(args.batch),
-                   "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--threads", str(args.threads), "--rank", str(args.rank), "--gap", str(args.gap)] + \
-                (["--grad-checkpoint"] if args.grad_checkpoint else [])
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
-            row = json.loads(proc.stdout.strip().splitlines()[-1])
+            cmd = harness.module_cmd(
+                "benchmarks.galore", "--worker", "--config", name, "--model-file", str(args.model_file),
+                "--device", args.device, "--compute-dtype", args.compute_dtype, "--batch", str(args.batch),
+                "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                "--threads", str(args.threads), "--rank", str(args.rank), "--gap", str(args.gap),
+                *(["--grad-checkpoint"] if args.grad_checkpoint else []))
+            row = harness.run_json(cmd, name)
             print(f"{name:34s} {row['step_s']:.3f} s/step (first {row['first_step_s']:.2f} s)  peak "
-                  f"{row['peak_gib']:.2f} GiB (steady {row['steady_peak_gib']:.2f})  load {row['load_avg']:.1f}", file=sys.stderr)
+                  f"{row['peak_gib']:.2f} GiB (steady {row['steady_peak_gib']:.2f})  load {row['load_avg']:.1f}",
+                  file=sys.stderr)
             if name not in best or row["step_s"] < best[name]["step_s"]:
                 best[name] = dict(row, peak_gib=max(row["peak_gib"], best.get(name, row)["peak_gib"]),
                                   steady_peak_gib=max(row["steady_peak_gib"], best.get(name, row)["steady_peak_gib"]))
     return list(best.values())
 
 
-def table(rows: list[dict], args) -> str:
-    peer = next((r for r in rows if r["config"] == "adamw"), None)
+def columns(args) -> list[str]:
     memory = "peak GPU memory GiB" if args.device.startswith("cuda") else "peak RSS GiB"
-    lines = [f"| configuration | optimizer state (M values) | first step s | s/step | tokens/s | {memory} | "
-             f"steady peak GiB | time vs AdamW | memory vs AdamW | steady memory vs AdamW | refresh ms/matrix | "
-             f"load avg |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    return ["configuration", "optimizer state (M values)", "first step s", "s/step", "tokens/s", memory,
+            "steady peak GiB", "time vs AdamW", "memory vs AdamW", "steady memory vs AdamW", "refresh ms/matrix",
+            "load avg"]
+
+
+def table_rows(rows: list[dict]) -> list[list]:
+    peer = next((r for r in rows if r["config"] == "adamw"), None)
+    out = []
     for r in rows:
         vs_t = f"{r['step_s'] / peer['step_s']:.2f}x" if peer else "-"
         vs_m = f"{r['peak_gib'] / peer['peak_gib']:.2f}x" if peer else "-"
         vs_s = f"{r['steady_peak_gib'] / peer['steady_peak_gib']:.2f}x" if peer else "-"
         refresh = f"{r['refresh_ms']:.0f}" if r["refresh_ms"] is not None else "-"
-        lines.append(f"| {r['config']} | {r['state_values'] / 1e6:.2f} | {r['first_step_s']:.2f} | {r['step_s']:.3f} "
-                     f"| {r['tok_s']:.0f} | {r['peak_gib']:.2f} | {r['steady_peak_gib']:.2f} | {vs_t} | {vs_m} | {vs_s} "
-                     f"| {refresh} | "
-                     f"{r['load_avg']:.1f} |")
+        out.append([r["config"], round(r["state_values"] / 1e6, 2), round(r["first_step_s"], 2), round(r["step_s"], 3),
+                    round(r["tok_s"]), round(r["peak_gib"], 2), round(r["steady_peak_gib"], 2), vs_t, vs_m, vs_s,
+                    refresh, round(r["load_avg"], 1)])
+    return out
+
+
+def notes(rows: list[dict], args) -> list[str]:
     first = rows[0] if rows else {}
     what = "synthetic SmolLM2-135M shapes (random Q4_1/Q8_0 blocks)" if args.synthetic else \
         "SmolLM2-135M (Q4_1/Q8_0 GGUF)"
-    lines += ["", f"{what}, all seven targets of all 30 layers (106.2M weights trained in full; LoRA r 16: 4.9M), "
-                  f"batches of {args.batch} x {args.seq} tokens"
-                  f"{', activation checkpointing' if args.grad_checkpoint else ''}, compute {first.get('compute')}; "
-                  f"GaLore rank "
-                  f"{args.rank}, gap {args.gap}; median of {args.steps} steps after {args.warmup}, best of "
-                  f"{args.rounds} round(s); {first.get('device')}, {first.get('threads')} torch threads, "
-                  f"{os.cpu_count()} CPUs. First step: GaLore computes every matrix's first projector there. "
-                  f"Peak: the whole run's (first step included); steady peak: the steps after the warm-up "
-                  f"({'the allocator' if args.device.startswith('cuda') else 'VmHWM, reset by clear_refs'}). "
-                  f"Load avg: the machine's 1-minute load when the configuration finished."]
-    return "\n".join(lines)
+    return [f"{what}, all seven targets of all 30 layers (106.2M weights trained in full; LoRA r 16: 4.9M), "
+            f"batches of {args.batch} x {args.seq} tokens{', activation checkpointing' if args.grad_checkpoint else ''}"
+            f", compute {first.get('compute')}; GaLore rank {args.rank}, gap {args.gap}; median of {args.steps} steps "
+            f"after {args.warmup}, best of {args.rounds} round(s); {first.get('threads')} torch threads.",
+            "First step: GaLore computes every matrix's first projector there. Peak: the whole run's (first step "
+            "included); steady peak: the steps after the warm-up "
+            f"({'the allocator' if args.device.startswith('cuda') else 'VmHWM, reset by clear_refs'}). "
+            "Load avg: the machine's 1-minute load when the configuration finished."]
 
 
 def main() -> None:
@@ -221,7 +228,7 @@ def main() -> None:
     ap.add_argument("--grad-checkpoint", action="store_true",
                     help="recompute each block in backward: activations shrink, so the gradients set the peak")
     ap.add_argument("--synthetic", action="store_true", help="random blocks in SmolLM2's shapes (no model store)")
-    ap.add_argument("--append", type=Path, help="append the results to this markdown file")
+    harness.add_output_args(ap)
     ap.add_argument("--model-file", help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
@@ -237,13 +244,13 @@ def main() -> None:
 
             args.model_file = resolve_model(MODEL)
         rows = run_all(args)
-    text = table(rows, args)
-    print(text)
-    if args.append:
-        command = "python benchmarks/galore.py " + " ".join(sys.argv[1:])
-        where = "GPU" if args.device.startswith("cuda") else "CPU"
-        with open(args.append, "a") as f:
-            f.write(f"\n## GaLore full training ({where})\n\n`{command}`\n\n{text}\n")
+    where = "gpu" if args.device.startswith("cuda") else "cpu"
+    record = harness.results(f"galore-{where}", f"Full training with GaLore ({where.upper()})",
+                             harness.command_line("benchmarks.galore"), columns(args), table_rows(rows),
+                             notes(rows, args), device=args.device)
+    print(harness.markdown_table(record["columns"], record["rows"]))
+    print("\n".join(record["notes"]))
+    harness.write_results(args, record)
 
 
 if __name__ == "__main__":

@@ -4,16 +4,13 @@ training example), scored by their keyword as tests/train/test_facts.py scores a
 
     juno-py full --optimizer galore --validation-data juno_py/data/facts_heldout.jsonl --output facts-full.gguf \\
         --requant auto --report facts-full.report.json
-    python benchmarks/galore_facts.py facts-full.gguf
+    python -m benchmarks.galore_facts facts-full.gguf
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main() -> None:

@@ -1,9 +1,11 @@
 """Merge on CPU: time and peak RSS of `merge_model` on the real models, and for `--requant source`, `auto` and
 `f16` the retention, file size and the perplexity / KL divergence of the merged model against playback.
 
-    python benchmarks/merge.py                                   # trains a short adapter per model first
-    python benchmarks/merge.py --adapter smollm2-135m=a.bin --adapter gemma3-270m=b.bin
-    python benchmarks/merge.py --models smollm2-135m --train-steps 40 --threads 2
+    python -m benchmarks.merge                                   # trains a short adapter per model first
+    python -m benchmarks.merge --adapter smollm2-135m=a.bin --adapter gemma3-270m=b.bin
+    python -m benchmarks.merge --models smollm2-135m --train-steps 40 --threads 2
+
+The table goes to benchmarks/results/merge.json (`--out FILE` elsewhere).
 
 Each merge runs in a fresh process, so its peak RSS is the merge's own (the evaluation runs after the peak is
 read). Without --adapter, an adapter is trained with `juno-py lora`'s defaults (all targets, r 16, alpha 32, lr
@@ -15,14 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import harness
+
 GENERAL_TEXT = [
     "The river flows through the old town, past the market and the stone bridge, and on toward the sea.",
     "Water boils at one hundred degrees Celsius at sea level; at higher altitudes it boils at a lower temperature.",
@@ -78,6 +80,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write every measurement here")
     ap.add_argument("--child", nargs=4, metavar=("MODEL", "ADAPTER", "REQUANT", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("--eval", action="append", default=[], help=argparse.SUPPRESS)
+    harness.add_output_args(ap)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(*args.child, args.eval, args.threads)))
@@ -95,25 +98,30 @@ def main() -> None:
         adapter = Path(given[model]) if model in given else train(model, args.train_steps, work / f"{model}.bin")
         for requant in args.requants.split(","):
             out = work / f"{model}.{requant}.gguf"
-            cmd = [sys.executable, __file__, "--child", model, str(adapter), requant, str(out),
-                   "--eval", str(BUILTIN_FACTS_HELDOUT), "--eval", str(general), "--threads", str(args.threads)]
-            res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True,
-                                            env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout.splitlines()[-1])
+            cmd = harness.module_cmd("benchmarks.merge", "--child", model, str(adapter), requant, str(out),
+                                     "--eval", str(BUILTIN_FACTS_HELDOUT), "--eval", str(general),
+                                     "--threads", str(args.threads))
+            res = harness.run_json(cmd, f"{model} {requant}")
             rows.append(res)
             print(json.dumps(res), file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
-    print("| model | requant | merge s | peak RSS MiB | retention mean / min | size MiB (base) | cost vs source MiB "
-          "| data | tokens | ppl merged / playback | mean KL |")
-    print("|---|---|---:|---:|---|---:|---:|---|---:|---:|---:|")
+    columns = ["model", "requant", "merge s", "peak RSS MiB", "retention mean / min", "size MiB (base)",
+               "cost vs source MiB", "data", "tokens", "ppl merged / playback", "mean KL"]
+    table = []
     for r in rows:
-        head = (f"| {r['model']} | {r['requant']} | {r['merge_seconds']:.1f} | {r['peak_rss_bytes'] / 2**20:.0f} | "
-                f"{r['retention_mean']:.3f} / {r['retention_min']:.3f} | {r['file_bytes_output'] / 2**20:.2f} "
-                f"({r['file_bytes_base'] / 2**20:.2f}) | {r['size_cost_vs_source_bytes'] / 2**20:+.2f} ")
+        head = [r["model"], r["requant"], round(r["merge_seconds"], 1), round(r["peak_rss_bytes"] / 2**20),
+                f"{r['retention_mean']:.3f} / {r['retention_min']:.3f}",
+                f"{r['file_bytes_output'] / 2**20:.2f} ({r['file_bytes_base'] / 2**20:.2f})",
+                f"{r['size_cost_vs_source_bytes'] / 2**20:+.2f}"]
         for i, (name, e) in enumerate(r["eval"].items()):
-            lead = head if i == 0 else "| | | | | | | "
-            print(f"{lead}| {name} | {e['tokens']} | {e['ppl_merged']:.3f} / {e['ppl_playback']:.3f} | "
-                  f"{e['kl_mean']:.2e} |")
+            table.append((head if i == 0 else [""] * len(head)) +
+                         [name, e["tokens"], f"{e['ppl_merged']:.3f} / {e['ppl_playback']:.3f}", f"{e['kl_mean']:.2e}"])
+    print(harness.markdown_table(columns, table))
+    harness.write_results(args, harness.results(
+        "merge", "Merging an adapter into the GGUF on CPU", harness.command_line("benchmarks.merge"), columns, table,
+        ["Each merge in a fresh process (merge time and peak RSS are the merge's alone); perplexity and mean "
+         "KL(playback ‖ merged) against the base with the adapter played at run time."]))
 
 
 if __name__ == "__main__":

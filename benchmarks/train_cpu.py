@@ -8,12 +8,12 @@ peak RSS (ru_maxrss, memory-mapped GGUF pages included) is its own. A step time 
 timed steps after `--warmup` untimed ones; with `--rounds` > 1 the best round counts (a busy machine only
 slows a run down).
 
-    python benchmarks/train_cpu.py                               # table on stdout
-    python benchmarks/train_cpu.py --append docs/benchmarks.md   # and appended there
-    taskset -c 0,1 python benchmarks/train_cpu.py --synthetic    # SmolLM2's shapes and types, random blocks
+    python -m benchmarks.train_cpu                               # table on stdout, benchmarks/results/cpu-training.json
+    python -m benchmarks.train_cpu --out /tmp/cpu.json           # the results file elsewhere
+    taskset -c 0,1 python -m benchmarks.train_cpu --synthetic    # SmolLM2's shapes and types, random blocks
 
 `--synthetic` writes random valid blocks in SmolLM2-135M's exact shapes and types (Q4_1, Q8_0 embedding, tied
-output; `train_7b_synthetic.write_synthetic_llama`), for machines without the model store: decoding and matmul
+output; `juno_py.testing.synthetic.write_synthetic_llama`), for machines without the model store: decoding and matmul
 time do not depend on the values.
 """
 
@@ -22,14 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import resource
 import statistics
-import subprocess
 import sys
-import time
 import tempfile
+import time
 from pathlib import Path
+
+from benchmarks import harness
 
 # (implementation, mode, compute dtype, weights cache, activation checkpointing)
 CONFIGS = [("peft", "lora", "fp32", "-", False), ("peft", "dora", "fp32", "-", False),
@@ -39,10 +38,6 @@ CONFIGS = [("peft", "lora", "fp32", "-", False), ("peft", "dora", "fp32", "-", F
            ("juno", "dora", "bf16", "none", False),
            ("juno", "lora", "fp32", "none", True), ("juno", "lora", "bf16", "bf16", True)]
 MODEL = "smollm2-135m"
-
-
-def _peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def _tokens(args):
@@ -109,7 +104,8 @@ def worker(args) -> dict:
     times = (juno_steps if args.impl == "juno" else peft_steps)(args)
     step = statistics.median(times)
     return dict(impl=args.impl, mode=args.mode, dtype=args.dtype, cache=args.cache, ckpt=args.ckpt, step_s=step,
-                tok_s=args.batch * args.seq / step, peak_rss_gib=_peak_rss_gib(), threads=torch.get_num_threads(),
+                tok_s=args.batch * args.seq / step, peak_rss_gib=harness.peak_rss_gib(),
+                threads=torch.get_num_threads(),
                 load_avg=os.getloadavg()[0])
 
 
@@ -120,13 +116,12 @@ def run_all(args) -> list[dict]:
             name = f"{impl}-{mode}-{dtype}-{cache}" + ("-ckpt" if ckpt else "")
             if args.only and name not in args.only:
                 continue
-            cmd = [sys.executable, __file__, "--worker", "--model-file", str(args.model_file), "--impl", impl,
-                   "--mode", mode, "--dtype", dtype, "--cache", cache, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-                   "--warmup", str(args.warmup), "--threads", str(args.threads)] + (["--ckpt"] if ckpt else [])
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise SystemExit(f"{impl} {mode} {dtype} failed:\n{proc.stderr[-3000:]}")
-            row = json.loads(proc.stdout.strip().splitlines()[-1])
+            cmd = harness.module_cmd(
+                "benchmarks.train_cpu", "--worker", "--model-file", str(args.model_file), "--impl", impl,
+                "--mode", mode, "--dtype", dtype, "--cache", cache, "--batch", str(args.batch), "--seq", str(args.seq),
+                "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
+                *(["--ckpt"] if ckpt else []))
+            row = harness.run_json(cmd, f"{impl} {mode} {dtype}")
             print(f"{name:28s} {row['step_s']:.3f} s/step "
                   f"{row['tok_s']:7.1f} tok/s  peak RSS {row['peak_rss_gib']:.2f} GiB  load {row['load_avg']:.1f}",
                   file=sys.stderr)
@@ -136,41 +131,38 @@ def run_all(args) -> list[dict]:
     return list(best.values())
 
 
-def table(rows: list[dict], args) -> str:
+COLUMNS = ["implementation", "mode", "compute", "frozen weights", "s/step", "tokens/s", "peak RSS GiB",
+           "tokens/s vs peer", "RSS vs peer", "load avg"]
+
+
+def table_rows(rows: list[dict]) -> list[list]:
     peer = {r["mode"]: r for r in rows if r["impl"] == "peft"}
-    lines = ["| implementation | mode | compute | frozen weights | s/step | tokens/s | peak RSS GiB | tokens/s vs peer "
-             "| RSS vs peer | load avg |", "|---|---|---|---|---|---|---|---|---|---|"]
+    out = []
     for r in rows:
         p = peer.get(r["mode"])
         if r["impl"] == "peft":
             name, weights, vs_t, vs_m = "transformers + PEFT", "dense fp32", "1.00x", "1.00x"
         else:
             name = "juno-py"
-            weights = {"none": "streamed from Q4_1/Q8_0 bytes", "bf16": "cached bf16", "fp32": "cached fp32"}[r["cache"]]
+            weights = {"none": "streamed from Q4_1/Q8_0 bytes", "bf16": "cached bf16",
+                       "fp32": "cached fp32"}[r["cache"]]
             if r["ckpt"]:
                 weights += ", --grad-checkpoint"
             vs_t = f"{r['tok_s'] / p['tok_s']:.2f}x" if p else "-"
             vs_m = f"{r['peak_rss_gib'] / p['peak_rss_gib']:.2f}x" if p else "-"
-        lines.append(f"| {name} | {r['mode']} | {r['dtype']} | {weights} | {r['step_s']:.3f} | {r['tok_s']:.1f} | "
-                     f"{r['peak_rss_gib']:.2f} | {vs_t} | {vs_m} | {r['load_avg']:.1f} |")
+        out.append([name, r["mode"], r["dtype"], weights, round(r["step_s"], 3), round(r["tok_s"], 1),
+                    round(r["peak_rss_gib"], 2), vs_t, vs_m, round(r["load_avg"], 1)])
+    return out
+
+
+def notes(rows: list[dict], args) -> list[str]:
     threads = rows[0]["threads"] if rows else "?"
-    lines.append("")
     what = "synthetic SmolLM2-135M shapes (random Q4_1/Q8_0 blocks)" if args.synthetic else \
         "SmolLM2-135M (Q4_1/Q8_0 GGUF)"
-    lines.append(f"{what}, rank 8 on q,v, batches of {args.batch} x {args.seq} tokens, "
-                 f"median of {args.steps} steps after {args.warmup} warm-up, best of {args.rounds} round(s); "
-                 f"{threads} torch threads, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-                 f"torch {_versions()}. Peak RSS: the subprocess's ru_maxrss. Load avg: the machine's 1-minute load "
-                 f"when the configuration finished; above the CPU count other processes shared the cores.")
-    return "\n".join(lines)
-
-
-def _versions() -> str:
-    import peft
-    import torch
-    import transformers
-
-    return f"{torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}"
+    return [f"{what}, rank 8 on q,v, batches of {args.batch} x {args.seq} tokens, median of {args.steps} steps "
+            f"after {args.warmup} warm-up, best of {args.rounds} round(s); {threads} torch threads.",
+            "Peak RSS: the subprocess's ru_maxrss. Load avg: the machine's 1-minute load when the configuration "
+            "finished; above the CPU count other processes shared the cores."]
 
 
 def main() -> None:
@@ -183,7 +175,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default)")
     ap.add_argument("--only", nargs="*", help="configurations to run, e.g. peft-lora-fp32-- juno-lora-bf16-bf16-ckpt")
     ap.add_argument("--synthetic", action="store_true", help="random blocks in SmolLM2's shapes (no model store)")
-    ap.add_argument("--append", type=Path, help="append the results to this markdown file")
+    harness.add_output_args(ap)
     ap.add_argument("--model-file", help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--impl", help=argparse.SUPPRESS)
@@ -197,8 +189,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         if args.synthetic:
-            sys.path.insert(0, str(Path(__file__).resolve().parent))
-            from train_7b_synthetic import SHAPE_SMOLLM2, write_synthetic_llama
+            from juno_py.testing.synthetic import SHAPE_SMOLLM2, write_synthetic_llama
 
             args.model_file = write_synthetic_llama(Path(tmp) / "synthetic-smollm2.gguf", SHAPE_SMOLLM2)
         else:
@@ -206,12 +197,11 @@ def main() -> None:
 
             args.model_file = resolve_model(MODEL)
         rows = run_all(args)
-    text = table(rows, args)
-    print(text)
-    if args.append:
-        command = "python benchmarks/train_cpu.py " + " ".join(sys.argv[1:])
-        with open(args.append, "a") as f:
-            f.write(f"\n## Training (CPU)\n\n`{command}`\n\n{text}\n")
+    record = harness.results("cpu-training", "LoRA and DoRA training on CPU",
+                             harness.command_line("benchmarks.train_cpu"), COLUMNS, table_rows(rows), notes(rows, args))
+    print(harness.markdown_table(record["columns"], record["rows"]))
+    print("\n".join(record["notes"]))
+    harness.write_results(args, record)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ model does not fit the 64 MiB that travels to it), in the exact shapes and per-t
   llama8b-4l     four Llama-3-8B-shaped layers (hidden 4096, MLP 14336, 32/8 heads, vocab 128256), Q4_K with a
                  Q6_K output, as a Q4_K_M file would hold them
 The first two tables are read from `benchmarks/shapes/*.json` (metadata and tensor table of the real files, made
-with `juno-py inspect --tensors`); the blocks come from `train_7b_synthetic.random_blocks`, generated on the GPU.
+with `juno-py inspect --tensors`); the blocks come from `juno_py.testing.synthetic.random_blocks`, generated on the GPU.
 juno-py trains through its real loop (`juno_py.train.loop.train`) with the base quantized on the GPU (weights
 cache none) or with a resident bf16 copy (cache bf16); the peer is transformers (bf16 weights, the same decoded
 values; Q/K rows un-permuted, Gemma's norms minus one) with PEFT adapters in their default fp32, fused AdamW, a plain
@@ -18,8 +18,10 @@ LoRA on q,v at rank 8 (alpha 16); 8 x 512 tokens a step. A step time is the medi
 "Busy" is the share of one profiled step's wall time that the GPU spent in kernels: well under 100 % means the
 step is bound by kernel launches and Python, not by the GPU (small models).
 
-    python benchmarks/train_gpu.py --out results.json          # every model and configuration, table on stdout
-    python benchmarks/train_gpu.py --scale-70b --out scale.json
+    python -m benchmarks.train_gpu               # every model and configuration: benchmarks/results/gpu-training.json
+    python -m benchmarks.train_gpu --scale-70b   # benchmarks/results/gpu-scale-70b.json
+    python -m benchmarks.train_gpu --device cpu --layers 1 --models smollm2-135m --configs lora-qv-r8 \
+        --impls juno-none --steps 1 --warmup 1 --out /tmp/smoke.json          # smoke test of the script on the CPU
 """
 
 from __future__ import annotations
@@ -35,12 +37,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from train_7b_synthetic import llama_metadata, llama_tensors, random_blocks  # noqa: E402
-
-from juno_py.gguf import GGMLType  # noqa: E402
+from benchmarks import harness
+from juno_py.gguf import GGMLType
+from juno_py.testing.synthetic import llama_metadata, llama_tensors, random_blocks
 
 SHAPES = Path(__file__).resolve().parent / "shapes"
 SHAPE_8B = dict(n_layer=4, n_embd=4096, n_ff=14336, n_head=32, n_head_kv=8, n_vocab=128256, rope_base=500000.0,
@@ -97,7 +96,7 @@ def hf_model(meta: dict, tensors: dict, device: str = "cuda", dtype=torch.bfloat
 
     from juno_py.exchange.peft import hf_rows
     from juno_py.kernels.dequant import dequantize_reference, dequantize_tile
-    from tests.fixtures.tiny_models import _GEMMA_LAYER_NAMES, _LAYER_NAMES
+    from juno_py.testing.tiny_models import GEMMA_LAYER_NAMES, LAYER_NAMES
 
     arch = meta["general.architecture"]
     a = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
@@ -111,10 +110,10 @@ def hf_model(meta: dict, tensors: dict, device: str = "cuda", dtype=torch.bfloat
     if arch == "gemma3":
         config = transformers.Gemma3TextConfig(sliding_window=a("attention.sliding_window"),
                                                query_pre_attn_scalar=head_dim, **common)
-        names = _GEMMA_LAYER_NAMES
+        names = GEMMA_LAYER_NAMES
     else:
         config = transformers.LlamaConfig(**common)
-        names = _LAYER_NAMES
+        names = LAYER_NAMES
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():
@@ -290,15 +289,17 @@ def measured(fn, *a, **kw) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ tables
-def compare_table(rows: list[dict], args) -> str:
-    lines = ["| model | adapters | implementation | frozen weights | ms/step | tokens/s | peak GiB | tokens/s vs PEFT | "
-             "memory vs PEFT | busy |", "|---|---|---|---|---|---|---|---|---|---|"]
+COLUMNS = ["model", "adapters", "implementation", "frozen weights", "ms/step", "tokens/s", "peak GiB",
+           "tokens/s vs PEFT", "memory vs PEFT", "busy"]
+
+
+def compare_rows(rows: list[dict], args) -> list[list]:
+    out = []
     for r in rows:
         peer = next((p for p in rows if p["model"] == r["model"] and p["config"] == r["config"]
                      and p["impl"] == "transformers + PEFT"), None)
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['config']} | {r['impl']} | {r['cache']} | failed: {r['error']} |"
-                         " | | | | |")
+            out.append([r["model"], r["config"], r["impl"], r["cache"], f"failed: {r['error']}", "", "", "", "", ""])
             continue
         tok = args.batch * args.seq / r["step_s"]
         vs_t = vs_m = "-"
@@ -306,19 +307,9 @@ def compare_table(rows: list[dict], args) -> str:
             vs_t = f"{tok / (args.batch * args.seq / peer['step_s']):.2f}x"
             vs_m = f"{r['peak_gib'] / peer['peak_gib']:.2f}x"
         busy = f"{100 * r['busy']:.0f} %" if "busy" in r else "-"
-        lines.append(f"| {r['model']} | {r['config']} | {r['impl']} | {r['cache']} | {1e3 * r['step_s']:.1f} | "
-                     f"{tok:,.0f} | {r['peak_gib']:.2f} | {vs_t} | {vs_m} | {busy} |")
-    return "\n".join(lines)
-
-
-def versions() -> str:
-    import peft
-    import transformers
-    import triton
-
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    return (f"{name}, torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}, "
-            f"peft {peft.__version__}")
+        out.append([r["model"], r["config"], r["impl"], r["cache"], round(1e3 * r["step_s"], 1), f"{tok:,.0f}",
+                    round(r["peak_gib"], 2), vs_t, vs_m, busy])
+    return out
 
 
 def main() -> None:
@@ -338,13 +329,27 @@ def main() -> None:
     ap.add_argument("--scale-70b", action="store_true", help="one DoRA step of the 70B-shaped model instead")
     ap.add_argument("--device", default="cuda", help="cuda (the measurement); cpu only smoke-tests the script")
     ap.add_argument("--layers", type=int, default=0, help="keep only the first N blocks (smoke tests)")
-    ap.add_argument("--out", type=Path, help="write every row as JSON here")
+    ap.add_argument("--rows-json", type=Path, help="also write every measured row, as JSON, here")
+    harness.add_output_args(ap)
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
-    print(versions(), file=sys.stderr)
+    env = harness.environment(args.device)
+    print(env["hardware"], env["software"], file=sys.stderr)
+    command = harness.command_line("benchmarks.train_gpu")
 
     if args.scale_70b:
         rows = [scale_70b(args)]
+        r = rows[0]
+        columns = ["model", "adapters", "tokens a step", "s/step", "tokens/s", "peak GiB", "quantized weights GiB",
+                   "forward s", "backward s", "optimizer s"]
+        table = [[r["model"], r["config"], r["tokens"], round(r["step_s"], 2), f"{r['tokens_per_s']:,.0f}",
+                  round(r["peak_total_gib"], 1), round(r["quant_bytes"] / GIB, 1),
+                  *(round(r["last_step_ms"][k] / 1e3, 2) if k in r["last_step_ms"] else ""
+                    for k in ("forward_ms", "backward_ms", "optimizer_ms"))]
+                 ] if "step_s" in r else [[r["model"], r["config"], r["tokens"], f"failed: {r.get('error')}"]]
+        record = harness.results("gpu-scale-70b", "A Llama-70B-shaped DoRA step on one GPU", command, columns, table,
+                                 ["DoRA on every linear, r 64, 1 x 4096 tokens, --grad-checkpoint; peak: torch's "
+                                  "max_memory_allocated, the quantized weights included."], env=env)
     else:
         rows = []
         for name in args.models:
@@ -364,11 +369,16 @@ def main() -> None:
                                + (", eager steps" if impl.endswith("-eager") else ""))
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
-        print(compare_table(rows, args))
-        print(f"\n{args.batch} x {args.seq} tokens a step, median of {args.steps} steps after {args.warmup}; "
-              f"{versions()}.")
-    if args.out:
-        args.out.write_text(json.dumps(dict(rows=rows, versions=versions(), argv=sys.argv[1:]), indent=1))
+        record = harness.results(
+            "gpu-training", "Whole-model training on one GPU", command, COLUMNS, compare_rows(rows, args),
+            [f"{args.batch} x {args.seq} tokens a step, median of {args.steps} steps after {args.warmup}. Peak: "
+             "torch's max_memory_allocated over the configuration's life, weights included. Busy: GPU kernel time "
+             "over the wall time of one profiled step."], env=env)
+    print(harness.markdown_table(record["columns"], record["rows"]))
+    print("\n".join(record["notes"]))
+    harness.write_results(args, record)
+    if args.rows_json:
+        harness.write_json(args.rows_json, dict(rows=rows, software=env["software"], argv=sys.argv[1:]))
 
 
 def scale_70b(args) -> dict:

@@ -2,9 +2,8 @@
 setting changed at a time, then score each adapter on the ten held-out rewordings (greedy playback, keyword in the
 answer) and on the held-out loss. Every run is the real CLI in a fresh process; wall time includes model load.
 
-    python benchmarks/tune_facts.py                              # prints a markdown table
-    python benchmarks/tune_facts.py --append docs/training.md    # and appends it with the command
-    python benchmarks/tune_facts.py --only 0 7 --seeds 0 1 2 3 4 # chosen rows, each over several seeds
+    python -m benchmarks.tune_facts                              # table, benchmarks/results/lora-defaults.json
+    python -m benchmarks.tune_facts --only 0 7 --seeds 0 1 2 3 4 # chosen rows, each over several seeds
 
 With `--seeds`, each setting trains once per seed (`juno-py lora --seed S`: initialisation, shuffling, dropout) and
 the row gives every seed's score, the lowest and the mean: the margin a default has over the 8-of-10 line, where one
@@ -20,6 +19,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks import harness
 
 # (label, extra flags for `juno-py lora`); the first row is the defaults
 SETTINGS = [
@@ -56,8 +57,8 @@ def score(adapter: Path) -> tuple[int, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", type=int, nargs="*", help="row numbers of SETTINGS to run (0 = defaults)")
-    ap.add_argument("--append", type=Path, help="append the table to this markdown file")
     ap.add_argument("--seeds", type=int, nargs="*", help="train each setting once per seed (default: the CLI's seed)")
+    harness.add_output_args(ap)
     args = ap.parse_args()
     rows = []
     seeds = args.seeds or [None]
@@ -85,17 +86,18 @@ def main() -> None:
             if len(runs) > 1:
                 scores += f" (lowest {min(rights)}, mean {sum(rights) / len(rights):.1f})"
             loss = sum(r[1] for r in runs) / len(runs)
-            rows.append(f"| {label} | {scores} | {loss:.3f} | {max(r[2] for r in runs):.0f} | "
-                        f"{max(r[3] for r in runs):.1f} |")
+            rows.append([label, scores, round(loss, 3), round(max(r[2] for r in runs)),
+                         round(max(r[3] for r in runs), 1)])
             print(rows[-1], file=sys.stderr)
     what = "held-out rewordings answered" + (f" (seeds {', '.join(map(str, seeds))})" if args.seeds else "")
-    table = (f"| setting | {what} | held-out loss{' (mean)' if args.seeds else ''} | wall s (load, train, save; "
-             f"the longest) | load avg |\n|---|---|---|---|---|\n" + "\n".join(rows))
-    print(table)
-    if args.append:
-        command = "python benchmarks/tune_facts.py " + " ".join(sys.argv[1:])
-        with open(args.append, "a", encoding="utf-8") as f:
-            f.write(f"\n### Tried settings (SmolLM2-135M, CPU)\n\n`{command}`\n\n{table}\n")
+    columns = ["setting", what, f"held-out loss{' (mean)' if args.seeds else ''}",
+               "wall s (load, train, save; the longest)", "load avg"]
+    print(harness.markdown_table(columns, rows))
+    harness.write_results(args, harness.results(
+        "lora-defaults", "The defaults of juno-py lora on the built-in facts (SmolLM2-135M, CPU)",
+        harness.command_line("benchmarks.tune_facts"), columns, rows,
+        ["Each row one setting changed from the defaults; answers: greedy playback of the ten held-out rewordings, "
+         "scored by keyword."]))
 
 
 if __name__ == "__main__":

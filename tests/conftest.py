@@ -26,7 +26,7 @@ def gemma3_path():
 def tiny_gguf(tmp_path_factory):
     """tiny_gguf(arch, ggml_type=F32, **knobs) -> path of a tiny random-weight model (cached per argument set)."""
     from juno_py.gguf import GGMLType
-    from tests.fixtures.tiny_models import write_tiny_gguf
+    from juno_py.testing.tiny_models import write_tiny_gguf
 
     made = {}
     folder = tmp_path_factory.mktemp("tiny_models")

@@ -15,7 +15,7 @@ from juno_py.gguf import GGMLType, GGUFFile
 from juno_py.lora import Mode, Scaling, read_adapter
 from juno_py.lora.format import sort_key
 from juno_py.merge.targets import ModelTargets
-from tests.fixtures.tiny_models import llama_permute, sample_ids
+from juno_py.testing.tiny_models import llama_permute, sample_ids
 from tests.merge.helpers import combine, make_adapter, playback_logits
 
 

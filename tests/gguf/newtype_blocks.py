@@ -96,7 +96,7 @@ TINY_LLAMA = dict(hidden_size=256, intermediate_size=256, num_hidden_layers=1, n
 
 def tiny_llama_parts():
     """(metadata, fp32 tensors under GGUF names) of the tiny llama `TINY_LLAMA`."""
-    from tests.fixtures.tiny_models import gguf_metadata, gguf_tensors, hf_tiny_model
+    from juno_py.testing.tiny_models import gguf_metadata, gguf_tensors, hf_tiny_model
 
     model = hf_tiny_model("llama", 0, TINY_LLAMA)
     return gguf_metadata("llama", model), gguf_tensors("llama", model)
@@ -105,7 +105,7 @@ def tiny_llama_parts():
 def write_model_pair(folder, metadata, tensors, ggml_type: GGMLType):
     """The model with every linear (2-D tensors but the embeddings) as random `ggml_type` blocks, and the same
     model with those weights decoded by the gguf package and stored as F32: their paths."""
-    from tests.fixtures.tiny_models import _ITEM_TYPES
+    from juno_py.testing.tiny_models import _ITEM_TYPES
 
     paths = folder / f"{ggml_type.name}.gguf", folder / f"{ggml_type.name}-dense.gguf"
     gtype = gguf.GGMLQuantizationType(int(ggml_type))

@@ -20,7 +20,7 @@ import torch
 
 from juno_py.errors import MAX_MESSAGE, JunoError
 from juno_py.gguf import GGMLType, GGUFFile, ValueType
-from tests.fixtures.tiny_models import MERGES, write_gguf, tiny_vocab
+from juno_py.testing.tiny_models import MERGES, write_gguf, tiny_vocab
 
 CASES = int(os.environ.get("JUNO_FUZZ_CASES", "300"))
 PEAK_BOUND = 64 << 20  # bytes any single case may allocate (the real header itself is ~2.5 MB)

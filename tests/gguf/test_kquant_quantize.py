@@ -12,7 +12,8 @@ import torch
 from juno_py.gguf.constants import GGMLType
 from juno_py.gguf.quants import dequantize, quantize
 from juno_py.gguf.quants.kquant_quantize import nearest_int
-from tests.golden.make_golden import KQUANT_TYPES, array_digest, kquant_random_blocks, kquant_random_set
+from juno_py.testing.ggml_reference import KQUANT_TYPES
+from tests.golden.make_golden import array_digest, kquant_random_blocks, kquant_random_set
 
 DATA = Path(__file__).resolve().parents[1] / "golden" / "data"
 SETS = ("edge", "random", "real")

@@ -47,7 +47,7 @@ def compare_tiny(arch, targets, scaling, folder) -> dict:
     from juno_py.exchange import export_gguf_lora
     from juno_py.gguf import GGMLType
     from juno_py.merge import merge_model
-    from tests.fixtures.tiny_models import sample_ids, write_tiny_gguf
+    from juno_py.testing.tiny_models import sample_ids, write_tiny_gguf
     from tests.merge.helpers import LLAMA_CPP_NAME, make_adapter, model_logits, playback_logits
 
     folder = Path(folder)

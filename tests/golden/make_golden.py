@@ -6,13 +6,13 @@ llama-cpp-python). Run by hand, never in CI; see tests/golden/README.md.
     python tests/golden/make_golden.py --report kquants # print the measurements quoted in docs/
 
 Each golden set is one function `make_<set>(out_dir)`, listed in GOLDEN_SETS; a report is `report_<set>()`,
-listed in REPORTS. Module-level code imports numpy only, so tests may import the input generators from here.
+listed in REPORTS. Module-level code imports numpy and `juno_py.testing.ggml_reference` only, so tests may
+import the input generators from here.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import hashlib
 import os
 import sys
@@ -20,47 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
+from juno_py.testing.ggml_reference import KQUANT_TYPES, ggml_quantize, load_ggml
+
 DATA_DIR = Path(__file__).resolve().parent / "data"
 MODELS = {"smollm2": "/tmp/models/smollm2-135m.gguf", "gemma3": "/tmp/models/gemma3-270m.gguf"}
 
 QK_K = 256
-KQUANT_TYPES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 KQUANT_TYPE_SIZES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-
-
-# ------------------------------------------------------------------------------------------------- llama.cpp
-
-def load_ggml():
-    """libggml-base from the installed llama-cpp-python (or the file named by $GGML_BASE_LIB, for a llama.cpp
-    built elsewhere), with `ggml_quantize_chunk` typed."""
-    if os.environ.get("GGML_BASE_LIB"):
-        names = [Path(os.environ["GGML_BASE_LIB"])]
-    else:
-        import llama_cpp  # noqa: F401  (only to locate its shared libraries)
-
-        lib_dir = Path(llama_cpp.__file__).resolve().parent / "lib"
-        names = sorted(lib_dir.glob("libggml-base.so*")) + sorted(lib_dir.glob("libggml.so*"))
-        if not names:
-            raise SystemExit(f"no libggml-base.so under {lib_dir}")
-    lib = ctypes.CDLL(str(names[0]))
-    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
-    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    lib.ggml_quantize_init.argtypes = [ctypes.c_int]
-    lib.ggml_row_size.restype = ctypes.c_size_t
-    lib.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
-    return lib
-
-
-def ggml_quantize(lib, ggml_type: int, x: np.ndarray) -> np.ndarray:
-    """llama.cpp's reference quantizer (no importance matrix) on rows x [rows, n_per_row] → uint8 rows."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    rows, n_per_row = x.shape
-    lib.ggml_quantize_init(ggml_type)
-    out = np.zeros((rows, lib.ggml_row_size(ggml_type, n_per_row)), np.uint8)
-    written = lib.ggml_quantize_chunk(ggml_type, x.ctypes.data, out.ctypes.data, 0, rows, n_per_row, None)
-    assert written == out.nbytes, (written, out.nbytes)
-    return out
 
 
 # ------------------------------------------------------------------------------------------ k-quant inputs

@@ -17,8 +17,8 @@ from juno_py.kernels import split_bf16  # noqa: E402
 from juno_py.kernels.dequant import dequantize_reference  # noqa: E402
 from juno_py.weights import FrozenQuantLinear  # noqa: E402
 from juno_py.weights.resident import MATVEC_MAX_TOKENS  # noqa: E402
+from juno_py.testing.blocks import random_rows  # noqa: E402
 from tests.kernels.conftest import DEVICE  # noqa: E402
-from tests.weights.random_blocks import random_rows  # noqa: E402
 
 U32 = 2.0 ** -24
 U_BF16 = 2.0 ** -8  # unit roundoff of bf16

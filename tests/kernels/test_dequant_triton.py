@@ -20,8 +20,8 @@ from juno_py.gguf.constants import GGML_BLOCK_SIZES  # noqa: E402
 from juno_py.kernels.dequant import (TRITON_TYPES, dequant_matvec, dequantize_reference,  # noqa: E402
                                      dequantize_split_reference, dequantize_split_tile, dequantize_tile,
                                      matvec_reference)
+from juno_py.testing.blocks import F16_FIELDS, random_rows  # noqa: E402
 from tests.kernels.conftest import DEVICE  # noqa: E402
-from tests.weights.random_blocks import F16_FIELDS, random_rows  # noqa: E402
 
 U32 = 2.0 ** -24  # unit roundoff of fp32
 # the types whose blocks `random_rows` makes (the codebook, ternary and MXFP4 kernels have their own tests:

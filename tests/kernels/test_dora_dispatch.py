@@ -119,7 +119,7 @@ def _dora_layer(n_out=96, n_in=64, rank=8, seed=0):
     from juno_py.lora.adapters import AdaptedLinear, AdapterConfig, LoraAdapter
     from juno_py.lora.format import Mode
     from juno_py.weights import FrozenQuantLinear
-    from tests.weights.random_blocks import random_rows
+    from juno_py.testing.blocks import random_rows
 
     raw = torch.from_numpy(random_rows(GGMLType.Q8_0, n_out, n_in, seed)).to(DEVICE)  # bytes where they run
     base = FrozenQuantLinear(raw, GGMLType.Q8_0, n_in)

@@ -193,7 +193,7 @@ def _quant_layer(T, n_in, n_out, r, scratch, layer_type=AdaptedLinear):
     from juno_py.gguf import GGMLType
     from juno_py.kernels.dequant import dequantize_reference
     from juno_py.weights import FrozenQuantLinear
-    from tests.weights.random_blocks import random_rows
+    from juno_py.testing.blocks import random_rows
 
     raw = torch.from_numpy(random_rows(GGMLType.Q4_K, n_out, n_in, seed=11))
     base = FrozenQuantLinear(raw, GGMLType.Q4_K, n_in, compute_dtype=torch.bfloat16, device_scratch_bytes=scratch,

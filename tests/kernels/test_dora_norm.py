@@ -8,8 +8,8 @@ pytest.importorskip("triton")
 from juno_py.gguf import GGMLType  # noqa: E402
 from juno_py.kernels.dora import factored_row_norm, norm_assemble  # noqa: E402
 from juno_py.kernels.reference import norm_assemble_eager  # noqa: E402
+from juno_py.testing.blocks import random_rows  # noqa: E402
 from tests.kernels.conftest import DEVICE  # noqa: E402
-from tests.weights.random_blocks import random_rows  # noqa: E402
 
 U32 = 2.0 ** -24
 SIZES = [1, 7, 1000, 1025, 4099] + ([8192, 28672, 1 << 20] if DEVICE == "cuda" else [])

@@ -15,8 +15,8 @@ from juno_py.lora.adapters import AdaptedLinear, LoraAdapter
 from juno_py.lora.format import Fingerprint
 from juno_py.models import load_model
 from juno_py.weights import FrozenQuantLinear
+from juno_py.testing.blocks import random_rows
 from tests.weights.memory_probe import LargestTensor
-from tests.weights.random_blocks import random_rows
 
 ARCHS = ["llama", "qwen2", "qwen3", "phi3", "gemma3"]
 

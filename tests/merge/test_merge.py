@@ -12,7 +12,7 @@ from juno_py.gguf.quants import dequantize, quantize
 from juno_py.lora import Mode, Scaling, read_adapter
 from juno_py.merge import PROVENANCE_KEY, ladder, merge_model
 from juno_py.merge.requant import encode
-from tests.fixtures.tiny_models import sample_ids
+from juno_py.testing.tiny_models import sample_ids
 from tests.merge.helpers import expected_target, gguf_reference_dequantize, make_adapter, model_logits, playback_logits
 
 # a llama whose rows are 256 wide, so k-quant types fit

@@ -9,7 +9,7 @@ import juno_py
 from juno_py.gguf import GGMLType, GGUFFile
 from juno_py.models import Transformer, chunked_cross_entropy
 from juno_py.models.generate import decode_one_token, generate, prefill, sample
-from tests.fixtures.tiny_models import sample_ids
+from juno_py.testing.tiny_models import sample_ids
 
 ARCHS = ["llama", "qwen2", "qwen3", "phi3", "gemma3"]
 

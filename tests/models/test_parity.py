@@ -13,7 +13,7 @@ from juno_py import load_model
 from juno_py.gguf import GGMLType, GGUFFile
 from juno_py.models import Transformer
 from juno_py.models.generate import generate
-from tests.fixtures.tiny_models import sample_ids, transformers_logits
+from juno_py.testing.tiny_models import sample_ids, transformers_logits
 
 BOUND = 1e-3
 

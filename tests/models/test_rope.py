@@ -8,7 +8,7 @@ import torch
 from juno_py.gguf import GGMLType, GGUFFile
 from juno_py.models import Transformer
 from juno_py.models.model import apply_rope, rope_cos_sin, rope_inv_freq
-from tests.fixtures.tiny_models import hf_tiny_model, llama_permute, sample_ids
+from juno_py.testing.tiny_models import hf_tiny_model, llama_permute, sample_ids
 
 # head_dim 16, half of it rotated; LongRoPE: short factors up to 64 positions, long ones beyond
 LONGROPE = dict(max_position_embeddings=256, original_max_position_embeddings=64,

@@ -21,12 +21,12 @@ from pathlib import Path
 from juno_py.lora import Mode, attach
 from juno_py.metrics import MetricsRecorder
 from juno_py.models import load_model
+from juno_py.testing.records import MIXED_RECORDS, write_jsonl
 from juno_py.train import distributed
 from juno_py.train.data import load_dataset
 from juno_py.train.loop import TrainConfig, train
-from tests.train.conftest import MIXED_RECORDS, write_jsonl
 
-# 11 training sequences and 2 validation ones (tests/train/conftest.py MIXED_RECORDS, two Q&A variants)
+# 11 training sequences and 2 validation ones (juno_py.testing.records MIXED_RECORDS, two Q&A variants)
 RUNS = {
     # steps of 6 rows split 3 + 3 and then 5 rows split 3 + 2; validation every step (one sequence per rank)
     "lora": dict(mode=Mode.LORA, batch_size=3, accumulation=2, epochs=3, validation_every=1, patience=0,

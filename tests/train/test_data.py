@@ -7,7 +7,7 @@ import torch
 
 from juno_py.train.data import (IGNORE, DataError, Encoder, Example, collate, load_dataset, load_examples,
                                 pack_examples, packed_batch, pad_batch, plan_epoch, qa_variants, read_records)
-from tests.train.conftest import MIXED_RECORDS, write_jsonl
+from juno_py.testing.records import MIXED_RECORDS, write_jsonl
 
 CONVERSATION = [{"role": "system", "content": "You answer in one word."},
                 {"role": "user", "content": "What is the capital of Velmora?"},

@@ -16,10 +16,10 @@ from safetensors.torch import load_file
 
 from juno_py.cli.main import cli
 from juno_py.lora import read_adapter
+from juno_py.testing.records import MIXED_RECORDS, write_jsonl
 from juno_py.train.distributed import World, shard_rows
 from juno_py.train.state import load_state, state_path
 from tests.train import dist_worker
-from tests.train.conftest import MIXED_RECORDS, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 HANG_GUARD_S = 600  # a job that hangs fails the test here instead of blocking CI; it is not a speed bound

@@ -245,10 +245,10 @@ def one_thread():
 
 
 def test_reduced_toy_problem_separates_galore_from_frozen_projector_and_low_rank_product(one_thread):
-    """The benchmark's toy problem at 64x64, rank 4 (benchmarks/galore_toy.py runs the full 256x256 one): GaLore
+    """The benchmark's toy problem at 64x64, rank 4 (benchmarks.galore_toy runs the full 256x256 one): GaLore
     with refreshes goes far below the rank-4 Eckart-Young floor; a never-refreshed projector and a trained B·A
     cannot."""
-    from benchmarks.galore_toy import eckart_young_floor, make_toy, train_toy
+    from juno_py.testing.galore_toy import eckart_young_floor, make_toy, train_toy
 
     toy = make_toy(d=64, n=2048, seed=0)
     floor = eckart_young_floor(64, 4)

@@ -3,7 +3,7 @@
 import pytest
 
 from juno_py.gguf import GGUFFile
-from tests.weights.random_blocks import write_layers_gguf
+from juno_py.testing.blocks import write_layers_gguf
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from juno_py.weights import (
     StreamingQuantLinear,
     has_exact_products,
 )
-from tests.weights.random_blocks import random_rows
+from juno_py.testing.blocks import random_rows
 
 N_OUT, N_IN = 40, 256
 
@@ -40,7 +40,7 @@ def test_other_bases_have_no_exact_products():
 
 
 def test_from_gguf_builds_the_streaming_backend(layers_gguf):
-    from tests.weights.random_blocks import layer_name
+    from juno_py.testing.blocks import layer_name
 
     lin = FrozenQuantLinear.from_gguf(layers_gguf, layer_name(GGMLType.Q8_0))
     assert type(lin) is StreamingQuantLinear and isinstance(lin, FrozenBase)

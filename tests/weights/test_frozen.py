@@ -9,7 +9,7 @@ import torch
 
 from juno_py.gguf import GGMLType
 from juno_py.weights import BF16_MIN_TOKENS, FrozenQuantLinear
-from tests.weights.random_blocks import (
+from juno_py.testing.blocks import (
     ALL_TYPES,
     FUSED,
     FUSED_BIAS,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from juno_py.gguf import GGMLType, GGUFWriter
-from tests.weights.random_blocks import random_rows
+from juno_py.testing.blocks import random_rows
 
 REPO = Path(__file__).resolve().parents[2]
 N = 8192  # 8192 x 8192 in Q4_0 or Q4_K: 38 MB of blocks, 256 MiB as fp32

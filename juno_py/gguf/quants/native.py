@@ -38,7 +38,7 @@ TYPES = frozenset(int(t) for t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, 
                                    GGMLType.IQ1_S, GGMLType.IQ1_M, GGMLType.TQ1_0, GGMLType.TQ2_0, GGMLType.MXFP4))
 OUT_DTYPES = (torch.float32, torch.bfloat16)
 # threads one decode is split over (pthreads inside the library): one, because a training step ran slower with
-# two (docs/benchmarks.md, "Native block decoder"): right after a matmul torch's threads hold the cores
+# two (measured in the training loop): right after a matmul torch's threads hold the cores
 THREADS = 1
 
 _log = logging.getLogger(__name__)

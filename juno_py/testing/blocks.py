@@ -1,4 +1,4 @@
-"""Tiny GGUF files of random but valid quantized blocks, for the frozen-linear tests.
+"""Tiny GGUF files of random but valid quantized blocks: random layers of every decodable type.
 
 A block of any GGML type is valid for any integer bits: only its float16 scale fields can be Inf or NaN.
 So a layer is random bytes with those fields overwritten by finite, moderate values: no quantizer needed,
