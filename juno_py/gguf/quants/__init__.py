@@ -17,58 +17,8 @@ import torch
 from juno_py.errors import UnsupportedQuantType
 from juno_py.gguf.constants import GGML_BLOCK_SIZES, GGMLType, type_name
 
-BlockFn = Callable[[torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Codec:
-    ggml_type: GGMLType
-    block_size: int
-    type_size: int
-    dequantize_blocks: BlockFn
-    quantize_blocks: Optional[BlockFn] = None
-
-    @property
-    def name(self) -> str:
-        return self.ggml_type.name
-
-    def row_bytes(self, n_cols: int) -> int:
-        return n_cols // self.block_size * self.type_size
-
-
-_REGISTRY: dict[int, Codec] = {}
-
-
-def register(ggml_type: GGMLType, dequantize_blocks: BlockFn, quantize_blocks: Optional[BlockFn] = None) -> None:
-    block_size, type_size = GGML_BLOCK_SIZES[ggml_type]
-    existing = _REGISTRY.get(ggml_type)
-    if existing is not None and quantize_blocks is None:
-        quantize_blocks = existing.quantize_blocks
-    _REGISTRY[ggml_type] = Codec(GGMLType(ggml_type), block_size, type_size, dequantize_blocks, quantize_blocks)
-
-
-def register_quantizer(ggml_type: GGMLType, quantize_blocks: BlockFn) -> None:
-    """Add an encoder to a type whose decoder is already registered."""
-    codec = _REGISTRY[ggml_type]
-    _REGISTRY[ggml_type] = Codec(codec.ggml_type, codec.block_size, codec.type_size, codec.dequantize_blocks,
-                                 quantize_blocks)
-
-
-def get_codec(ggml_type: int, what: str = "", action: str = "decode") -> Codec:
-    codec = _REGISTRY.get(int(ggml_type))
-    if codec is None:
-        where = f" (tensor {what})" if what else ""
-        raise UnsupportedQuantType(f"cannot {action} GGML type {type_name(ggml_type)}{where}: "
-                                   f"supported types are {', '.join(supported_types())}")
-    return codec
-
-
-def supported_types() -> list[str]:
-    return [c.name for c in sorted(_REGISTRY.values(), key=lambda c: c.ggml_type)]
-
-
-def quantizable_types() -> list[str]:
-    return [c.name for c in sorted(_REGISTRY.values(), key=lambda c: c.ggml_type) if c.quantize_blocks]
+from juno_py.gguf.quants.registry import (BlockFn, Codec, get_codec, quantizable_types, register,  # noqa: F401
+                                        register_quantizer, supported_types)
 
 
 def _as_uint8_tensor(raw) -> torch.Tensor:

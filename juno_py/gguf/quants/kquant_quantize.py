@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from juno_py.gguf.constants import GGMLType
-from juno_py.gguf.quants import register_quantizer
+from juno_py.gguf.quants.registry import register_quantizer
 
 QK_K = 256
 

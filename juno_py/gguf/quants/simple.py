@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from juno_py.gguf.constants import GGMLType
-from juno_py.gguf.quants import register
+from juno_py.gguf.quants.registry import register
 
 # Blocks are processed in chunks of about this many elements: the temporaries of a chunk (a few MB) stay in
 # cache, so that only the result travels to memory, and each torch call covers enough data that its fixed cost

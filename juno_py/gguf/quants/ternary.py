@@ -13,7 +13,7 @@ import gguf.quants as _gq
 import torch
 
 from juno_py.gguf.constants import GGMLType
-from juno_py.gguf.quants import register
+from juno_py.gguf.quants.registry import register
 from juno_py.gguf.quants.simple import (
     F16_SCALE_OFFSETS,
     BlockLayout,
