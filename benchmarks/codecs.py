@@ -25,8 +25,8 @@ import torch
 
 from benchmarks import harness
 from juno_py.gguf import quants
-from juno_py.gguf.quants import native
 from juno_py.gguf.constants import GGML_BLOCK_SIZES, GGMLType, parse_type_name
+from juno_py.gguf.quants import native
 from juno_py.gguf.quants.simple import F16_SCALE_OFFSETS
 
 DEFAULT_TYPES = "f16,bf16,q4_0,q4_1,q5_0,q5_1,q8_0,q2_k,q3_k,q4_k,q5_k,q6_k,iq4_nl,iq4_xs"
@@ -44,7 +44,7 @@ def sample_rows(ggml_type: GGMLType, rows: int, cols: int, rng: np.random.Genera
         blocks = raw.reshape(-1, type_size)
         for offset in F16_SCALE_OFFSETS[ggml_type]:
             scales = rng.uniform(1e-4, 1e-3, blocks.shape[0]).astype(np.float16)
-            blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+            blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
     return x, raw
 
 
@@ -72,13 +72,20 @@ def measure(ggml_type: GGMLType, rows: int, cols: int, repeat: int, rng: np.rand
     result = {"type": ggml_type.name, "bytes": raw.nbytes, "elements": x.size}
     codec = quants.get_codec(ggml_type)
     blocks = torch.from_numpy(raw).view(-1, codec.type_size)
-    decode = best_times({"juno": lambda: quants.dequantize(int(ggml_type), raw, cols),
-                         "torch": lambda: codec.dequantize_blocks(blocks),
-                         "gguf": lambda: gguf.quants.dequantize(raw, gtype)}, repeat)
+    decode = best_times(
+        {
+            "juno": lambda: quants.dequantize(int(ggml_type), raw, cols),
+            "torch": lambda: codec.dequantize_blocks(blocks),
+            "gguf": lambda: gguf.quants.dequantize(raw, gtype),
+        },
+        repeat,
+    )
     result["decode"] = decode
     if ggml_type.name in quants.quantizable_types() and has_gguf_encoder(gtype):
-        result["encode"] = best_times({"juno": lambda: quants.quantize(int(ggml_type), x_torch),
-                                       "gguf": lambda: gguf.quants.quantize(x, gtype)}, repeat)
+        result["encode"] = best_times(
+            {"juno": lambda: quants.quantize(int(ggml_type), x_torch), "gguf": lambda: gguf.quants.quantize(x, gtype)},
+            repeat,
+        )
     return result
 
 
@@ -94,13 +101,29 @@ def _cells(times: dict[str, float] | None, n_bytes: int, n_elements: int, torch_
     return cells + [f"{n_elements / ref / 1e6:,.0f}", f"**{ref / juno:.2f}×**"]
 
 
-COLUMNS = ["type", "decode MB/s", "decode M el/s", "torch codecs M el/s", "gguf M el/s", "ratio", "encode MB/s",
-           "encode M el/s", "gguf M el/s", "ratio"]
+COLUMNS = [
+    "type",
+    "decode MB/s",
+    "decode M el/s",
+    "torch codecs M el/s",
+    "gguf M el/s",
+    "ratio",
+    "encode MB/s",
+    "encode M el/s",
+    "gguf M el/s",
+    "ratio",
+]
 
 
 def table_rows(results: list[dict]) -> list[list[str]]:
-    return [[r["type"], *_cells(r["decode"], r["bytes"], r["elements"], torch_column=True),
-             *_cells(r.get("encode"), r["bytes"], r["elements"])] for r in results]
+    return [
+        [
+            r["type"],
+            *_cells(r["decode"], r["bytes"], r["elements"], torch_column=True),
+            *_cells(r.get("encode"), r["bytes"], r["elements"]),
+        ]
+        for r in results
+    ]
 
 
 def main() -> None:
@@ -110,9 +133,13 @@ def main() -> None:
     parser.add_argument("--cols", type=int, default=4096, help="row length, a multiple of 256")
     parser.add_argument("--repeat", type=int, default=7, help="runs per measurement; the best one counts")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own choice)")
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                        help="'thread' counts CPU time of this thread only: steady on a busy machine, and exact for "
-                             "both sides with --threads 1")
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="'thread' counts CPU time of this thread only: steady on a busy machine, and exact for "
+        "both sides with --threads 1",
+    )
     parser.add_argument("--seed", type=int, default=0)
     harness.add_output_args(parser)
     args = parser.parse_args()
@@ -129,11 +156,19 @@ def main() -> None:
     # the first large allocations of a process fault in fresh pages: warm the allocators up before measuring
     measure(types[0], args.rows, args.cols, 2, rng)
     results = [measure(t, args.rows, args.cols, args.repeat, rng) for t in types]
-    note = (f"{args.rows} × {args.cols} elements per type, best of {args.repeat} ({args.clock} clock); "
-            f"{torch.get_num_threads()} torch threads; native decoder "
-            f"{'built: ' + ', '.join(GGMLType(t).name for t in sorted(native.TYPES)) if native.library() else 'off'}.")
-    record = harness.results("codecs", "Quant codecs on CPU against the gguf package",
-                             harness.command_line("benchmarks.codecs"), COLUMNS, table_rows(results), [note])
+    note = (
+        f"{args.rows} × {args.cols} elements per type, best of {args.repeat} ({args.clock} clock); "
+        f"{torch.get_num_threads()} torch threads; native decoder "
+        f"{'built: ' + ', '.join(GGMLType(t).name for t in sorted(native.TYPES)) if native.library() else 'off'}."
+    )
+    record = harness.results(
+        "codecs",
+        "Quant codecs on CPU against the gguf package",
+        harness.command_line("benchmarks.codecs"),
+        COLUMNS,
+        table_rows(results),
+        [note],
+    )
     print(note + "\n")
     print(harness.markdown_table(record["columns"], record["rows"]))
     harness.write_results(args, record)

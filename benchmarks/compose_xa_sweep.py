@@ -38,7 +38,7 @@ def data(T, n, r, dev):
     g = torch.Generator(device="cpu").manual_seed(0)
     base = (torch.randn(T, n, generator=g)).to(dev, torch.bfloat16)
     xa = torch.randn(T, r, generator=g).to(dev, torch.bfloat16)
-    B = (torch.randn(n, r, generator=g) * 0.3 / r ** 0.5).to(dev, torch.bfloat16)
+    B = (torch.randn(n, r, generator=g) * 0.3 / r**0.5).to(dev, torch.bfloat16)
     gg = (1 + 1.5e-3 * torch.randn(n, generator=g)).to(dev)
     return base, xa, B, gg
 
@@ -57,11 +57,18 @@ def main():
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     configs = [dt.COMPOSE_XA_CONFIG]
     if args.sweep:
-        configs += [c for c in (dt.ComposeXaConfig(bm, bn, bk, w, st) for bm, bn, bk, w, st in
-                                itertools.product((64, 128), (64, 128, 256), (32, 64), (4, 8), (3, 4)))
-                    if c != dt.COMPOSE_XA_CONFIG and c.block_m * c.block_n <= 128 * 128]
-    print("| T, d_out, r | inner | two-step GPU µs | CPU µs | fused GPU µs | CPU µs | fused / two-step | copy of the "
-          "fused kernel's bytes µs | errors (two-step / fused) | best tile |")
+        configs += [
+            c
+            for c in (
+                dt.ComposeXaConfig(bm, bn, bk, w, st)
+                for bm, bn, bk, w, st in itertools.product((64, 128), (64, 128, 256), (32, 64), (4, 8), (3, 4))
+            )
+            if c != dt.COMPOSE_XA_CONFIG and c.block_m * c.block_n <= 128 * 128
+        ]
+    print(
+        "| T, d_out, r | inner | two-step GPU µs | CPU µs | fused GPU µs | CPU µs | fused / two-step | copy of the "
+        "fused kernel's bytes µs | errors (two-step / fused) | best tile |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---|---|")
     for (T, n, r), inner in itertools.product(SHAPES, (True, False)):
         base, xa, B, g = data(T, n, r, dev)
@@ -89,10 +96,15 @@ def main():
                 except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory)
                     print(f"  {c}: {type(e).__name__}", file=sys.stderr)
             t_best, c_best = min(times, key=lambda p: p[0])
-            best = f"{t_best:.1f} µs at {c_best.block_m}×{c_best.block_n}×{c_best.block_k}, {c_best.num_warps} " \
-                   f"warps, {c_best.num_stages} stages"
-        print(f"| {T}, {n}, {r} | {'yes' if inner else 'no'} | {t2:.1f} | {c2:.0f} | {tf:.1f} | {cf:.0f} | "
-              f"{tf / t2:.2f} | {tc:.1f} | {errs[0]:.1e} / {errs[1]:.1e} | {best} |", flush=True)
+            best = (
+                f"{t_best:.1f} µs at {c_best.block_m}×{c_best.block_n}×{c_best.block_k}, {c_best.num_warps} "
+                f"warps, {c_best.num_stages} stages"
+            )
+        print(
+            f"| {T}, {n}, {r} | {'yes' if inner else 'no'} | {t2:.1f} | {c2:.0f} | {tf:.1f} | {cf:.0f} | "
+            f"{tf / t2:.2f} | {tc:.1f} | {errs[0]:.1e} / {errs[1]:.1e} | {best} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -36,18 +36,31 @@ def main() -> None:
     t = torch.randint(0, args.vocab, (args.rows,), generator=gen, device="cuda")
     t[::4] = -100
     work = z.clone()
-    ms = {"copy": timed(lambda: work.clone(), z, work, args.reps),
-          "eager": timed(lambda: cross_entropy_grad_eager(work, t, -100, in_place=True), z, work, args.reps),
-          "fused": timed(lambda: cross_entropy_grad_(work, t, -100, in_place=True), z, work, args.reps)}
+    ms = {
+        "copy": timed(lambda: work.clone(), z, work, args.reps),
+        "eager": timed(lambda: cross_entropy_grad_eager(work, t, -100, in_place=True), z, work, args.reps),
+        "fused": timed(lambda: cross_entropy_grad_(work, t, -100, in_place=True), z, work, args.reps),
+    }
     nbytes = z.numel() * z.element_size()
     columns = ["loss chunk", "copy ms", "copy GB/s", "eager ms", "fused ms", "fused vs eager", "fused GB/s"]
-    row = [f"{args.rows} x {args.vocab} bf16", round(ms["copy"], 3), round(2 * nbytes / ms["copy"] / 1e6),
-           round(ms["eager"], 3), round(ms["fused"], 3), f"{ms['eager'] / ms['fused']:.1f}x",
-           round(3 * nbytes / ms["fused"] / 1e6)]
-    record = harness.results("cross-entropy", "The loss chunk's gradient kernel on one GPU",
-                             harness.command_line("benchmarks.cross_entropy_gpu"), columns, [row],
-                             ["CUDA events, median of the calls; bandwidth counts the logits read twice and the "
-                              "gradient written once."], device="cuda")
+    row = [
+        f"{args.rows} x {args.vocab} bf16",
+        round(ms["copy"], 3),
+        round(2 * nbytes / ms["copy"] / 1e6),
+        round(ms["eager"], 3),
+        round(ms["fused"], 3),
+        f"{ms['eager'] / ms['fused']:.1f}x",
+        round(3 * nbytes / ms["fused"] / 1e6),
+    ]
+    record = harness.results(
+        "cross-entropy",
+        "The loss chunk's gradient kernel on one GPU",
+        harness.command_line("benchmarks.cross_entropy_gpu"),
+        columns,
+        [row],
+        ["CUDA events, median of the calls; bandwidth counts the logits read twice and the gradient written once."],
+        device="cuda",
+    )
     print(harness.markdown_table(columns, [row]))
     harness.write_results(args, record)
 

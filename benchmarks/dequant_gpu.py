@@ -56,14 +56,25 @@ def spot_check(raw: torch.Tensor, t: GGMLType, n_in: int, out: torch.Tensor) -> 
         ref = dequantize_reference(raw[a:b], t, n_in, torch.bfloat16)
         got = out[a:b].cpu()
         nan = torch.isnan(ref)
-        if not (torch.equal(torch.isnan(got), nan) and torch.equal(got.view(torch.int16)[~nan],
-                                                                     ref.view(torch.int16)[~nan])):
+        if not (
+            torch.equal(torch.isnan(got), nan) and torch.equal(got.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
+        ):
             return False
     return True
 
 
-DECODE_COLUMNS = ["type", "W", "config (blocks, warps)", "decode bf16 ms", "GB/s", "of bf16 copy", "of 1 GiB clone",
-                  "columns 0:4096 ms (of copy)", "fp32 out ms (of copy)", "spot check"]
+DECODE_COLUMNS = [
+    "type",
+    "W",
+    "config (blocks, warps)",
+    "decode bf16 ms",
+    "GB/s",
+    "of bf16 copy",
+    "of 1 GiB clone",
+    "columns 0:4096 ms (of copy)",
+    "fp32 out ms (of copy)",
+    "spot check",
+]
 MATVEC_COLUMNS = ["type", "W", "tokens", "fused matvec ms", "decode + cuBLAS ms", "bf16 cache (cuBLAS) ms"]
 
 
@@ -73,16 +84,29 @@ def emit(table: list, cells: list) -> None:
 
 
 def decode_table(types, shapes, gen, sweep: bool, table: list) -> list[dict]:
-    big = torch.empty(1 << (30 if DEV == 'cuda' else 16), dtype=torch.uint8, device=DEV)
+    big = torch.empty(1 << (30 if DEV == "cuda" else 16), dtype=torch.uint8, device=DEV)
     clone_gbs = 2 * big.numel() / bench(lambda: big.clone()) / 1e6
-    del big
+    big = None  # freed
     print(f"1 GiB uint8 clone: {clone_gbs:.0f} GB/s (read + write)\n")
     print(harness.markdown_table(DECODE_COLUMNS, []))
     rows = []
     for n_out, n_in in shapes:
         copy_gbs = copy_bandwidth(n_out, n_in)
-        emit(table, ["copy", f"{n_out}x{n_in} bf16", "-", f"{4 * n_out * n_in / copy_gbs / 1e6:.3f}", f"{copy_gbs:.0f}",
-                     "100%", f"{copy_gbs / clone_gbs:.0%}", "", "", ""])
+        emit(
+            table,
+            [
+                "copy",
+                f"{n_out}x{n_in} bf16",
+                "-",
+                f"{4 * n_out * n_in / copy_gbs / 1e6:.3f}",
+                f"{copy_gbs:.0f}",
+                "100%",
+                f"{copy_gbs / clone_gbs:.0%}",
+                "",
+                "",
+                "",
+            ],
+        )
         for name in types:
             t = GGMLType[name]
             raw = random_blocks(t, n_out, n_in, gen, device=DEV).view(n_out, -1)
@@ -90,16 +114,28 @@ def decode_table(types, shapes, gen, sweep: bool, table: list) -> list[dict]:
             configs = [dequant.KERNEL_CONFIG[t]]
             if sweep:
                 nb0, w0, bn, kb = configs[0]
-                configs += [(nb, w, bn, kb) for nb, w in ((nb0 // 4, 2), (nb0 // 2, 4), (nb0 * 2, 4), (nb0 * 2, 8),
-                                                          (nb0 * 4, 8))]
+                configs += [
+                    (nb, w, bn, kb)
+                    for nb, w in ((nb0 // 4, 2), (nb0 // 2, 4), (nb0 * 2, 4), (nb0 * 2, 8), (nb0 * 4, 8))
+                ]
             default = dequant.KERNEL_CONFIG[t]
             for cfg in configs:
                 dequant.KERNEL_CONFIG[t] = cfg
                 ms = bench(lambda: dequantize_tile(raw, t, n_in, out=out), rep=100 if cfg == default else 40)
                 moved = raw.numel() + 2 * out.numel()
-                row = dict(type=name, n_out=n_out, n_in=n_in, blocks=cfg[0], warps=cfg[1], ms=ms,
-                           gbs=moved / ms / 1e6, of_copy=moved / ms / 1e6 / copy_gbs,
-                           of_clone=moved / ms / 1e6 / clone_gbs, copy_gbs=copy_gbs, clone_gbs=clone_gbs)
+                row = dict(
+                    type=name,
+                    n_out=n_out,
+                    n_in=n_in,
+                    blocks=cfg[0],
+                    warps=cfg[1],
+                    ms=ms,
+                    gbs=moved / ms / 1e6,
+                    of_copy=moved / ms / 1e6 / copy_gbs,
+                    of_clone=moved / ms / 1e6 / clone_gbs,
+                    copy_gbs=copy_gbs,
+                    clone_gbs=clone_gbs,
+                )
                 if cfg == default:
                     ok = spot_check(raw, t, n_in, out)
                     nc = min(4096, n_in)
@@ -109,18 +145,37 @@ def decode_table(types, shapes, gen, sweep: bool, table: list) -> list[dict]:
                     out32 = torch.empty(n_out, n_in, dtype=torch.float32, device=DEV)
                     ms_f = bench(lambda: dequantize_tile(raw, t, n_in, dtype=torch.float32, out=out32))
                     moved_f = raw.numel() + 4 * out32.numel()
-                    del out32
-                    row.update(spot_check=ok, cols_ms=ms_c, cols_of_copy=moved_c / ms_c / 1e6 / copy_gbs,
-                               fp32_ms=ms_f, fp32_of_copy=moved_f / ms_f / 1e6 / copy_gbs)
-                    extra = [f"{ms_c:.3f} ({row['cols_of_copy']:.0%})", f"{ms_f:.3f} ({row['fp32_of_copy']:.0%})",
-                             "bit-exact" if ok else "MISMATCH"]
+                    out32 = None  # freed
+                    row.update(
+                        spot_check=ok,
+                        cols_ms=ms_c,
+                        cols_of_copy=moved_c / ms_c / 1e6 / copy_gbs,
+                        fp32_ms=ms_f,
+                        fp32_of_copy=moved_f / ms_f / 1e6 / copy_gbs,
+                    )
+                    extra = [
+                        f"{ms_c:.3f} ({row['cols_of_copy']:.0%})",
+                        f"{ms_f:.3f} ({row['fp32_of_copy']:.0%})",
+                        "bit-exact" if ok else "MISMATCH",
+                    ]
                 else:
                     extra = ["", "", ""]
-                emit(table, [name, f"{n_out}x{n_in}", f"{cfg[0]}, {cfg[1]}", f"{ms:.3f}", f"{row['gbs']:.0f}",
-                             f"{row['of_copy']:.0%}", f"{row['of_clone']:.0%}", *extra])
+                emit(
+                    table,
+                    [
+                        name,
+                        f"{n_out}x{n_in}",
+                        f"{cfg[0]}, {cfg[1]}",
+                        f"{ms:.3f}",
+                        f"{row['gbs']:.0f}",
+                        f"{row['of_copy']:.0%}",
+                        f"{row['of_clone']:.0%}",
+                        *extra,
+                    ],
+                )
                 rows.append(row)
             dequant.KERNEL_CONFIG[t] = default
-            del raw, out
+            raw = out = None  # freed
     return rows
 
 
@@ -129,7 +184,7 @@ def matvec_table(types, gen, table: list) -> list[dict]:
     rows = []
     for name in types:
         t = GGMLType[name]
-        for n_out, n_in in ([(4096, 4096), (14336, 4096)] if DEV == "cuda" else [(40, 512)]):
+        for n_out, n_in in [(4096, 4096), (14336, 4096)] if DEV == "cuda" else [(40, 512)]:
             raw = random_blocks(t, n_out, n_in, gen, device=DEV).view(n_out, -1)
             lin = FrozenQuantLinear(raw, t, n_in, compute_dtype=torch.bfloat16)
             cached = FrozenQuantLinear(raw, t, n_in, compute_dtype=torch.bfloat16).set_weights_cache("bf16")
@@ -146,9 +201,18 @@ def matvec_table(types, gen, table: list) -> list[dict]:
                 tiles_ms = bench(tiles, rep=50)
                 cache_ms = bench(lambda: cached(x), rep=50)
                 emit(table, [name, f"{n_out}x{n_in}", tokens, f"{mv:.3f}", f"{tiles_ms:.3f}", f"{cache_ms:.3f}"])
-                rows.append(dict(type=name, n_out=n_out, n_in=n_in, tokens=tokens, matvec_ms=mv, tiles_ms=tiles_ms,
-                                 cache_ms=cache_ms))
-            del raw, lin, cached
+                rows.append(
+                    dict(
+                        type=name,
+                        n_out=n_out,
+                        n_in=n_in,
+                        tokens=tokens,
+                        matvec_ms=mv,
+                        tiles_ms=tiles_ms,
+                        cache_ms=cache_ms,
+                    )
+                )
+            raw = lin = cached = None  # freed
     return rows
 
 
@@ -174,21 +238,45 @@ def main() -> None:
     print(env["hardware"], env["software"], "\n")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     decode_rows, matvec_rows = [], []
-    result = dict(hardware=env["hardware"], software=env["software"],
-                  decode=decode_table(args.types, shapes, gen, args.sweep, decode_rows))
+    result = dict(
+        hardware=env["hardware"],
+        software=env["software"],
+        decode=decode_table(args.types, shapes, gen, args.sweep, decode_rows),
+    )
     if args.matvec_types:
         result["matvec"] = matvec_table(args.matvec_types, gen, matvec_rows)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     command = harness.command_line("benchmarks.dequant_gpu")
-    harness.write_results(args, harness.results(
-        "gpu-decode", "Decoding quantized weights on one GPU", command, DECODE_COLUMNS, decode_rows,
-        ["Medians of triton.testing.do_bench (CUDA events, L2 flushed between runs); bandwidth = quantized bytes "
-         "read + bf16 written over the time; \"of copy\": over a bf16 device copy of the same shape."], env=env))
+    harness.write_results(
+        args,
+        harness.results(
+            "gpu-decode",
+            "Decoding quantized weights on one GPU",
+            command,
+            DECODE_COLUMNS,
+            decode_rows,
+            [
+                "Medians of triton.testing.do_bench (CUDA events, L2 flushed between runs); bandwidth = quantized bytes "
+                'read + bf16 written over the time; "of copy": over a bf16 device copy of the same shape.'
+            ],
+            env=env,
+        ),
+    )
     if matvec_rows:
-        harness.write_results(args, harness.results(
-            "gpu-matvec", "The frozen linear's forward at few tokens on one GPU", command, MATVEC_COLUMNS,
-            matvec_rows, ["Medians of triton.testing.do_bench; bf16 activations."], env=env), part="matvec")
+        harness.write_results(
+            args,
+            harness.results(
+                "gpu-matvec",
+                "The frozen linear's forward at few tokens on one GPU",
+                command,
+                MATVEC_COLUMNS,
+                matvec_rows,
+                ["Medians of triton.testing.do_bench; bf16 activations."],
+                env=env,
+            ),
+            part="matvec",
+        )
 
 
 if __name__ == "__main__":

@@ -57,34 +57,76 @@ def worker(args) -> None:
     ids = torch.randint(10, min(20000, model.output.out_features), (args.batch * args.steps, args.seq), generator=g)
     examples = [Example(row.tolist(), [True] * args.seq) for row in ids]
     micro = args.micro_batch or args.batch
-    cfg = TrainConfig(lr=1e-4, batch_size=micro, accumulation=args.batch // micro, max_steps=args.steps, epochs=None,
-                      schedule="constant", max_seq_len=args.seq, grad_checkpoint=args.grad_checkpoint)
+    cfg = TrainConfig(
+        lr=1e-4,
+        batch_size=micro,
+        accumulation=args.batch // micro,
+        max_steps=args.steps,
+        epochs=None,
+        schedule="constant",
+        max_seq_len=args.seq,
+        grad_checkpoint=args.grad_checkpoint,
+    )
     rec = MetricsRecorder()
     if "cuda" in device:
         torch.cuda.reset_peak_memory_stats()
     train(model, adapters, examples, cfg, recorder=rec, progress=False, log=lambda m: None)
     steps = [e for e in rec.events if e.kind == "train_step"]
-    timed = steps[args.warmup:]  # each step's time: from the previous step's event to its own
+    timed = steps[args.warmup :]  # each step's time: from the previous step's event to its own
     seconds = timed[-1].time - steps[args.warmup - 1].time
     tokens = sum(e.values["tokens"] for e in timed)  # of the global batch
     peak_gpu = torch.cuda.max_memory_allocated() if "cuda" in device else 0
     peak = world.sum([peak_rss_bytes(), peak_gpu])  # summed over the ranks: what the job holds
     if world.is_main:
-        Path(args.result).write_text(json.dumps({
-            "processes": world.size if world.active else 0, "backend": world.backend or "-", "device": device,
-            "compute": str(compute).removeprefix("torch."), "weights_cache": cache, "steps": len(steps),
-            "timed_steps": len(timed), "seconds": seconds, "tokens": tokens,
-            "tokens_per_s": tokens / seconds, "final_loss": steps[-1].values["loss"],
-            "peak_rss_gib_sum": peak[0] / 2**30, "peak_gpu_gib_sum": peak[1] / 2**30,
-            "threads_per_process": torch.get_num_threads()}))
+        Path(args.result).write_text(
+            json.dumps(
+                {
+                    "processes": world.size if world.active else 0,
+                    "backend": world.backend or "-",
+                    "device": device,
+                    "compute": str(compute).removeprefix("torch."),
+                    "weights_cache": cache,
+                    "steps": len(steps),
+                    "timed_steps": len(timed),
+                    "seconds": seconds,
+                    "tokens": tokens,
+                    "tokens_per_s": tokens / seconds,
+                    "final_loss": steps[-1].values["loss"],
+                    "peak_rss_gib_sum": peak[0] / 2**30,
+                    "peak_gpu_gib_sum": peak[1] / 2**30,
+                    "threads_per_process": torch.get_num_threads(),
+                }
+            )
+        )
     distributed.shutdown()
 
 
 def launch(args, procs: str, result: Path, model: str) -> dict:
-    cmd_args = ["--worker", "--result", str(result), "--model", model, "--device", args.device,
-                "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-                "--warmup", str(args.warmup), "--rank", str(args.rank), "--targets", args.targets,
-                "--compute-dtype", args.compute_dtype, "--micro-batch", str(args.micro_batch)]
+    cmd_args = [
+        "--worker",
+        "--result",
+        str(result),
+        "--model",
+        model,
+        "--device",
+        args.device,
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--rank",
+        str(args.rank),
+        "--targets",
+        args.targets,
+        "--compute-dtype",
+        args.compute_dtype,
+        "--micro-batch",
+        str(args.micro_batch),
+    ]
     if args.grad_checkpoint:
         cmd_args.append("--grad-checkpoint")
     env = {**os.environ, "PYTHONPATH": str(harness.ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -96,8 +138,17 @@ def launch(args, procs: str, result: Path, model: str) -> dict:
         n = int(procs)
         if args.device == "cpu":  # the same cores in total: threads per process = total / N
             env["OMP_NUM_THREADS"] = str(max(1, (args.threads or os.cpu_count() or 1) // n))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), "--module",
-               "benchmarks.distributed", *cmd_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(n),
+            "--module",
+            "benchmarks.distributed",
+            *cmd_args,
+        ]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=harness.ROOT)
     if proc.returncode != 0:
@@ -108,22 +159,44 @@ def launch(args, procs: str, result: Path, model: str) -> dict:
     return out
 
 
-COLUMNS = ["run", "backend", "threads/process", "tokens/s", "vs first row", "final loss", "peak RSS (sum) GiB",
-           "peak GPU (sum) GiB", "wall s"]
+COLUMNS = [
+    "run",
+    "backend",
+    "threads/process",
+    "tokens/s",
+    "vs first row",
+    "final loss",
+    "peak RSS (sum) GiB",
+    "peak GPU (sum) GiB",
+    "wall s",
+]
 
 
 def table_rows(rows: list[dict]) -> list[list]:
     base = rows[0]["tokens_per_s"]
-    return [[r["label"], r["backend"], r["threads_per_process"], round(r["tokens_per_s"]),
-             f"{r['tokens_per_s'] / base:.2f}x", round(r["final_loss"], 6), round(r["peak_rss_gib_sum"], 2),
-             round(r["peak_gpu_gib_sum"], 2), round(r["wall_s"])] for r in rows]
+    return [
+        [
+            r["label"],
+            r["backend"],
+            r["threads_per_process"],
+            round(r["tokens_per_s"]),
+            f"{r['tokens_per_s'] / base:.2f}x",
+            round(r["final_loss"], 6),
+            round(r["peak_rss_gib_sum"], 2),
+            round(r["peak_gpu_gib_sum"], 2),
+            round(r["wall_s"]),
+        ]
+        for r in rows
+    ]
 
 
 def note(rows: list[dict], args, model: str) -> str:
-    return (f"{model} on {args.device} (compute {rows[0]['compute']}, weights cache {rows[0]['weights_cache']}); "
-            f"LoRA r={args.rank} on {args.targets}; global batch {args.batch} x {args.seq} tokens per step "
-            f"(micro-batches of {args.micro_batch or args.batch} rows); {args.steps} steps, tokens/s over the "
-            f"{args.steps - args.warmup} after {args.warmup} warm-up.")
+    return (
+        f"{model} on {args.device} (compute {rows[0]['compute']}, weights cache {rows[0]['weights_cache']}); "
+        f"LoRA r={args.rank} on {args.targets}; global batch {args.batch} x {args.seq} tokens per step "
+        f"(micro-batches of {args.micro_batch or args.batch} rows); {args.steps} steps, tokens/s over the "
+        f"{args.steps - args.warmup} after {args.warmup} warm-up."
+    )
 
 
 def main() -> None:
@@ -164,9 +237,15 @@ def main() -> None:
     rows = [launch(args, p.strip(), folder / f"result-{p.strip()}.json", model) for p in args.procs.split(",")]
     label = f"synthetic {args.shape}-shaped model" if args.shape else model
     kind = "gpu" if args.device.startswith("cuda") else "cpu"
-    record = harness.results(f"distributed-{kind}", f"Data-parallel training ({kind.upper()})",
-                             harness.command_line("benchmarks.distributed"), COLUMNS, table_rows(rows),
-                             [note(rows, args, label)], device=args.device)
+    record = harness.results(
+        f"distributed-{kind}",
+        f"Data-parallel training ({kind.upper()})",
+        harness.command_line("benchmarks.distributed"),
+        COLUMNS,
+        table_rows(rows),
+        [note(rows, args, label)],
+        device=args.device,
+    )
     print(harness.markdown_table(record["columns"], record["rows"]))
     print(record["notes"][0])
     if args.json:

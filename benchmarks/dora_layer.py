@@ -46,8 +46,14 @@ from juno_py.lora.adapters import AdaptedLinear, AdapterConfig, LoraAdapter
 from juno_py.lora.format import Mode
 
 # (tokens, d_in, d_out, rank): the layer shapes of DESIGN.md §6
-SHAPES = [(4096, 8192, 8192, 384), (4096, 28672, 8192, 384), (8192, 4096, 4096, 16), (8192, 4096, 4096, 64),
-          (8192, 4096, 4096, 384), (4096, 8192, 8192, 768)]
+SHAPES = [
+    (4096, 8192, 8192, 384),
+    (4096, 28672, 8192, 384),
+    (8192, 4096, 4096, 16),
+    (8192, 4096, 4096, 64),
+    (8192, 4096, 4096, 384),
+    (4096, 8192, 8192, 768),
+]
 QUICK_SHAPES = [(64, 256, 128, 8), (33, 512, 256, 16)]
 QUANT_TYPES = ("Q4_K", "Q6_K", "Q8_0")
 DEVICE_SCRATCH_BYTES = None  # the quantized layers' decode tile (`--device-scratch-mib`); None: the product default
@@ -104,8 +110,9 @@ class DenseBase(nn.Module):
             torch.add(both[:r], both[r:], out=out[:, a:b])
         return out
 
-    def matmul_with_exact(self, x: torch.Tensor, A: torch.Tensor, A_split: torch.Tensor | None = None,
-                          return_split: bool = False):
+    def matmul_with_exact(
+        self, x: torch.Tensor, A: torch.Tensor, A_split: torch.Tensor | None = None, return_split: bool = False
+    ):
         """(x·Wᵀ, A·Wᵀ) as `matmul` and `matmul_exact` give them (see the class docstring for `stacked`); `A_split`:
         A's two bf16 parts when the caller has them (as the frozen linear's method takes them); `return_split`: A
         split here (after the base GEMM is issued, unless stacked) and returned third, as the frozen linear does."""
@@ -120,11 +127,12 @@ class DenseBase(nn.Module):
         X = torch.cat([x.to(torch.bfloat16), A_split])
         out = mm_out(X, self.W.t(), torch.float32)
         base = out[:t].to(torch.bfloat16) if x.dtype == torch.bfloat16 else out[:t]
-        U = out[t:t + r].add_(out[t + r:])
+        U = out[t : t + r].add_(out[t + r :])
         return (base, U, A_split) if return_split else (base, U)
 
-    def matmul_with_update(self, x: torch.Tensor, A: torch.Tensor, A_ref: torch.Tensor, ut: torch.Tensor,
-                           return_split: bool = False):
+    def matmul_with_update(
+        self, x: torch.Tensor, A: torch.Tensor, A_ref: torch.Tensor, ut: torch.Tensor, return_split: bool = False
+    ):
         """x·Wᵀ as `matmul`, and the running U `ut` `[d_out, r]` moved from A_ref to A as the frozen linear's method
         of that name moves it: ut += W·Dᵀ with D = bf16(A − A_ref) (`kernels.split_track`, A_ref moved by D), one
         GEMM of r rows accumulating into ut in fp32. W is exactly bf16, so that is the quantized layer's
@@ -163,7 +171,7 @@ def row_norm_fp64(W, A, B, s, chunk=2048):
     out = torch.empty(W.shape[0], dtype=torch.float64, device=W.device)
     A64 = A.double()
     for a in range(0, W.shape[0], chunk):
-        out[a:a + chunk] = (W[a:a + chunk].double() + s * B[a:a + chunk].double() @ A64).norm(dim=1)
+        out[a : a + chunk] = (W[a : a + chunk].double() + s * B[a : a + chunk].double() @ A64).norm(dim=1)
     return out
 
 
@@ -215,8 +223,8 @@ def peft_layer(d, dora: bool, adapter_dtype: torch.dtype):
 def quant_layer(type_name, d_in, d_out, device):
     """juno-py's frozen quantized linear on the device (random valid blocks), or the reason it cannot run."""
     from juno_py.gguf import GGMLType
-    from juno_py.weights import FrozenQuantLinear
     from juno_py.testing.blocks import random_rows
+    from juno_py.weights import FrozenQuantLinear
 
     ggml_type = GGMLType[type_name]
     raw = torch.from_numpy(random_rows(ggml_type, d_out, d_in, seed=7)).to(device)
@@ -240,7 +248,7 @@ def graphed_calls(calls: dict, label: str, notes: dict, reps: int, warmup: int, 
         except Exception as e:  # noqa: BLE001 - a step that cannot be captured: say so instead of a number
             notes[f"{n} ({label})"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     times = interleaved({n: g.replay for n, g in graphs.items()}, reps, warmup, device)
-    del graphs
+    graphs = None  # freed
     return times
 
 
@@ -253,7 +261,7 @@ def peak_mib(fn, device) -> float:
     torch.cuda.reset_peak_memory_stats()
     fn()
     torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - before) / 2 ** 20
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
 def train_call(layer, x, dy, params, fresh_norm=None):
@@ -264,6 +272,7 @@ def train_call(layer, x, dy, params, fresh_norm=None):
         for p in params:
             p.grad = None
         layer(x).backward(dy)
+
     return step
 
 
@@ -271,6 +280,7 @@ def infer_call(layer, x):
     def step():
         with torch.no_grad():
             layer(x)
+
     return step
 
 
@@ -281,7 +291,7 @@ def optimizer_nudge(layer):
     its running U (`AdaptedLinear.running_u`) updates by a D that is not zero. PEFT recomputes its norm every
     call anyway."""
     A = layer.dora.lora_A
-    step = (A.detach().abs().mean() * 2.0 ** -20).item()
+    step = (A.detach().abs().mean() * 2.0**-20).item()
     sign = [1.0]
 
     def nudge():
@@ -289,6 +299,7 @@ def optimizer_nudge(layer):
             A.add_(sign[0] * step)
         sign[0] = -sign[0]
         layer._g_cache = None
+
     return nudge
 
 
@@ -302,7 +313,7 @@ def bench_shape(T, d_in, d_out, r, device, reps, warmup, with_quant, peers=True,
         try:
             layer = make()
             on_gpu = device.type == "cuda"
-            resident[name] = (torch.cuda.memory_allocated() - before) / 2 ** 20 if on_gpu else float("nan")
+            resident[name] = (torch.cuda.memory_allocated() - before) / 2**20 if on_gpu else float("nan")
             params = [p for p in layer.parameters() if p.requires_grad]
             train_call(layer, x, d["dy"], params)()  # does it run at all?
             infer_call(layer, d["x"])()
@@ -318,10 +329,12 @@ def bench_shape(T, d_in, d_out, r, device, reps, warmup, with_quant, peers=True,
     if with_quant:  # the dense stand-in's combined product: whichever of its two forms is faster here
         probe = DenseBase(d["W"])
         A32 = d["A"].float()
-        forms = {f"stacked={v}": (lambda v=v: (setattr(probe, "stacked", v), probe.matmul_with_exact(d["x"], A32)))
-                 for v in (False, True)}
+        forms = {
+            f"stacked={v}": (lambda v=v: (setattr(probe, "stacked", v), probe.matmul_with_exact(d["x"], A32)))
+            for v in (False, True)
+        }
         dense_choice = interleaved(forms, reps, warmup, device)
-        del probe, forms
+        probe = forms = None  # freed
     stacked = bool(dense_choice) and dense_choice["stacked=True"] < dense_choice["stacked=False"]
     build("juno-py dense", lambda: juno_layer(DenseBase(d["W"], stacked=stacked), d))
     if u_ab:  # the same layer recomputing U = W·Aᵀ at every stale norm (no running U)
@@ -334,8 +347,10 @@ def bench_shape(T, d_in, d_out, r, device, reps, warmup, with_quant, peers=True,
         for t in QUANT_TYPES:
             build(f"juno-py {t}", lambda t=t: juno_layer(quant_layer(t, d_in, d_out, device), d))
             if u_ab:
-                build(f"juno-py {t}, U afresh",
-                      lambda t=t: juno_layer(quant_layer(t, d_in, d_out, device), d, fresh_u=True))
+                build(
+                    f"juno-py {t}, U afresh",
+                    lambda t=t: juno_layer(quant_layer(t, d_in, d_out, device), d, fresh_u=True),
+                )
 
     # the juno layer computes what PEFT's fp32-adapter DoRA computes (both round to bf16 at the end)
     agree = {}
@@ -369,23 +384,32 @@ def bench_shape(T, d_in, d_out, r, device, reps, warmup, with_quant, peers=True,
     # inference calls as CUDA graphs too: without the host's time to reach the first kernel, which a single layer
     # called from an idle GPU exposes (and a model's later layers hide)
     t_graphed_infer = graphed_calls(infer, "graphed inference", notes, reps, warmup, device) if graphed else {}
-    rows = [dict(impl=n, train_ms=t_train[n], infer_ms=t_infer[n], train_peak_mib=mem_train[n],
-                 infer_peak_mib=mem_infer[n], resident_mib=resident[n], graphed_train_ms=t_graphed.get(n),
-                 graphed_infer_ms=t_graphed_infer.get(n))
-            for n in layers]
+    rows = [
+        dict(
+            impl=n,
+            train_ms=t_train[n],
+            infer_ms=t_infer[n],
+            train_peak_mib=mem_train[n],
+            infer_peak_mib=mem_infer[n],
+            resident_mib=resident[n],
+            graphed_train_ms=t_graphed.get(n),
+            graphed_infer_ms=t_graphed_infer.get(n),
+        )
+        for n in layers
+    ]
     if with_quant:  # the norm's U = W·Aᵀ alone (`matmul_exact`), and with the base product (`matmul_with_exact`,
         # what a training step with a fresh norm calls): fp32-accurate U from split bf16 products on both
         A = d["A"].float()
         bases = {n: lay.base for n, lay in layers.items() if isinstance(lay, AdaptedLinear)}
         t_u = interleaved({n: (lambda b=b: b.matmul_exact(A)) for n, b in bases.items()}, reps, warmup, device)
-        t_both = interleaved({n: (lambda b=b: b.matmul_with_exact(d["x"], A)) for n, b in bases.items()}, reps,
-                             warmup, device)
+        t_both = interleaved(
+            {n: (lambda b=b: b.matmul_with_exact(d["x"], A)) for n, b in bases.items()}, reps, warmup, device
+        )
         t_base = interleaved({n: (lambda b=b: b.matmul(d["x"])) for n, b in bases.items()}, reps, warmup, device)
         for row in rows:
             if row["impl"] in t_u:
-                row.update(norm_U_ms=t_u[row["impl"]], base_and_U_ms=t_both[row["impl"]],
-                           base_ms=t_base[row["impl"]])
-    del layers, train, infer
+                row.update(norm_U_ms=t_u[row["impl"]], base_and_U_ms=t_both[row["impl"]], base_ms=t_base[row["impl"]])
+    layers = train = infer = None  # freed
     return dict(T=T, d_in=d_in, d_out=d_out, r=r, rows=rows, notes=notes, agree=agree, dense_forms=dense_choice)
 
 
@@ -396,8 +420,10 @@ def print_layer_table(res):
     print("| implementation | inference ms | fwd+bwd ms | peak MiB (fwd+bwd) | peak MiB (inference) | resident MiB |")
     print("|---|---:|---:|---:|---:|---:|")
     for row in res["rows"]:
-        print(f"| {row['impl']} | {row['infer_ms']:.3f} | {row['train_ms']:.3f} | {row['train_peak_mib']:.0f} | "
-              f"{row['infer_peak_mib']:.0f} | {row['resident_mib']:.0f} |")
+        print(
+            f"| {row['impl']} | {row['infer_ms']:.3f} | {row['train_ms']:.3f} | {row['train_peak_mib']:.0f} | "
+            f"{row['infer_peak_mib']:.0f} | {row['resident_mib']:.0f} |"
+        )
     for name, why in res["notes"].items():
         print(f"| {name} | not run: {why} | | | | |")
     j = by.get("juno-py dense")
@@ -406,48 +432,74 @@ def print_layer_table(res):
         for peer in ("PEFT DoRA bf16", "PEFT DoRA fp32", "PEFT LoRA bf16"):
             if peer in by:
                 p = by[peer]
-                lines.append(f"{peer}: fwd+bwd {p['train_ms'] / j['train_ms']:.2f}×, inference "
-                             f"{p['infer_ms'] / j['infer_ms']:.2f}×, "
-                             f"peak fwd+bwd {p['train_peak_mib'] / j['train_peak_mib']:.2f}×")
+                lines.append(
+                    f"{peer}: fwd+bwd {p['train_ms'] / j['train_ms']:.2f}×, inference "
+                    f"{p['infer_ms'] / j['infer_ms']:.2f}×, "
+                    f"peak fwd+bwd {p['train_peak_mib'] / j['train_peak_mib']:.2f}×"
+                )
         print("\njuno-py dense speedup over " + "; ".join(lines))
         if "PEFT LoRA bf16" in by:
             lora_ms = by["PEFT LoRA bf16"]["infer_ms"]
             print(f"juno-py dense inference / PEFT LoRA inference: {j['infer_ms'] / lora_ms:.3f}")
-        quant = [f"{t}: fwd+bwd {by[f'juno-py {t}']['train_ms'] / j['train_ms']:.2f}×, inference "
-                 f"{by[f'juno-py {t}']['infer_ms'] / j['infer_ms']:.2f}×" for t in QUANT_TYPES if f"juno-py {t}" in by]
+        quant = [
+            f"{t}: fwd+bwd {by[f'juno-py {t}']['train_ms'] / j['train_ms']:.2f}×, inference "
+            f"{by[f'juno-py {t}']['infer_ms'] / j['infer_ms']:.2f}×"
+            for t in QUANT_TYPES
+            if f"juno-py {t}" in by
+        ]
         if quant:
             print("juno-py quantized time / juno-py dense: " + "; ".join(quant))
         ab = [(n, n + ", U afresh") for n in by if n.startswith("juno-py") and n + ", U afresh" in by]
         if ab:
-            print("running U against U afresh at every step (fwd+bwd ms, then graphed): " + "; ".join(
-                f"{n}: {by[n]['train_ms']:.3f} / {by[m]['train_ms']:.3f} ({by[n]['train_ms'] / by[m]['train_ms']:.3f}×)"
-                + (f", graphed {by[n]['graphed_train_ms']:.3f} / {by[m]['graphed_train_ms']:.3f} "
-                   f"({by[n]['graphed_train_ms'] / by[m]['graphed_train_ms']:.3f}×)"
-                   if by[n].get("graphed_train_ms") and by[m].get("graphed_train_ms") else "")
-                for n, m in ab))
+            print(
+                "running U against U afresh at every step (fwd+bwd ms, then graphed): "
+                + "; ".join(
+                    f"{n}: {by[n]['train_ms']:.3f} / {by[m]['train_ms']:.3f} ({by[n]['train_ms'] / by[m]['train_ms']:.3f}×)"
+                    + (
+                        f", graphed {by[n]['graphed_train_ms']:.3f} / {by[m]['graphed_train_ms']:.3f} "
+                        f"({by[n]['graphed_train_ms'] / by[m]['graphed_train_ms']:.3f}×)"
+                        if by[n].get("graphed_train_ms") and by[m].get("graphed_train_ms")
+                        else ""
+                    )
+                    for n, m in ab
+                )
+            )
         g = {n: row["graphed_train_ms"] for n, row in by.items() if row.get("graphed_train_ms")}
         if "juno-py dense" in g:
-            print("fwd+bwd as CUDA graphs (GPU time alone), ms: " + ", ".join(f"{n} {v:.3f}" for n, v in g.items())
-                  + "; juno-py dense speedup: " + ", ".join(f"{n} {v / g['juno-py dense']:.2f}×" for n, v in g.items()
-                                                             if n.startswith("PEFT")))
+            print(
+                "fwd+bwd as CUDA graphs (GPU time alone), ms: "
+                + ", ".join(f"{n} {v:.3f}" for n, v in g.items())
+                + "; juno-py dense speedup: "
+                + ", ".join(f"{n} {v / g['juno-py dense']:.2f}×" for n, v in g.items() if n.startswith("PEFT"))
+            )
         gi = {n: row["graphed_infer_ms"] for n, row in by.items() if row.get("graphed_infer_ms")}
         if "juno-py dense" in gi:
             dense = gi["juno-py dense"]
-            print("inference as CUDA graphs (GPU time alone), ms: " + ", ".join(f"{n} {v:.3f}" for n, v in gi.items())
-                  + "; juno-py dense speedup: " + ", ".join(f"{n} {v / dense:.2f}×" for n, v in gi.items()
-                                                             if n.startswith("PEFT"))
-                  + "; quantized / dense: " + ", ".join(f"{t} {gi[f'juno-py {t}'] / dense:.2f}×" for t in QUANT_TYPES
-                                                        if f"juno-py {t}" in gi))
-        u = [f"{n}: {row['norm_U_ms']:.3f} / {row['base_ms']:.3f} / {row['base_and_U_ms']:.3f}"
-             for n, row in by.items() if "norm_U_ms" in row]
+            print(
+                "inference as CUDA graphs (GPU time alone), ms: "
+                + ", ".join(f"{n} {v:.3f}" for n, v in gi.items())
+                + "; juno-py dense speedup: "
+                + ", ".join(f"{n} {v / dense:.2f}×" for n, v in gi.items() if n.startswith("PEFT"))
+                + "; quantized / dense: "
+                + ", ".join(f"{t} {gi[f'juno-py {t}'] / dense:.2f}×" for t in QUANT_TYPES if f"juno-py {t}" in gi)
+            )
+        u = [
+            f"{n}: {row['norm_U_ms']:.3f} / {row['base_ms']:.3f} / {row['base_and_U_ms']:.3f}"
+            for n, row in by.items()
+            if "norm_U_ms" in row
+        ]
         if u:
-            print("ms of U = W·Aᵀ alone (matmul_exact) / the base product alone (matmul) / both in one call "
-                  "(matmul_with_exact, what a step with a fresh norm runs): " + "; ".join(u))
+            print(
+                "ms of U = W·Aᵀ alone (matmul_exact) / the base product alone (matmul) / both in one call "
+                "(matmul_with_exact, what a step with a fresh norm runs): " + "; ".join(u)
+            )
     forms = res.get("dense_forms")
     if forms:
-        print(f"dense stand-in's matmul_with_exact: base GEMM + one GEMM of [A_hi; A_lo] "
-              f"{forms['stacked=False']:.3f} ms, one GEMM of [x; A_hi; A_lo] {forms['stacked=True']:.3f} ms "
-              f"(the layer rows use the faster)")
+        print(
+            f"dense stand-in's matmul_with_exact: base GEMM + one GEMM of [A_hi; A_lo] "
+            f"{forms['stacked=False']:.3f} ms, one GEMM of [x; A_hi; A_lo] {forms['stacked=True']:.3f} ms "
+            f"(the layer rows use the faster)"
+        )
     for k, v in res["agree"].items():
         print(f"check: ‖{k}‖ / ‖adapter effect‖ = {v:.2e} (both outputs bf16)")
 
@@ -456,13 +508,17 @@ def print_layer_table(res):
 # the shapes it applies to or None for every shape), as ratios of times: "≥ 1.5" reads "the peer takes at least 1.5
 # times juno-py's time". The ≥ 4× against PEFT's fp32 adapters is DESIGN.md's, at its two shapes only.
 DESIGN_SHAPES = ((4096, 8192, 8192, 384), (4096, 28672, 8192, 384))
-TARGETS = [("fwd+bwd, PEFT DoRA bf16 / juno-py dense", "PEFT DoRA bf16", "juno-py dense", "train", 1.5, True, None),
-           ("fwd+bwd, PEFT DoRA fp32 / juno-py dense", "PEFT DoRA fp32", "juno-py dense", "train", 4.0, True,
-            DESIGN_SHAPES),
-           ("inference, PEFT DoRA bf16 / juno-py dense", "PEFT DoRA bf16", "juno-py dense", "infer", 1.9, True, None),
-           ("inference, juno-py dense / PEFT LoRA bf16", "juno-py dense", "PEFT LoRA bf16", "infer", 1.15, False, None)]
-TARGETS += [(f"{what}, juno-py {t} / juno-py dense", f"juno-py {t}", "juno-py dense", field, 1.25, False, None)
-            for t in QUANT_TYPES for what, field in (("fwd+bwd", "train"), ("inference", "infer"))]
+TARGETS = [
+    ("fwd+bwd, PEFT DoRA bf16 / juno-py dense", "PEFT DoRA bf16", "juno-py dense", "train", 1.5, True, None),
+    ("fwd+bwd, PEFT DoRA fp32 / juno-py dense", "PEFT DoRA fp32", "juno-py dense", "train", 4.0, True, DESIGN_SHAPES),
+    ("inference, PEFT DoRA bf16 / juno-py dense", "PEFT DoRA bf16", "juno-py dense", "infer", 1.9, True, None),
+    ("inference, juno-py dense / PEFT LoRA bf16", "juno-py dense", "PEFT LoRA bf16", "infer", 1.15, False, None),
+]
+TARGETS += [
+    (f"{what}, juno-py {t} / juno-py dense", f"juno-py {t}", "juno-py dense", field, 1.25, False, None)
+    for t in QUANT_TYPES
+    for what, field in (("fwd+bwd", "train"), ("inference", "infer"))
+]
 
 
 def target_rows(res):
@@ -494,9 +550,11 @@ def print_targets(results) -> tuple[list[list], str]:
     if not rows:
         return [], ""
     print("\n### Layer targets (DESIGN.md §6)\n")
-    print("Graphed: each implementation's call (PEFT's too) replayed as a CUDA graph, the GPU's time alone, which is "
-          "how juno-py's trainer runs its steps. Eager: each call launched from Python; where the launches take "
-          "longer than the GPU's work, the ratio measures the host.\n")
+    print(
+        "Graphed: each implementation's call (PEFT's too) replayed as a CUDA graph, the GPU's time alone, which is "
+        "how juno-py's trainer runs its steps. Eager: each call launched from Python; where the launches take "
+        "longer than the GPU's work, the ratio measures the host.\n"
+    )
     print(harness.markdown_table(TARGET_COLUMNS, []))
     table = []
     missed = {"graphed": 0, "eager": 0}
@@ -515,12 +573,21 @@ def print_targets(results) -> tuple[list[list], str]:
 
     for res, (what, bound, at_least, eager, graphed) in rows:
         sign = "≥" if at_least else "≤"
-        table.append([f"{res['T']}, {res['d_in']}→{res['d_out']}, {res['r']}", what, f"{sign} {bound}", fmt(eager),
-                      fmt(graphed), verdict(graphed, bound, at_least, "graphed"),
-                      verdict(eager, bound, at_least, "eager")])
+        table.append(
+            [
+                f"{res['T']}, {res['d_in']}→{res['d_out']}, {res['r']}",
+                what,
+                f"{sign} {bound}",
+                fmt(eager),
+                fmt(graphed),
+                verdict(graphed, bound, at_least, "graphed"),
+                verdict(eager, bound, at_least, "eager"),
+            ]
+        )
         print("| " + " | ".join(table[-1]) + " |")
-    summary = "targets missed: " + ", ".join(f"{missed[c]} of {checked[c]} {c}" if checked[c] else f"{c} not timed"
-                                             for c in ("graphed", "eager"))
+    summary = "targets missed: " + ", ".join(
+        f"{missed[c]} of {checked[c]} {c}" if checked[c] else f"{c} not timed" for c in ("graphed", "eager")
+    )
     print("\n" + summary)
     return table, summary
 
@@ -546,28 +613,37 @@ def bandwidth(n_elems, dtype, device, reps, warmup):
         "compose inference": (lambda: tk.compose_forward(base, lora, g, 0.5), 3),
         "compose training forward (y, inner)": (lambda: tk.compose_forward(base, lora, g, 0.5, write_inner=True), 4),
         "compose backward (d_base, d_lora, d_g)": (
-            lambda: tk.compose_backward(base, g, lora, 0.5, dtype, dtype), 4),  # dy = base, inner = lora
+            lambda: tk.compose_backward(base, g, lora, 0.5, dtype, dtype),
+            4,
+        ),  # dy = base, inner = lora
         "compose backward (d_base, d_g): the layer step's": (
-            lambda: tk.compose_backward(base, g, lora, 0.5, dtype, None), 3),
+            lambda: tk.compose_backward(base, g, lora, 0.5, dtype, None),
+            3,
+        ),
     }
     fns = {k: v[0] for k, v in calls.items()}
     ms = interleaved(fns, reps, warmup, device, batch=BANDWIDTH_BATCH)
     alone = interleaved(fns, reps, warmup, device)
-    out = {k: dict(ms=ms[k], gbps=v[1] * M * N * es / ms[k] / 1e6, ms_alone=alone[k], arrays=v[1])
-           for k, v in calls.items()}
-    del base, lora
+    out = {
+        k: dict(ms=ms[k], gbps=v[1] * M * N * es / ms[k] / 1e6, ms_alone=alone[k], arrays=v[1])
+        for k, v in calls.items()
+    }
+    base = lora = None  # freed
     return out
 
 
 def print_bandwidth(bw, n, dtype):
     copy = bw["copy (clone)"]["gbps"]
     print(f"\n### Composition kernels, {n / 1e6:.0f} M elements, {str(dtype).removeprefix('torch.')}\n")
-    print(f"| kernel | arrays moved | ms ({BANDWIDTH_BATCH} back to back) | GB/s | of copy bandwidth | ms, one call "
-          f"from an idle GPU |")
+    print(
+        f"| kernel | arrays moved | ms ({BANDWIDTH_BATCH} back to back) | GB/s | of copy bandwidth | ms, one call "
+        f"from an idle GPU |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     for k, v in bw.items():
-        print(f"| {k} | {v['arrays']} | {v['ms']:.3f} | {v['gbps']:.0f} | {v['gbps'] / copy:.1%} | "
-              f"{v['ms_alone']:.3f} |")
+        print(
+            f"| {k} | {v['arrays']} | {v['ms']:.3f} | {v['gbps']:.0f} | {v['gbps'] / copy:.1%} | {v['ms_alone']:.3f} |"
+        )
 
 
 def factored_norm(device, d_out=8192, d_in=8192, r=512):
@@ -637,8 +713,9 @@ def crossover(device, dtypes=(torch.bfloat16, torch.float32), reps=7, batch=20):
                     with torch.no_grad():
                         tk.compose_forward(base.detach(), lora.detach(), g.detach(), 0.5)
 
-                fns = dict(eager_train=eager_train, fused_train=fused_train, eager_infer=eager_infer,
-                           fused_infer=fused_infer)
+                fns = dict(
+                    eager_train=eager_train, fused_train=fused_train, eager_infer=eager_infer, fused_infer=fused_infer
+                )
                 res = {k: [] for k in fns}
                 for f in fns.values():
                     f()
@@ -660,8 +737,10 @@ def print_crossover(rows):
     print("| dtype | tokens × d_out | elements | eager fwd+bwd | fused fwd+bwd | eager inference | fused inference |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['dtype']} | {r['M']}×{r['N']} | {r['elements']} | {r['eager_train']:.1f} | "
-              f"{r['fused_train']:.1f} | {r['eager_infer']:.1f} | {r['fused_infer']:.1f} |")
+        print(
+            f"| {r['dtype']} | {r['M']}×{r['N']} | {r['elements']} | {r['eager_train']:.1f} | "
+            f"{r['fused_train']:.1f} | {r['eager_infer']:.1f} | {r['fused_infer']:.1f} |"
+        )
 
 
 def tiles(device, reps, warmup):
@@ -672,20 +751,36 @@ def tiles(device, reps, warmup):
     base = torch.randn(M, N, generator=gen, device=device).to(torch.bfloat16)
     lora = torch.randn(M, N, generator=gen, device=device).to(torch.bfloat16)
     g = 1 + 1e-3 * torch.randn(N, generator=gen, device=device)
-    configs = [tk.TileConfig(16, 256, 4), tk.TileConfig(32, 256, 8), tk.TileConfig(8, 512, 4),
-               tk.TileConfig(16, 512, 8), tk.TileConfig(32, 128, 4), tk.TileConfig(64, 256, 8),
-               tk.TileConfig(16, 256, 4, 2048), tk.TileConfig(16, 256, 4, 512), tk.TileConfig(32, 256, 8, 4096),
-               # more programs in the backward (fewer row tiles each: more bytes in flight per SM)
-               tk.TileConfig(32, 128, 4, 4096), tk.TileConfig(32, 128, 8, 4096), tk.TileConfig(64, 128, 8, 4096),
-               tk.TileConfig(16, 128, 4, 4096), tk.TileConfig(32, 128, 4, 8192), tk.TileConfig(64, 64, 4, 8192),
-               # one row tile per program (as the forward): d_g's partial sums get a row per row tile
-               tk.TileConfig(32, 128, 4, 1 << 20), tk.TileConfig(16, 256, 4, 1 << 20), tk.TileConfig(64, 128, 8, 1 << 20),
-               tk.TileConfig(16, 128, 4, 1 << 20), tk.TileConfig(64, 256, 8, 1 << 20), tk.TileConfig(32, 256, 8, 1 << 20)]
+    configs = [
+        tk.TileConfig(16, 256, 4),
+        tk.TileConfig(32, 256, 8),
+        tk.TileConfig(8, 512, 4),
+        tk.TileConfig(16, 512, 8),
+        tk.TileConfig(32, 128, 4),
+        tk.TileConfig(64, 256, 8),
+        tk.TileConfig(16, 256, 4, 2048),
+        tk.TileConfig(16, 256, 4, 512),
+        tk.TileConfig(32, 256, 8, 4096),
+        # more programs in the backward (fewer row tiles each: more bytes in flight per SM)
+        tk.TileConfig(32, 128, 4, 4096),
+        tk.TileConfig(32, 128, 8, 4096),
+        tk.TileConfig(64, 128, 8, 4096),
+        tk.TileConfig(16, 128, 4, 4096),
+        tk.TileConfig(32, 128, 4, 8192),
+        tk.TileConfig(64, 64, 4, 8192),
+        # one row tile per program (as the forward): d_g's partial sums get a row per row tile
+        tk.TileConfig(32, 128, 4, 1 << 20),
+        tk.TileConfig(16, 256, 4, 1 << 20),
+        tk.TileConfig(64, 128, 8, 1 << 20),
+        tk.TileConfig(16, 128, 4, 1 << 20),
+        tk.TileConfig(64, 256, 8, 1 << 20),
+        tk.TileConfig(32, 256, 8, 1 << 20),
+    ]
     calls = {"copy": lambda: base.clone()}
     for c in configs:
-        calls[f"fwd {c}"] = (lambda c=c: tk.compose_forward(base, lora, g, 0.5, cfg=c))
-        calls[f"bwd {c}"] = (lambda c=c: tk.compose_backward(base, g, lora, 0.5, torch.bfloat16, torch.bfloat16, cfg=c))
-        calls[f"bwd-step {c}"] = (lambda c=c: tk.compose_backward(base, g, lora, 0.5, torch.bfloat16, None, cfg=c))
+        calls[f"fwd {c}"] = lambda c=c: tk.compose_forward(base, lora, g, 0.5, cfg=c)
+        calls[f"bwd {c}"] = lambda c=c: tk.compose_backward(base, g, lora, 0.5, torch.bfloat16, torch.bfloat16, cfg=c)
+        calls[f"bwd-step {c}"] = lambda c=c: tk.compose_backward(base, g, lora, 0.5, torch.bfloat16, None, cfg=c)
     ms = interleaved(calls, reps, warmup, device, batch=BANDWIDTH_BATCH)
     bytes_per = {"copy": 2, "fwd": 3, "bwd": 4, "bwd-step": 3}  # bwd-step: the layer step's, without d_lora
     copy = 2 * M * N * 2 / ms["copy"] / 1e6
@@ -707,18 +802,36 @@ def main():
     ap.add_argument("--tiles", action="store_true", help="only the tile-configuration sweep")
     ap.add_argument("--no-quant", action="store_true", help="skip the quantized juno-py layers")
     ap.add_argument("--no-norm", action="store_true", help="skip the factored-norm memory and error table")
-    ap.add_argument("--quant-only", action="store_true",
-                    help="only juno-py dense and quantized (no PEFT layers): the quantized-W ratios")
+    ap.add_argument(
+        "--quant-only",
+        action="store_true",
+        help="only juno-py dense and quantized (no PEFT layers): the quantized-W ratios",
+    )
     ap.add_argument("--shape-index", type=int, nargs="*", help="run only these entries of SHAPES (0-based)")
-    ap.add_argument("--bandwidth-elements", type=int, nargs="*", default=[1 << 27, 1 << 28],
-                    help="sizes of the kernel bandwidth tables (none: skip them)")
-    ap.add_argument("--graphed", action="store_true",
-                    help="also time each fwd+bwd and inference call captured in a CUDA graph (GPU time alone)")
+    ap.add_argument(
+        "--bandwidth-elements",
+        type=int,
+        nargs="*",
+        default=[1 << 27, 1 << 28],
+        help="sizes of the kernel bandwidth tables (none: skip them)",
+    )
+    ap.add_argument(
+        "--graphed",
+        action="store_true",
+        help="also time each fwd+bwd and inference call captured in a CUDA graph (GPU time alone)",
+    )
     ap.add_argument("--json", type=Path, help="also write every number here")
-    ap.add_argument("--u-ab", action="store_true",
-                    help="also juno-py layers that recompute U = W·Aᵀ at every step (no running U), interleaved")
-    ap.add_argument("--device-scratch-mib", type=int, default=None,
-                    help="the quantized layers' decode tile in MiB (default: FrozenQuantLinear's)")
+    ap.add_argument(
+        "--u-ab",
+        action="store_true",
+        help="also juno-py layers that recompute U = W·Aᵀ at every step (no running U), interleaved",
+    )
+    ap.add_argument(
+        "--device-scratch-mib",
+        type=int,
+        default=None,
+        help="the quantized layers' decode tile in MiB (default: FrozenQuantLinear's)",
+    )
     harness.add_output_args(ap)
     args = ap.parse_args()
     global DEVICE_SCRATCH_BYTES
@@ -753,22 +866,43 @@ def main():
                     torch.cuda.empty_cache()
         out["layers"] = []
         for T, d_in, d_out, r in shapes:
-            res = bench_shape(T, d_in, d_out, r, device, reps, 1 if args.quick else args.warmup,
-                              with_quant=not args.no_quant and device.type == "cuda", peers=not args.quant_only,
-                              graphed=args.graphed, u_ab=args.u_ab)
+            res = bench_shape(
+                T,
+                d_in,
+                d_out,
+                r,
+                device,
+                reps,
+                1 if args.quick else args.warmup,
+                with_quant=not args.no_quant and device.type == "cuda",
+                peers=not args.quant_only,
+                graphed=args.graphed,
+                u_ab=args.u_ab,
+            )
             print_layer_table(res)
             out["layers"].append(res)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         targets, summary = print_targets(out["layers"])
         if targets:
-            harness.write_results(args, harness.results(
-                "dora-layer", "One DoRA layer on one GPU against PEFT", harness.command_line("benchmarks.dora_layer"),
-                TARGET_COLUMNS, targets,
-                ["Ratios of times: \"PEFT / juno-py\" reads the peer's time over juno-py's. CUDA events, "
-                 "implementations interleaved, median of the calls after warm-up, TF32 off. Graphed: each call "
-                 "captured in a CUDA graph and replayed (the GPU's time alone, how the trainer runs its steps); "
-                 "eager: each call launched from Python.", summary], env=env))
+            harness.write_results(
+                args,
+                harness.results(
+                    "dora-layer",
+                    "One DoRA layer on one GPU against PEFT",
+                    harness.command_line("benchmarks.dora_layer"),
+                    TARGET_COLUMNS,
+                    targets,
+                    [
+                        "Ratios of times: \"PEFT / juno-py\" reads the peer's time over juno-py's. CUDA events, "
+                        "implementations interleaved, median of the calls after warm-up, TF32 off. Graphed: each call "
+                        "captured in a CUDA graph and replayed (the GPU's time alone, how the trainer runs its steps); "
+                        "eager: each call launched from Python.",
+                        summary,
+                    ],
+                    env=env,
+                ),
+            )
         if device.type == "cuda" and not args.no_norm:
             out["norm"] = factored_norm(device)
             print_norm(out["norm"])

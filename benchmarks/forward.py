@@ -85,9 +85,17 @@ def worker(args) -> dict:
     t0 = time.perf_counter()
     decode(ids[:16], args.decode)
     decode_s = time.perf_counter() - t0
-    return dict(model=args.model, impl=args.impl, cache=args.cache, load_s=load_s,
-                prefill_tok_s=args.prefill / best, decode_tok_s=args.decode / decode_s,
-                peak_rss_gib=harness.peak_rss_gib(), threads=torch.get_num_threads(), load_avg=os.getloadavg()[0])
+    return dict(
+        model=args.model,
+        impl=args.impl,
+        cache=args.cache,
+        load_s=load_s,
+        prefill_tok_s=args.prefill / best,
+        decode_tok_s=args.decode / decode_s,
+        peak_rss_gib=harness.peak_rss_gib(),
+        threads=torch.get_num_threads(),
+        load_avg=os.getloadavg()[0],
+    )
 
 
 def run_all(args) -> list[dict]:
@@ -98,26 +106,46 @@ def run_all(args) -> list[dict]:
         for model in args.models:
             for impl, cache in CONFIGS:
                 cmd = harness.module_cmd(
-                    "benchmarks.forward", "--worker", "--model", model, "--impl", impl, "--cache", cache,
-                    "--prefill", str(args.prefill), "--decode", str(args.decode), "--repeats", str(args.repeats),
-                    "--threads", str(args.threads))
+                    "benchmarks.forward",
+                    "--worker",
+                    "--model",
+                    model,
+                    "--impl",
+                    impl,
+                    "--cache",
+                    cache,
+                    "--prefill",
+                    str(args.prefill),
+                    "--decode",
+                    str(args.decode),
+                    "--repeats",
+                    str(args.repeats),
+                    "--threads",
+                    str(args.threads),
+                )
                 row = harness.run_json(cmd, f"{model} {impl} {cache}")
-                print(f"{model:14s} {impl:12s} cache={cache:5s} prefill {row['prefill_tok_s']:8.1f} tok/s  decode "
-                      f"{row['decode_tok_s']:6.2f} tok/s  peak RSS {row['peak_rss_gib']:.2f} GiB  load "
-                      f"{row['load_avg']:.1f}", file=sys.stderr)
+                print(
+                    f"{model:14s} {impl:12s} cache={cache:5s} prefill {row['prefill_tok_s']:8.1f} tok/s  decode "
+                    f"{row['decode_tok_s']:6.2f} tok/s  peak RSS {row['peak_rss_gib']:.2f} GiB  load "
+                    f"{row['load_avg']:.1f}",
+                    file=sys.stderr,
+                )
                 key = (model, impl, cache)
                 if key in best:
                     old = best[key]
-                    row = dict(row, prefill_tok_s=max(row["prefill_tok_s"], old["prefill_tok_s"]),
-                               decode_tok_s=max(row["decode_tok_s"], old["decode_tok_s"]),
-                               load_s=min(row["load_s"], old["load_s"]), load_avg=min(row["load_avg"], old["load_avg"]),
-                               peak_rss_gib=max(row["peak_rss_gib"], old["peak_rss_gib"]))
+                    row = dict(
+                        row,
+                        prefill_tok_s=max(row["prefill_tok_s"], old["prefill_tok_s"]),
+                        decode_tok_s=max(row["decode_tok_s"], old["decode_tok_s"]),
+                        load_s=min(row["load_s"], old["load_s"]),
+                        load_avg=min(row["load_avg"], old["load_avg"]),
+                        peak_rss_gib=max(row["peak_rss_gib"], old["peak_rss_gib"]),
+                    )
                 best[key] = row
     return list(best.values())
 
 
-COLUMNS = ["model", "implementation", "weights", "prefill tok/s", "decode tok/s", "peak RSS GiB", "load s",
-           "load avg"]
+COLUMNS = ["model", "implementation", "weights", "prefill tok/s", "decode tok/s", "peak RSS GiB", "load s", "load avg"]
 
 
 def table_rows(rows: list[dict]) -> list[list]:
@@ -127,19 +155,31 @@ def table_rows(rows: list[dict]) -> list[list]:
         weights = {"none": "streamed from quantized bytes", "bf16": "cached bf16", "fp32": "cached fp32"}[r["cache"]]
         if r["impl"] != "juno":
             weights = "dense fp32"
-        out.append([r["model"], impl, weights, round(r["prefill_tok_s"], 1), round(r["decode_tok_s"], 2),
-                    round(r["peak_rss_gib"], 2), round(r["load_s"], 1), round(r["load_avg"], 1)])
+        out.append(
+            [
+                r["model"],
+                impl,
+                weights,
+                round(r["prefill_tok_s"], 1),
+                round(r["decode_tok_s"], 2),
+                round(r["peak_rss_gib"], 2),
+                round(r["load_s"], 1),
+                round(r["load_avg"], 1),
+            ]
+        )
     return out
 
 
 def notes(rows: list[dict], args) -> list[str]:
     threads = rows[0]["threads"] if rows else "?"
-    return [f"Prefill: one forward of {args.prefill} tokens (best of {args.repeats}); decode: {args.decode} greedy "
-            f"tokens with a KV cache after a 16-token prompt; best of {args.rounds} round(s) of every configuration. "
-            f"fp32 compute, {threads} torch threads.",
-            "Peak RSS is the subprocess's ru_maxrss, memory-mapped GGUF pages included. Load avg: the machine's "
-            "1-minute load average when the configuration finished (lowest over the rounds); above the CPU count, "
-            "other processes shared the cores and every number is pessimistic."]
+    return [
+        f"Prefill: one forward of {args.prefill} tokens (best of {args.repeats}); decode: {args.decode} greedy "
+        f"tokens with a KV cache after a 16-token prompt; best of {args.rounds} round(s) of every configuration. "
+        f"fp32 compute, {threads} torch threads.",
+        "Peak RSS is the subprocess's ru_maxrss, memory-mapped GGUF pages included. Load avg: the machine's "
+        "1-minute load average when the configuration finished (lowest over the rounds); above the CPU count, "
+        "other processes shared the cores and every number is pessimistic.",
+    ]
 
 
 def main() -> None:
@@ -160,8 +200,14 @@ def main() -> None:
         print(json.dumps(worker(args)))
         return
     rows = run_all(args)
-    record = harness.results("cpu-forward", "Forward pass and decoding on CPU",
-                             harness.command_line("benchmarks.forward"), COLUMNS, table_rows(rows), notes(rows, args))
+    record = harness.results(
+        "cpu-forward",
+        "Forward pass and decoding on CPU",
+        harness.command_line("benchmarks.forward"),
+        COLUMNS,
+        table_rows(rows),
+        notes(rows, args),
+    )
     print(harness.markdown_table(record["columns"], record["rows"]))
     print("\n".join(record["notes"]))
     harness.write_results(args, record)

@@ -61,8 +61,10 @@ def passes(layer, x: torch.Tensor, dy: torch.Tensor):
 def bench(f: GGUFFile, target: str, tokens: int, rounds: int) -> list[tuple[str, float, float]]:
     name = LAYERS[target]
     w = f.dequantize(name)
-    layers = [(label, (lambda x: F.linear(x, w)) if kw is None else FrozenQuantLinear.from_gguf(f, name, **kw))
-              for label, kw in CONFIGS]
+    layers = [
+        (label, (lambda x: F.linear(x, w)) if kw is None else FrozenQuantLinear.from_gguf(f, name, **kw))
+        for label, kw in CONFIGS
+    ]
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, w.shape[1], generator=gen)
     dy = torch.randn(tokens, w.shape[0], generator=gen)
@@ -85,8 +87,9 @@ def sweep_chunks(f: GGUFFile, targets, token_counts, rounds: int) -> None:
     for target in targets:
         name = LAYERS[target]
         n_out, n_in = f.tensor(name).shape
-        layers = [FrozenQuantLinear.from_gguf(f, name, chunk_rows=max(1, round(n_out * fr)))
-                  for fr in fractions.values()]
+        layers = [
+            FrozenQuantLinear.from_gguf(f, name, chunk_rows=max(1, round(n_out * fr))) for fr in fractions.values()
+        ]
         for tokens in token_counts:
             x, dy = torch.randn(tokens, n_in), torch.randn(tokens, n_out)
             best = [float("inf")] * len(layers)
@@ -112,9 +115,11 @@ COLUMNS = ["target (n_out×n_in, type)", "T", "configuration", "forward ms", "×
 
 
 def report(f: GGUFFile, args) -> list[list]:
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {harness.cpu_name()}, load average "
-          f"{os.getloadavg()[0]:.1f}; fastest call of {args.rounds} interleaved rounds; "
-          f"model {os.path.basename(f.path)}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {harness.cpu_name()}, load average "
+        f"{os.getloadavg()[0]:.1f}; fastest call of {args.rounds} interleaved rounds; "
+        f"model {os.path.basename(f.path)}"
+    )
     print()
     print(harness.markdown_table(COLUMNS, []))
     table = []
@@ -125,8 +130,17 @@ def report(f: GGUFFile, args) -> list[list]:
             rows = bench(f, target, tokens, args.rounds)
             _, dense_f, dense_fb = rows[0]
             for label, t_f, t_fb in rows:
-                table.append([shape, tokens, label, f"{t_f * 1e3:.3f}", f"{t_f / dense_f:.2f}", f"{t_fb * 1e3:.3f}",
-                              f"{t_fb / dense_fb:.2f}"])
+                table.append(
+                    [
+                        shape,
+                        tokens,
+                        label,
+                        f"{t_f * 1e3:.3f}",
+                        f"{t_f / dense_f:.2f}",
+                        f"{t_fb * 1e3:.3f}",
+                        f"{t_fb / dense_fb:.2f}",
+                    ]
+                )
                 print("| " + " | ".join(str(c) for c in table[-1]) + " |", flush=True)
     if args.sweep_chunks:
         sweep_chunks(f, args.targets, args.tokens, args.rounds)
@@ -141,8 +155,9 @@ def main() -> None:
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 64, 512])
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--sweep-chunks", action="store_true",
-                    help="also time fwd+bwd of the fp32 streaming layer (ms) by chunk size")
+    ap.add_argument(
+        "--sweep-chunks", action="store_true", help="also time fwd+bwd of the fp32 streaming layer (ms) by chunk size"
+    )
     harness.add_output_args(ap)
     args = ap.parse_args()
     if args.threads:
@@ -155,12 +170,22 @@ def main() -> None:
         with GGUFFile(path) as f:
             table = report(f, args)
             model = os.path.basename(f.path)
-    note = (f"{'synthetic Q4_1 tensors in SmolLM2-135M shapes' if args.synthetic else model}; "
-            f"{torch.get_num_threads()} torch threads; each cell the fastest single call over {args.rounds} "
-            "interleaved rounds; × dense: time over the dense fp32 F.linear's of the same pass.")
-    harness.write_results(args, harness.results("frozen-linear", "The frozen quantized linear on CPU",
-                                                harness.command_line("benchmarks.frozen_linear"), COLUMNS, table,
-                                                [note]))
+    note = (
+        f"{'synthetic Q4_1 tensors in SmolLM2-135M shapes' if args.synthetic else model}; "
+        f"{torch.get_num_threads()} torch threads; each cell the fastest single call over {args.rounds} "
+        "interleaved rounds; × dense: time over the dense fp32 F.linear's of the same pass."
+    )
+    harness.write_results(
+        args,
+        harness.results(
+            "frozen-linear",
+            "The frozen quantized linear on CPU",
+            harness.command_line("benchmarks.frozen_linear"),
+            COLUMNS,
+            table,
+            [note],
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -104,6 +104,7 @@ def worker(args) -> dict:
     compute = resolve_compute_dtype(args.compute_dtype, args.device)
     cache = resolve_weights_cache("auto", args.model_file, compute, args.device)
     model = load_model(args.model_file, device=args.device, compute_dtype=compute, weights_cache=cache)
+
     class Recorder(MetricsRecorder):
         """Starts a new memory peak once the warm-up steps are done: the first step computes every GaLore
         projector (210 SVDs), whose workspace is not what a step costs."""
@@ -123,17 +124,27 @@ def worker(args) -> dict:
         state = {"moments": 2 * n_adam, "projector": 0}
     else:
         trainable = densify(model, "all")
-        galore = GaLoreConfig(rank=args.rank, update_gap=args.gap, svd=svd or "randomized", per_layer=per_layer,
-                              max_matrix_norm=1.0)
+        galore = GaLoreConfig(
+            rank=args.rank, update_gap=args.gap, svd=svd or "randomized", per_layer=per_layer, max_matrix_norm=1.0
+        )
         optimizer = build_dense_optimizer(kind, trainable, 1e-5, 0.0, galore, recorder=rec)
-        state = optimizer.state_size() if kind == "galore" else {"moments": 2 * trainable.n_parameters(),
-                                                                 "projector": 0}
+        state = (
+            optimizer.state_size() if kind == "galore" else {"moments": 2 * trainable.n_parameters(), "projector": 0}
+        )
     ids = _tokens(args)
     n_steps = args.warmup + args.steps
     examples = [Example(row.tolist(), [True] * args.seq) for row in ids] * n_steps  # one batch per step
-    cfg = TrainConfig(lr=1e-5, batch_size=args.batch, max_steps=n_steps, epochs=None, schedule="constant",
-                      max_seq_len=args.seq, seed=0, max_grad_norm=0.0 if per_layer else 1.0,
-                      grad_checkpoint=args.grad_checkpoint)
+    cfg = TrainConfig(
+        lr=1e-5,
+        batch_size=args.batch,
+        max_steps=n_steps,
+        epochs=None,
+        schedule="constant",
+        max_seq_len=args.seq,
+        seed=0,
+        max_grad_norm=0.0 if per_layer else 1.0,
+        grad_checkpoint=args.grad_checkpoint,
+    )
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -141,18 +152,30 @@ def worker(args) -> dict:
     train(model, trainable, examples, cfg, recorder=rec, progress=False, log=lambda s: None, optimizer=optimizer)
     stamps = [t0] + [e.time for e in rec.events if e.kind == "train_step"]
     times = [b - a for a, b in zip(stamps, stamps[1:])]
-    refresh = [e.values["refresh_ms"] / e.values["refreshes"] for e in rec.events
-               if e.kind == "galore" and e.values["refreshes"]][1:]  # after the first step's 210
+    refresh = [
+        e.values["refresh_ms"] / e.values["refreshes"]
+        for e in rec.events
+        if e.kind == "galore" and e.values["refreshes"]
+    ][1:]  # after the first step's 210
     steady = _steady_peak_gib(cuda)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else harness.peak_rss_gib()
     if cuda:  # the allocator's peak was reset after the warm-up: the whole run's is the larger of the two
         peak = max(peak, rec.first_peak)
-    step = statistics.median(times[args.warmup:])
-    return dict(config=args.config, step_s=step, first_step_s=times[0], tok_s=args.batch * args.seq / step,
-                peak_gib=peak, steady_peak_gib=steady, state_values=state["moments"] + state["projector"],
-                refresh_ms=statistics.median(refresh) if refresh else None, threads=torch.get_num_threads(),
-                device=torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
-                compute=str(compute).removeprefix("torch."), load_avg=os.getloadavg()[0])
+    step = statistics.median(times[args.warmup :])
+    return dict(
+        config=args.config,
+        step_s=step,
+        first_step_s=times[0],
+        tok_s=args.batch * args.seq / step,
+        peak_gib=peak,
+        steady_peak_gib=steady,
+        state_values=state["moments"] + state["projector"],
+        refresh_ms=statistics.median(refresh) if refresh else None,
+        threads=torch.get_num_threads(),
+        device=torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
+        compute=str(compute).removeprefix("torch."),
+        load_avg=os.getloadavg()[0],
+    )
 
 
 def run_all(args) -> list[dict]:
@@ -162,26 +185,63 @@ def run_all(args) -> list[dict]:
             if args.only and name not in args.only:
                 continue
             cmd = harness.module_cmd(
-                "benchmarks.galore", "--worker", "--config", name, "--model-file", str(args.model_file),
-                "--device", args.device, "--compute-dtype", args.compute_dtype, "--batch", str(args.batch),
-                "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                "--threads", str(args.threads), "--rank", str(args.rank), "--gap", str(args.gap),
-                *(["--grad-checkpoint"] if args.grad_checkpoint else []))
+                "benchmarks.galore",
+                "--worker",
+                "--config",
+                name,
+                "--model-file",
+                str(args.model_file),
+                "--device",
+                args.device,
+                "--compute-dtype",
+                args.compute_dtype,
+                "--batch",
+                str(args.batch),
+                "--seq",
+                str(args.seq),
+                "--steps",
+                str(args.steps),
+                "--warmup",
+                str(args.warmup),
+                "--threads",
+                str(args.threads),
+                "--rank",
+                str(args.rank),
+                "--gap",
+                str(args.gap),
+                *(["--grad-checkpoint"] if args.grad_checkpoint else []),
+            )
             row = harness.run_json(cmd, name)
-            print(f"{name:34s} {row['step_s']:.3f} s/step (first {row['first_step_s']:.2f} s)  peak "
-                  f"{row['peak_gib']:.2f} GiB (steady {row['steady_peak_gib']:.2f})  load {row['load_avg']:.1f}",
-                  file=sys.stderr)
+            print(
+                f"{name:34s} {row['step_s']:.3f} s/step (first {row['first_step_s']:.2f} s)  peak "
+                f"{row['peak_gib']:.2f} GiB (steady {row['steady_peak_gib']:.2f})  load {row['load_avg']:.1f}",
+                file=sys.stderr,
+            )
             if name not in best or row["step_s"] < best[name]["step_s"]:
-                best[name] = dict(row, peak_gib=max(row["peak_gib"], best.get(name, row)["peak_gib"]),
-                                  steady_peak_gib=max(row["steady_peak_gib"], best.get(name, row)["steady_peak_gib"]))
+                best[name] = dict(
+                    row,
+                    peak_gib=max(row["peak_gib"], best.get(name, row)["peak_gib"]),
+                    steady_peak_gib=max(row["steady_peak_gib"], best.get(name, row)["steady_peak_gib"]),
+                )
     return list(best.values())
 
 
 def columns(args) -> list[str]:
     memory = "peak GPU memory GiB" if args.device.startswith("cuda") else "peak RSS GiB"
-    return ["configuration", "optimizer state (M values)", "first step s", "s/step", "tokens/s", memory,
-            "steady peak GiB", "time vs AdamW", "memory vs AdamW", "steady memory vs AdamW", "refresh ms/matrix",
-            "load avg"]
+    return [
+        "configuration",
+        "optimizer state (M values)",
+        "first step s",
+        "s/step",
+        "tokens/s",
+        memory,
+        "steady peak GiB",
+        "time vs AdamW",
+        "memory vs AdamW",
+        "steady memory vs AdamW",
+        "refresh ms/matrix",
+        "load avg",
+    ]
 
 
 def table_rows(rows: list[dict]) -> list[list]:
@@ -192,24 +252,40 @@ def table_rows(rows: list[dict]) -> list[list]:
         vs_m = f"{r['peak_gib'] / peer['peak_gib']:.2f}x" if peer else "-"
         vs_s = f"{r['steady_peak_gib'] / peer['steady_peak_gib']:.2f}x" if peer else "-"
         refresh = f"{r['refresh_ms']:.0f}" if r["refresh_ms"] is not None else "-"
-        out.append([r["config"], round(r["state_values"] / 1e6, 2), round(r["first_step_s"], 2), round(r["step_s"], 3),
-                    round(r["tok_s"]), round(r["peak_gib"], 2), round(r["steady_peak_gib"], 2), vs_t, vs_m, vs_s,
-                    refresh, round(r["load_avg"], 1)])
+        out.append(
+            [
+                r["config"],
+                round(r["state_values"] / 1e6, 2),
+                round(r["first_step_s"], 2),
+                round(r["step_s"], 3),
+                round(r["tok_s"]),
+                round(r["peak_gib"], 2),
+                round(r["steady_peak_gib"], 2),
+                vs_t,
+                vs_m,
+                vs_s,
+                refresh,
+                round(r["load_avg"], 1),
+            ]
+        )
     return out
 
 
 def notes(rows: list[dict], args) -> list[str]:
     first = rows[0] if rows else {}
-    what = "synthetic SmolLM2-135M shapes (random Q4_1/Q8_0 blocks)" if args.synthetic else \
-        "SmolLM2-135M (Q4_1/Q8_0 GGUF)"
-    return [f"{what}, all seven targets of all 30 layers (106.2M weights trained in full; LoRA r 16: 4.9M), "
-            f"batches of {args.batch} x {args.seq} tokens{', activation checkpointing' if args.grad_checkpoint else ''}"
-            f", compute {first.get('compute')}; GaLore rank {args.rank}, gap {args.gap}; median of {args.steps} steps "
-            f"after {args.warmup}, best of {args.rounds} round(s); {first.get('threads')} torch threads.",
-            "First step: GaLore computes every matrix's first projector there. Peak: the whole run's (first step "
-            "included); steady peak: the steps after the warm-up "
-            f"({'the allocator' if args.device.startswith('cuda') else 'VmHWM, reset by clear_refs'}). "
-            "Load avg: the machine's 1-minute load when the configuration finished."]
+    what = (
+        "synthetic SmolLM2-135M shapes (random Q4_1/Q8_0 blocks)" if args.synthetic else "SmolLM2-135M (Q4_1/Q8_0 GGUF)"
+    )
+    return [
+        f"{what}, all seven targets of all 30 layers (106.2M weights trained in full; LoRA r 16: 4.9M), "
+        f"batches of {args.batch} x {args.seq} tokens{', activation checkpointing' if args.grad_checkpoint else ''}"
+        f", compute {first.get('compute')}; GaLore rank {args.rank}, gap {args.gap}; median of {args.steps} steps "
+        f"after {args.warmup}, best of {args.rounds} round(s); {first.get('threads')} torch threads.",
+        "First step: GaLore computes every matrix's first projector there. Peak: the whole run's (first step "
+        "included); steady peak: the steps after the warm-up "
+        f"({'the allocator' if args.device.startswith('cuda') else 'VmHWM, reset by clear_refs'}). "
+        "Load avg: the machine's 1-minute load when the configuration finished.",
+    ]
 
 
 def main() -> None:
@@ -225,8 +301,11 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=128)
     ap.add_argument("--gap", type=int, default=200)
     ap.add_argument("--only", nargs="*", choices=list(CONFIGS), help="configurations to run")
-    ap.add_argument("--grad-checkpoint", action="store_true",
-                    help="recompute each block in backward: activations shrink, so the gradients set the peak")
+    ap.add_argument(
+        "--grad-checkpoint",
+        action="store_true",
+        help="recompute each block in backward: activations shrink, so the gradients set the peak",
+    )
     ap.add_argument("--synthetic", action="store_true", help="random blocks in SmolLM2's shapes (no model store)")
     harness.add_output_args(ap)
     ap.add_argument("--model-file", help=argparse.SUPPRESS)
@@ -245,9 +324,15 @@ def main() -> None:
             args.model_file = resolve_model(MODEL)
         rows = run_all(args)
     where = "gpu" if args.device.startswith("cuda") else "cpu"
-    record = harness.results(f"galore-{where}", f"Full training with GaLore ({where.upper()})",
-                             harness.command_line("benchmarks.galore"), columns(args), table_rows(rows),
-                             notes(rows, args), device=args.device)
+    record = harness.results(
+        f"galore-{where}",
+        f"Full training with GaLore ({where.upper()})",
+        harness.command_line("benchmarks.galore"),
+        columns(args),
+        table_rows(rows),
+        notes(rows, args),
+        device=args.device,
+    )
     print(harness.markdown_table(record["columns"], record["rows"]))
     print("\n".join(record["notes"]))
     harness.write_results(args, record)

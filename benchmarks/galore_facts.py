@@ -21,13 +21,15 @@ def main() -> None:
 
     from juno_py.models import load_model
     from juno_py.train.data import BUILTIN_FACTS_HELDOUT, load_examples
-    from juno_py.train.steps import evaluate
     from juno_py.train.recall import answer_recall, read_keyword_records
+    from juno_py.train.steps import evaluate
 
     base, trained = load_model(args.base), load_model(args.gguf)
     held, _ = load_examples([BUILTIN_FACTS_HELDOUT], base.tokenizer, 512)
-    print(f"held-out loss: base {evaluate(base, held, 10)['loss']:.3f}, {Path(args.gguf).name} "
-          f"{evaluate(trained, held, 10)['loss']:.3f}")
+    print(
+        f"held-out loss: base {evaluate(base, held, 10)['loss']:.3f}, {Path(args.gguf).name} "
+        f"{evaluate(trained, held, 10)['loss']:.3f}"
+    )
     records = read_keyword_records(BUILTIN_FACTS_HELDOUT)
     right, lines = answer_recall(trained, records)
     print("\n".join(lines))

@@ -83,8 +83,9 @@ def _sync(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
-def event_ms(fn: Callable[[], object], reps: int, warmup: int = 3,
-             setup: Optional[Callable[[], object]] = None) -> float:
+def event_ms(
+    fn: Callable[[], object], reps: int, warmup: int = 3, setup: Optional[Callable[[], object]] = None
+) -> float:
     """Median GPU milliseconds of `fn` between two CUDA events, `reps` calls after `warmup`; `setup` (untimed)
     runs before every call, e.g. to restore an input the call overwrites."""
     import torch
@@ -287,16 +288,23 @@ def load_average() -> str:
 
 def environment(device: str = "cpu") -> dict:
     """hardware, software, date (UTC) and load average of this run."""
-    return dict(hardware=hardware(device), software=versions(),
-                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                load_average=load_average())
+    return dict(
+        hardware=hardware(device),
+        software=versions(),
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        load_average=load_average(),
+    )
 
 
 # -------------------------------------------------------------------------------------------------- results
 def add_output_args(ap: argparse.ArgumentParser) -> None:
     """--results-dir and --out: where `write_results` puts the file (a smoke run points them elsewhere)."""
-    ap.add_argument("--results-dir", type=Path, default=RESULTS_DIR,
-                    help="folder of <capability>.json results (default benchmarks/results)")
+    ap.add_argument(
+        "--results-dir",
+        type=Path,
+        default=RESULTS_DIR,
+        help="folder of <capability>.json results (default benchmarks/results)",
+    )
     ap.add_argument("--out", type=Path, help="write the results JSON to this file instead")
     ap.add_argument("--no-results", action="store_true", help="print the table only, write no results file")
 
@@ -318,17 +326,34 @@ def command_line(module: str, argv: Optional[Sequence[str]] = None) -> str:
     return " ".join(["python", "-m", module, *map(shlex.quote, kept)])
 
 
-def results(capability: str, title: str, command: str, columns: Sequence[str], rows: Sequence[Sequence],
-            notes: Sequence[str] = (), device: str = "cpu", env: Optional[dict] = None) -> dict:
+def results(
+    capability: str,
+    title: str,
+    command: str,
+    columns: Sequence[str],
+    rows: Sequence[Sequence],
+    notes: Sequence[str] = (),
+    device: str = "cpu",
+    env: Optional[dict] = None,
+) -> dict:
     """A results record in the schema above; `env` defaults to this run's `environment(device)`."""
     env = environment(device) if env is None else env
 
     def cell(v):  # JSON has no NaN or infinity
         return "-" if isinstance(v, float) and not math.isfinite(v) else v
 
-    return dict(capability=capability, title=title, command=command, date=env["date"], hardware=env["hardware"],
-                software=env["software"], load_average=env["load_average"], columns=list(columns),
-                rows=[[cell(v) for v in r] for r in rows], notes=list(notes))
+    return dict(
+        capability=capability,
+        title=title,
+        command=command,
+        date=env["date"],
+        hardware=env["hardware"],
+        software=env["software"],
+        load_average=env["load_average"],
+        columns=list(columns),
+        rows=[[cell(v) for v in r] for r in rows],
+        notes=list(notes),
+    )
 
 
 def write_json(path: Path, record: dict) -> Path:
@@ -364,6 +389,7 @@ def write_results(args: argparse.Namespace, record: dict, part: str = "") -> Opt
 
 def markdown_table(columns: Sequence[str], rows: Sequence[Sequence]) -> str:
     """A markdown table of `rows` under `columns` (cells as they are: strings, or numbers as Python writes them)."""
+
     def cell(v) -> str:
         return "" if v is None else str(v)
 

@@ -41,8 +41,10 @@ def main() -> None:
 
     x = (np.random.default_rng(0).standard_normal((args.blocks, 256)) * 0.02).astype(np.float32)
     x_torch = torch.from_numpy(x)
-    note = (f"{torch.get_num_threads()} torch threads, {args.blocks} blocks of N(0, 0.02²) values, best of "
-            f"{args.repeat} alternating runs.")
+    note = (
+        f"{torch.get_num_threads()} torch threads, {args.blocks} blocks of N(0, 0.02²) values, best of "
+        f"{args.repeat} alternating runs."
+    )
     print(note + "\n")
     print(harness.markdown_table(COLUMNS, []))
     table = []
@@ -61,9 +63,17 @@ def main() -> None:
             same = (quantize(ggml_type, x_torch) == ggml_quantize(lib, int(ggml_type), x)).all(1).mean()
             table.append([name, f"{ours:.2f}", f"{ref:.2f}", f"{ours / ref:.2f}", f"{same:.4%}"])
         print("| " + " | ".join(table[-1]) + " |", flush=True)
-    harness.write_results(args, harness.results("kquant-quantize", "K-quant encoding on CPU against llama.cpp",
-                                                harness.command_line("benchmarks.kquant_quantize"), COLUMNS, table,
-                                                [note]))
+    harness.write_results(
+        args,
+        harness.results(
+            "kquant-quantize",
+            "K-quant encoding on CPU against llama.cpp",
+            harness.command_line("benchmarks.kquant_quantize"),
+            COLUMNS,
+            table,
+            [note],
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -55,15 +55,36 @@ def child(model: str, adapter: str, requant: str, out: str, eval_files: list[str
     for t in report.tensors:
         key = f"{t.source_type}->{t.output_type}"
         types[key] = types.get(key, 0) + 1
-    return {"model": model, "requant": requant, "merge_seconds": seconds, "peak_rss_bytes": peak,
-            "tensors": s["tensors_patched"], "retention_mean": s["retention_mean"], "retention_min": s["retention_min"],
-            "file_bytes_base": s["file_bytes_base"], "file_bytes_output": s["file_bytes_output"],
-            "size_cost_vs_source_bytes": s["size_cost_vs_source_bytes"], "types": types, "eval": evals}
+    return {
+        "model": model,
+        "requant": requant,
+        "merge_seconds": seconds,
+        "peak_rss_bytes": peak,
+        "tensors": s["tensors_patched"],
+        "retention_mean": s["retention_mean"],
+        "retention_min": s["retention_min"],
+        "file_bytes_base": s["file_bytes_base"],
+        "file_bytes_output": s["file_bytes_output"],
+        "size_cost_vs_source_bytes": s["size_cost_vs_source_bytes"],
+        "types": types,
+        "eval": evals,
+    }
 
 
 def train(model: str, steps: int, out: Path) -> Path:
-    cmd = [sys.executable, "-m", "juno_py", "lora", "--model-path", model, "--max-steps", str(steps),
-           "--lora-path", str(out), "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "juno_py",
+        "lora",
+        "--model-path",
+        model,
+        "--max-steps",
+        str(steps),
+        "--lora-path",
+        str(out),
+        "--no-progress",
+    ]
     print("training:", " ".join(cmd[2:]), file=sys.stderr)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return out
@@ -98,30 +119,69 @@ def main() -> None:
         adapter = Path(given[model]) if model in given else train(model, args.train_steps, work / f"{model}.bin")
         for requant in args.requants.split(","):
             out = work / f"{model}.{requant}.gguf"
-            cmd = harness.module_cmd("benchmarks.merge", "--child", model, str(adapter), requant, str(out),
-                                     "--eval", str(BUILTIN_FACTS_HELDOUT), "--eval", str(general),
-                                     "--threads", str(args.threads))
+            cmd = harness.module_cmd(
+                "benchmarks.merge",
+                "--child",
+                model,
+                str(adapter),
+                requant,
+                str(out),
+                "--eval",
+                str(BUILTIN_FACTS_HELDOUT),
+                "--eval",
+                str(general),
+                "--threads",
+                str(args.threads),
+            )
             res = harness.run_json(cmd, f"{model} {requant}")
             rows.append(res)
             print(json.dumps(res), file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
-    columns = ["model", "requant", "merge s", "peak RSS MiB", "retention mean / min", "size MiB (base)",
-               "cost vs source MiB", "data", "tokens", "ppl merged / playback", "mean KL"]
+    columns = [
+        "model",
+        "requant",
+        "merge s",
+        "peak RSS MiB",
+        "retention mean / min",
+        "size MiB (base)",
+        "cost vs source MiB",
+        "data",
+        "tokens",
+        "ppl merged / playback",
+        "mean KL",
+    ]
     table = []
     for r in rows:
-        head = [r["model"], r["requant"], round(r["merge_seconds"], 1), round(r["peak_rss_bytes"] / 2**20),
-                f"{r['retention_mean']:.3f} / {r['retention_min']:.3f}",
-                f"{r['file_bytes_output'] / 2**20:.2f} ({r['file_bytes_base'] / 2**20:.2f})",
-                f"{r['size_cost_vs_source_bytes'] / 2**20:+.2f}"]
+        head = [
+            r["model"],
+            r["requant"],
+            round(r["merge_seconds"], 1),
+            round(r["peak_rss_bytes"] / 2**20),
+            f"{r['retention_mean']:.3f} / {r['retention_min']:.3f}",
+            f"{r['file_bytes_output'] / 2**20:.2f} ({r['file_bytes_base'] / 2**20:.2f})",
+            f"{r['size_cost_vs_source_bytes'] / 2**20:+.2f}",
+        ]
         for i, (name, e) in enumerate(r["eval"].items()):
-            table.append((head if i == 0 else [""] * len(head)) +
-                         [name, e["tokens"], f"{e['ppl_merged']:.3f} / {e['ppl_playback']:.3f}", f"{e['kl_mean']:.2e}"])
+            table.append(
+                (head if i == 0 else [""] * len(head))
+                + [name, e["tokens"], f"{e['ppl_merged']:.3f} / {e['ppl_playback']:.3f}", f"{e['kl_mean']:.2e}"]
+            )
     print(harness.markdown_table(columns, table))
-    harness.write_results(args, harness.results(
-        "merge", "Merging an adapter into the GGUF on CPU", harness.command_line("benchmarks.merge"), columns, table,
-        ["Each merge in a fresh process (merge time and peak RSS are the merge's alone); perplexity and mean "
-         "KL(playback ‖ merged) against the base with the adapter played at run time."]))
+    harness.write_results(
+        args,
+        harness.results(
+            "merge",
+            "Merging an adapter into the GGUF on CPU",
+            harness.command_line("benchmarks.merge"),
+            columns,
+            table,
+            [
+                "Each merge in a fresh process (merge time and peak RSS are the merge's alone); perplexity and mean "
+                "KL(playback ‖ merged) against the base with the adapter played at run time."
+            ],
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -20,13 +20,18 @@ import itertools
 import torch
 
 from benchmarks import harness
+from juno_py.kernels import dora as ad
 from juno_py.kernels import dora_triton as dt
 from juno_py.kernels import split_bf16
 from juno_py.kernels.dora import norm_rows
-from juno_py.kernels import dora as ad
 
-SHAPES = [(8192, 384, 8192), (8192, 768, 8192), (4096, 16, 4096), (4096, 64, 4096),
-          (4096, 384, 4096)]  # (rows n = d_out, rank r, d_in)
+SHAPES = [
+    (8192, 384, 8192),
+    (8192, 768, 8192),
+    (4096, 16, 4096),
+    (4096, 64, 4096),
+    (4096, 384, 4096),
+]  # (rows n = d_out, rank r, d_in)
 BATCH = 20
 
 
@@ -38,7 +43,7 @@ def gpu_us(fn, reps):
 def data(n, r, d_in, dev):
     g = torch.Generator(device="cpu").manual_seed(0)
     W = torch.randn(n, d_in, generator=g) * 0.02
-    A = (torch.rand(r, d_in, generator=g) * 2 - 1) / d_in ** 0.5
+    A = (torch.rand(r, d_in, generator=g) * 2 - 1) / d_in**0.5
     B = torch.randn(n, r, generator=g) * (0.3 * 0.02 * (d_in * 3 / r) ** 0.5)
     s = 2.0
     ref = (W.double() + s * (B.double() @ A.double())).norm(dim=1)
@@ -75,10 +80,14 @@ def main():
     for n, r, d_in in SHAPES:
         d = data(n, r, d_in, dev)
         kern = lambda cfg=dt.NORM_GRAM_CONFIG: dt.norm_rows_gram(  # noqa: E731
-            d["base_sq"], d["B"], d["U"], d["G"], d["s"], split=d["split"], cfg=cfg)
-        print(f"| {n}, {r} | {gpu_us(kern, args.reps):.1f} | {harness.host_us(kern):.1f} | "
-              f"{gpu_us(lambda: gemm_path(d), args.reps):.1f} | {harness.host_us(lambda: gemm_path(d)):.1f} | "
-              f"{rel_err(kern(), d):.2e} / {rel_err(gemm_path(d), d):.2e} |", flush=True)
+            d["base_sq"], d["B"], d["U"], d["G"], d["s"], split=d["split"], cfg=cfg
+        )
+        print(
+            f"| {n}, {r} | {gpu_us(kern, args.reps):.1f} | {harness.host_us(kern):.1f} | "
+            f"{gpu_us(lambda: gemm_path(d), args.reps):.1f} | {harness.host_us(lambda: gemm_path(d)):.1f} | "
+            f"{rel_err(kern(), d):.2e} / {rel_err(gemm_path(d), d):.2e} |",
+            flush=True,
+        )
         if args.sweep and r > 64:
             rows = []
             for bd, br, bk, w, st in itertools.product((64, 128), (32, 64), (32, 64), (4, 8), (3,)):
@@ -91,7 +100,7 @@ def main():
                 rows.append((t, cfg, rel_err(kern(cfg), d)))
             for t, cfg, e in sorted(rows, key=lambda x: x[0])[:6]:
                 print(f"  sweep: {t:7.1f} µs  {cfg} err {e:.2e}", flush=True)
-        del d
+        d = None  # freed
         torch.cuda.empty_cache()
 
 

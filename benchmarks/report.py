@@ -17,9 +17,28 @@ from benchmarks.harness import RESULTS_DIR, ROOT, markdown_table
 DOC = ROOT / "docs" / "performance.md"
 REQUIRED = ("capability", "title", "command", "date", "hardware", "software", "columns", "rows")
 # the order of the sections; capabilities not listed follow in name order
-ORDER = ["cpu-training", "cpu-training-7b", "gpu-training", "gpu-scale-70b", "dora-layer", "dora-layer-times",
-         "gpu-decode", "gpu-matvec", "cross-entropy", "cpu-forward", "frozen-linear", "codecs", "kquant-quantize",
-         "merge", "galore-cpu", "galore-gpu", "galore-toy", "distributed-cpu", "distributed-gpu", "lora-defaults"]
+ORDER = [
+    "cpu-training",
+    "cpu-training-7b",
+    "gpu-training",
+    "gpu-scale-70b",
+    "dora-layer",
+    "dora-layer-times",
+    "gpu-decode",
+    "gpu-matvec",
+    "cross-entropy",
+    "cpu-forward",
+    "frozen-linear",
+    "codecs",
+    "kquant-quantize",
+    "merge",
+    "galore-cpu",
+    "galore-gpu",
+    "galore-toy",
+    "distributed-cpu",
+    "distributed-gpu",
+    "lora-defaults",
+]
 
 INTRO = """# Performance
 
@@ -67,13 +86,19 @@ def _cell(v) -> str:
 
 def section(record: dict) -> str:
     software = ", ".join(f"{k} {v}" for k, v in record["software"].items())
-    facts = [f"Hardware: {record['hardware']}.", f"Software: {software or 'not recorded'}.",
-             f"Date: {record['date']}."]
+    facts = [f"Hardware: {record['hardware']}.", f"Software: {software or 'not recorded'}.", f"Date: {record['date']}."]
     if record.get("load_average"):
         facts.append(f"Load average: {record['load_average']}.")
     rows = [[_cell(v) for v in row] for row in record["rows"]]
-    parts = [f"## {record['title']}", "", f"`{record['command']}`", "", " ".join(f for f in facts if f), "",
-             markdown_table(record["columns"], rows)]
+    parts = [
+        f"## {record['title']}",
+        "",
+        f"`{record['command']}`",
+        "",
+        " ".join(f for f in facts if f),
+        "",
+        markdown_table(record["columns"], rows),
+    ]
     notes = record.get("notes") or []
     if notes:
         parts += [""] + [f"- {n}" for n in notes]
@@ -99,8 +124,11 @@ def main(argv=None) -> int:
     if args.check:
         current = args.output.read_text(encoding="utf-8") if args.output.exists() else None
         if current != text:
-            print(f"benchmarks.report: {args.output} is not what {args.results_dir}/*.json give; "
-                  "run `python -m benchmarks.report`", file=sys.stderr)
+            print(
+                f"benchmarks.report: {args.output} is not what {args.results_dir}/*.json give; "
+                "run `python -m benchmarks.report`",
+                file=sys.stderr,
+            )
             return 1
         return 0
     args.output.parent.mkdir(parents=True, exist_ok=True)

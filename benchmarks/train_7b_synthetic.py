@@ -20,6 +20,7 @@ from pathlib import Path
 from benchmarks import harness
 from juno_py.testing.synthetic import SHAPE_7B, write_synthetic_llama
 
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=2, help="training steps (each is timed)")
@@ -48,8 +49,9 @@ def main() -> None:
     if path is None:
         t0 = time.perf_counter()
         path = write_synthetic_llama(folder / "synthetic-7b-q4_k.gguf", SHAPE_7B)
-        print(f"wrote {path} ({path.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t0:.0f} s",
-              file=sys.stderr)
+        print(
+            f"wrote {path} ({path.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t0:.0f} s", file=sys.stderr
+        )
     size_gib = path.stat().st_size / 2**30
     try:
         compute = resolve_compute_dtype(args.compute_dtype)
@@ -58,8 +60,15 @@ def main() -> None:
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, SHAPE_7B["n_vocab"], (args.batch * args.steps, args.seq), generator=g)
         examples = [Example(row.tolist(), [True] * args.seq) for row in ids]
-        cfg = TrainConfig(lr=1e-4, batch_size=args.batch, max_steps=args.steps, epochs=None, schedule="constant",
-                          grad_checkpoint=True, max_seq_len=args.seq)
+        cfg = TrainConfig(
+            lr=1e-4,
+            batch_size=args.batch,
+            max_steps=args.steps,
+            epochs=None,
+            schedule="constant",
+            grad_checkpoint=True,
+            max_seq_len=args.seq,
+        )
         rec = MetricsRecorder()
         t0 = time.time()
         train(model, adapters, examples, cfg, recorder=rec, progress=True, log=lambda m: print(m, file=sys.stderr))
@@ -76,14 +85,31 @@ def main() -> None:
             print(f"kept {path}", file=sys.stderr)
 
     columns = ["step", "seconds", "loss", "forward ms", "backward ms", "optimizer ms"]
-    rows = [[i, round(t, 1), round(e.values["loss"], 3), round(e.values["forward_ms"]), round(e.values["backward_ms"]),
-             round(e.values["optimizer_ms"])] for i, (e, t) in enumerate(zip(steps, times), 1)]
-    notes = [f"Peak RSS {peak:.2f} GiB (ru_maxrss, memory-mapped GGUF pages included; target < 12 GiB).",
-             f"Synthetic Llama-7B shape (32 layers, 4096 hidden, 11008 MLP, vocab 32000), Q4_K (Q6_K output), "
-             f"{size_gib:.1f} GiB file; LoRA r=8 on q,v; {args.batch} x {args.seq} tokens per step; activation "
-             f"checkpointing; compute {str(compute).removeprefix('torch.')}; {torch.get_num_threads()} torch threads."]
-    record = harness.results("cpu-training-7b", "Training at 7B scale on CPU (synthetic Q4_K)",
-                             harness.command_line("benchmarks.train_7b_synthetic"), columns, rows, notes)
+    rows = [
+        [
+            i,
+            round(t, 1),
+            round(e.values["loss"], 3),
+            round(e.values["forward_ms"]),
+            round(e.values["backward_ms"]),
+            round(e.values["optimizer_ms"]),
+        ]
+        for i, (e, t) in enumerate(zip(steps, times), 1)
+    ]
+    notes = [
+        f"Peak RSS {peak:.2f} GiB (ru_maxrss, memory-mapped GGUF pages included; target < 12 GiB).",
+        f"Synthetic Llama-7B shape (32 layers, 4096 hidden, 11008 MLP, vocab 32000), Q4_K (Q6_K output), "
+        f"{size_gib:.1f} GiB file; LoRA r=8 on q,v; {args.batch} x {args.seq} tokens per step; activation "
+        f"checkpointing; compute {str(compute).removeprefix('torch.')}; {torch.get_num_threads()} torch threads.",
+    ]
+    record = harness.results(
+        "cpu-training-7b",
+        "Training at 7B scale on CPU (synthetic Q4_K)",
+        harness.command_line("benchmarks.train_7b_synthetic"),
+        columns,
+        rows,
+        notes,
+    )
     print(harness.markdown_table(columns, rows))
     print("\n".join(notes))
     harness.write_results(args, record)

@@ -31,12 +31,19 @@ from pathlib import Path
 from benchmarks import harness
 
 # (implementation, mode, compute dtype, weights cache, activation checkpointing)
-CONFIGS = [("peft", "lora", "fp32", "-", False), ("peft", "dora", "fp32", "-", False),
-           ("juno", "lora", "fp32", "none", False), ("juno", "lora", "fp32", "fp32", False),
-           ("juno", "lora", "bf16", "bf16", False), ("juno", "dora", "fp32", "none", False),
-           ("juno", "dora", "bf16", "bf16", False), ("juno", "lora", "bf16", "none", False),
-           ("juno", "dora", "bf16", "none", False),
-           ("juno", "lora", "fp32", "none", True), ("juno", "lora", "bf16", "bf16", True)]
+CONFIGS = [
+    ("peft", "lora", "fp32", "-", False),
+    ("peft", "dora", "fp32", "-", False),
+    ("juno", "lora", "fp32", "none", False),
+    ("juno", "lora", "fp32", "fp32", False),
+    ("juno", "lora", "bf16", "bf16", False),
+    ("juno", "dora", "fp32", "none", False),
+    ("juno", "dora", "bf16", "bf16", False),
+    ("juno", "lora", "bf16", "none", False),
+    ("juno", "dora", "bf16", "none", False),
+    ("juno", "lora", "fp32", "none", True),
+    ("juno", "lora", "bf16", "bf16", True),
+]
 MODEL = "smollm2-135m"
 
 
@@ -50,7 +57,6 @@ def _tokens(args):
 
 def juno_steps(args) -> list[float]:
     """Step times of the real loop: the recorder's event clock between consecutive train_step events."""
-    import torch
 
     from juno_py.lora import Mode, attach
     from juno_py.metrics import MetricsRecorder
@@ -63,13 +69,21 @@ def juno_steps(args) -> list[float]:
     ids = _tokens(args)
     n_steps = args.warmup + args.steps
     examples = [Example(row.tolist(), [True] * args.seq) for row in ids] * n_steps  # one batch per step
-    cfg = TrainConfig(lr=1e-4, batch_size=args.batch, max_steps=n_steps, epochs=None, schedule="constant",
-                      max_seq_len=args.seq, seed=0, grad_checkpoint=args.ckpt)
+    cfg = TrainConfig(
+        lr=1e-4,
+        batch_size=args.batch,
+        max_steps=n_steps,
+        epochs=None,
+        schedule="constant",
+        max_seq_len=args.seq,
+        seed=0,
+        grad_checkpoint=args.ckpt,
+    )
     rec = MetricsRecorder()
     t0 = time.time()
     train(model, adapters, examples, cfg, recorder=rec, progress=False, log=lambda s: None)
     stamps = [t0] + [e.time for e in rec.events if e.kind == "train_step"]
-    return [b - a for a, b in zip(stamps, stamps[1:])][args.warmup:]
+    return [b - a for a, b in zip(stamps, stamps[1:])][args.warmup :]
 
 
 def peft_steps(args) -> list[float]:
@@ -79,8 +93,12 @@ def peft_steps(args) -> list[float]:
 
     p = Path(args.model_file)
     base = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                            lora_dropout=0.0, use_dora=args.mode == "dora"))
+    model = get_peft_model(
+        base,
+        LoraConfig(
+            r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, use_dora=args.mode == "dora"
+        ),
+    )
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     ids = _tokens(args)
@@ -93,7 +111,7 @@ def peft_steps(args) -> list[float]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
-    return times[args.warmup:]
+    return times[args.warmup :]
 
 
 def worker(args) -> dict:
@@ -103,10 +121,18 @@ def worker(args) -> dict:
         torch.set_num_threads(args.threads)
     times = (juno_steps if args.impl == "juno" else peft_steps)(args)
     step = statistics.median(times)
-    return dict(impl=args.impl, mode=args.mode, dtype=args.dtype, cache=args.cache, ckpt=args.ckpt, step_s=step,
-                tok_s=args.batch * args.seq / step, peak_rss_gib=harness.peak_rss_gib(),
-                threads=torch.get_num_threads(),
-                load_avg=os.getloadavg()[0])
+    return dict(
+        impl=args.impl,
+        mode=args.mode,
+        dtype=args.dtype,
+        cache=args.cache,
+        ckpt=args.ckpt,
+        step_s=step,
+        tok_s=args.batch * args.seq / step,
+        peak_rss_gib=harness.peak_rss_gib(),
+        threads=torch.get_num_threads(),
+        load_avg=os.getloadavg()[0],
+    )
 
 
 def run_all(args) -> list[dict]:
@@ -117,22 +143,54 @@ def run_all(args) -> list[dict]:
             if args.only and name not in args.only:
                 continue
             cmd = harness.module_cmd(
-                "benchmarks.train_cpu", "--worker", "--model-file", str(args.model_file), "--impl", impl,
-                "--mode", mode, "--dtype", dtype, "--cache", cache, "--batch", str(args.batch), "--seq", str(args.seq),
-                "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
-                *(["--ckpt"] if ckpt else []))
+                "benchmarks.train_cpu",
+                "--worker",
+                "--model-file",
+                str(args.model_file),
+                "--impl",
+                impl,
+                "--mode",
+                mode,
+                "--dtype",
+                dtype,
+                "--cache",
+                cache,
+                "--batch",
+                str(args.batch),
+                "--seq",
+                str(args.seq),
+                "--steps",
+                str(args.steps),
+                "--warmup",
+                str(args.warmup),
+                "--threads",
+                str(args.threads),
+                *(["--ckpt"] if ckpt else []),
+            )
             row = harness.run_json(cmd, f"{impl} {mode} {dtype}")
-            print(f"{name:28s} {row['step_s']:.3f} s/step "
-                  f"{row['tok_s']:7.1f} tok/s  peak RSS {row['peak_rss_gib']:.2f} GiB  load {row['load_avg']:.1f}",
-                  file=sys.stderr)
+            print(
+                f"{name:28s} {row['step_s']:.3f} s/step "
+                f"{row['tok_s']:7.1f} tok/s  peak RSS {row['peak_rss_gib']:.2f} GiB  load {row['load_avg']:.1f}",
+                file=sys.stderr,
+            )
             key = name
             if key not in best or row["step_s"] < best[key]["step_s"]:
                 best[key] = dict(row, peak_rss_gib=max(row["peak_rss_gib"], best.get(key, row)["peak_rss_gib"]))
     return list(best.values())
 
 
-COLUMNS = ["implementation", "mode", "compute", "frozen weights", "s/step", "tokens/s", "peak RSS GiB",
-           "tokens/s vs peer", "RSS vs peer", "load avg"]
+COLUMNS = [
+    "implementation",
+    "mode",
+    "compute",
+    "frozen weights",
+    "s/step",
+    "tokens/s",
+    "peak RSS GiB",
+    "tokens/s vs peer",
+    "RSS vs peer",
+    "load avg",
+]
 
 
 def table_rows(rows: list[dict]) -> list[list]:
@@ -144,25 +202,41 @@ def table_rows(rows: list[dict]) -> list[list]:
             name, weights, vs_t, vs_m = "transformers + PEFT", "dense fp32", "1.00x", "1.00x"
         else:
             name = "juno-py"
-            weights = {"none": "streamed from Q4_1/Q8_0 bytes", "bf16": "cached bf16",
-                       "fp32": "cached fp32"}[r["cache"]]
+            weights = {"none": "streamed from Q4_1/Q8_0 bytes", "bf16": "cached bf16", "fp32": "cached fp32"}[
+                r["cache"]
+            ]
             if r["ckpt"]:
                 weights += ", --grad-checkpoint"
             vs_t = f"{r['tok_s'] / p['tok_s']:.2f}x" if p else "-"
             vs_m = f"{r['peak_rss_gib'] / p['peak_rss_gib']:.2f}x" if p else "-"
-        out.append([name, r["mode"], r["dtype"], weights, round(r["step_s"], 3), round(r["tok_s"], 1),
-                    round(r["peak_rss_gib"], 2), vs_t, vs_m, round(r["load_avg"], 1)])
+        out.append(
+            [
+                name,
+                r["mode"],
+                r["dtype"],
+                weights,
+                round(r["step_s"], 3),
+                round(r["tok_s"], 1),
+                round(r["peak_rss_gib"], 2),
+                vs_t,
+                vs_m,
+                round(r["load_avg"], 1),
+            ]
+        )
     return out
 
 
 def notes(rows: list[dict], args) -> list[str]:
     threads = rows[0]["threads"] if rows else "?"
-    what = "synthetic SmolLM2-135M shapes (random Q4_1/Q8_0 blocks)" if args.synthetic else \
-        "SmolLM2-135M (Q4_1/Q8_0 GGUF)"
-    return [f"{what}, rank 8 on q,v, batches of {args.batch} x {args.seq} tokens, median of {args.steps} steps "
-            f"after {args.warmup} warm-up, best of {args.rounds} round(s); {threads} torch threads.",
-            "Peak RSS: the subprocess's ru_maxrss. Load avg: the machine's 1-minute load when the configuration "
-            "finished; above the CPU count other processes shared the cores."]
+    what = (
+        "synthetic SmolLM2-135M shapes (random Q4_1/Q8_0 blocks)" if args.synthetic else "SmolLM2-135M (Q4_1/Q8_0 GGUF)"
+    )
+    return [
+        f"{what}, rank 8 on q,v, batches of {args.batch} x {args.seq} tokens, median of {args.steps} steps "
+        f"after {args.warmup} warm-up, best of {args.rounds} round(s); {threads} torch threads.",
+        "Peak RSS: the subprocess's ru_maxrss. Load avg: the machine's 1-minute load when the configuration "
+        "finished; above the CPU count other processes shared the cores.",
+    ]
 
 
 def main() -> None:
@@ -197,8 +271,14 @@ def main() -> None:
 
             args.model_file = resolve_model(MODEL)
         rows = run_all(args)
-    record = harness.results("cpu-training", "LoRA and DoRA training on CPU",
-                             harness.command_line("benchmarks.train_cpu"), COLUMNS, table_rows(rows), notes(rows, args))
+    record = harness.results(
+        "cpu-training",
+        "LoRA and DoRA training on CPU",
+        harness.command_line("benchmarks.train_cpu"),
+        COLUMNS,
+        table_rows(rows),
+        notes(rows, args),
+    )
     print(harness.markdown_table(record["columns"], record["rows"]))
     print("\n".join(record["notes"]))
     harness.write_results(args, record)

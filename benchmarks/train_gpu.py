@@ -42,15 +42,39 @@ from juno_py.gguf import GGMLType
 from juno_py.testing.synthetic import llama_metadata, llama_tensors, random_blocks
 
 SHAPES = Path(__file__).resolve().parent / "shapes"
-SHAPE_8B = dict(n_layer=4, n_embd=4096, n_ff=14336, n_head=32, n_head_kv=8, n_vocab=128256, rope_base=500000.0,
-                matrix_type=GGMLType.Q4_K, embd_type=GGMLType.Q4_K, output_type=GGMLType.Q6_K)
-SHAPE_70B = dict(n_layer=80, n_embd=8192, n_ff=28672, n_head=64, n_head_kv=8, n_vocab=128256, rope_base=500000.0,
-                 matrix_type=GGMLType.Q4_K, embd_type=GGMLType.Q4_K, output_type=GGMLType.Q6_K)
-CONFIGS = {"dora-all-r64": dict(mode="dora", targets="all", rank=64, alpha=128.0),
-           "lora-qv-r8": dict(mode="lora", targets="qv", rank=8, alpha=16.0)}
-PEFT_TARGETS = {"all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-                "qv": ["q_proj", "v_proj"]}
-GIB = 2 ** 30
+SHAPE_8B = dict(
+    n_layer=4,
+    n_embd=4096,
+    n_ff=14336,
+    n_head=32,
+    n_head_kv=8,
+    n_vocab=128256,
+    rope_base=500000.0,
+    matrix_type=GGMLType.Q4_K,
+    embd_type=GGMLType.Q4_K,
+    output_type=GGMLType.Q6_K,
+)
+SHAPE_70B = dict(
+    n_layer=80,
+    n_embd=8192,
+    n_ff=28672,
+    n_head=64,
+    n_head_kv=8,
+    n_vocab=128256,
+    rope_base=500000.0,
+    matrix_type=GGMLType.Q4_K,
+    embd_type=GGMLType.Q4_K,
+    output_type=GGMLType.Q6_K,
+)
+CONFIGS = {
+    "dora-all-r64": dict(mode="dora", targets="all", rank=64, alpha=128.0),
+    "lora-qv-r8": dict(mode="lora", targets="qv", rank=8, alpha=16.0),
+}
+PEFT_TARGETS = {
+    "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "qv": ["q_proj", "v_proj"],
+}
+GIB = 2**30
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -102,14 +126,23 @@ def hf_model(meta: dict, tensors: dict, device: str = "cuda", dtype=torch.bfloat
     a = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
     d, n_head, n_kv = a("embedding_length"), a("attention.head_count"), a("attention.head_count_kv")
     head_dim = a("attention.key_length") or d // n_head
-    common = dict(vocab_size=tensors["token_embd.weight"][1][0], hidden_size=d, intermediate_size=a("feed_forward_length"),
-                  num_hidden_layers=a("block_count"), num_attention_heads=n_head, num_key_value_heads=n_kv,
-                  head_dim=head_dim, rms_norm_eps=a("attention.layer_norm_rms_epsilon"),
-                  max_position_embeddings=a("context_length"), rope_theta=a("rope.freq_base"),
-                  tie_word_embeddings="output.weight" not in tensors)
+    common = dict(
+        vocab_size=tensors["token_embd.weight"][1][0],
+        hidden_size=d,
+        intermediate_size=a("feed_forward_length"),
+        num_hidden_layers=a("block_count"),
+        num_attention_heads=n_head,
+        num_key_value_heads=n_kv,
+        head_dim=head_dim,
+        rms_norm_eps=a("attention.layer_norm_rms_epsilon"),
+        max_position_embeddings=a("context_length"),
+        rope_theta=a("rope.freq_base"),
+        tie_word_embeddings="output.weight" not in tensors,
+    )
     if arch == "gemma3":
-        config = transformers.Gemma3TextConfig(sliding_window=a("attention.sliding_window"),
-                                               query_pre_attn_scalar=head_dim, **common)
+        config = transformers.Gemma3TextConfig(
+            sliding_window=a("attention.sliding_window"), query_pre_attn_scalar=head_dim, **common
+        )
         names = GEMMA_LAYER_NAMES
     else:
         config = transformers.LlamaConfig(**common)
@@ -139,7 +172,7 @@ def hf_model(meta: dict, tensors: dict, device: str = "cuda", dtype=torch.bfloat
                 if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
                     w = hf_rows(w, n_head if ".attn_q." in name else n_kv)
             p.copy_(w.reshape(p.shape))
-            del w
+            w = None  # freed
     return model
 
 
@@ -177,12 +210,15 @@ def kernel_table(step, label: str) -> None:
         step()
         sync("cuda")
     print(f"\n### kernels of one step: {label}\n", file=sys.stderr)
-    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70),
-          file=sys.stderr)
+    print(
+        prof.key_averages().table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70),
+        file=sys.stderr,
+    )
 
 
-def run_juno(meta, tensors_spec, cfg: dict, cache: str, args, grad_checkpoint=False, batch=None, seq=None,
-             graphs: str = "auto") -> dict:
+def run_juno(
+    meta, tensors_spec, cfg: dict, cache: str, args, grad_checkpoint=False, batch=None, seq=None, graphs: str = "auto"
+) -> dict:
     from juno_py.lora import Mode, attach
     from juno_py.metrics import MetricsRecorder
     from juno_py.train.data import Example
@@ -196,32 +232,68 @@ def run_juno(meta, tensors_spec, cfg: dict, cache: str, args, grad_checkpoint=Fa
     n_steps = args.warmup + args.steps
     rows = token_rows(model.embed.n_vocab, batch, seq, n_steps)
     examples = [Example(r.tolist(), [True] * seq) for r in rows]
-    tc = TrainConfig(lr=1e-4, batch_size=batch, max_steps=n_steps, epochs=None, schedule="constant", max_seq_len=seq,
-                     seed=0, grad_checkpoint=grad_checkpoint, cuda_graphs=graphs)
+    tc = TrainConfig(
+        lr=1e-4,
+        batch_size=batch,
+        max_steps=n_steps,
+        epochs=None,
+        schedule="constant",
+        max_seq_len=seq,
+        seed=0,
+        grad_checkpoint=grad_checkpoint,
+        cuda_graphs=graphs,
+    )
     rec = MetricsRecorder()
     sync(dev)
     t0 = time.time()
-    train(model, adapters, examples, tc, recorder=rec, progress=False,
-          log=lambda s: print(f"  juno-py: {s}", file=sys.stderr) if "CUDA graph" in s else None)
+    train(
+        model,
+        adapters,
+        examples,
+        tc,
+        recorder=rec,
+        progress=False,
+        log=lambda s: print(f"  juno-py: {s}", file=sys.stderr) if "CUDA graph" in s else None,
+    )
     sync(dev)
     steps = [e for e in rec.events if e.kind == "train_step"]
     stamps = [t0] + [e.time for e in steps]
-    times = [b - a for a, b in zip(stamps, stamps[1:])][args.warmup:]
-    row = dict(step_s=statistics.median(times), losses=[round(e.values["loss"], 4) for e in steps],
-               build_s=build_s, trainable=adapters.n_parameters(),
-               last_step_ms={k: round(v, 1) for k, v in steps[-1].values.items() if k.endswith("_ms")})
+    times = [b - a for a, b in zip(stamps, stamps[1:])][args.warmup :]
+    row = dict(
+        step_s=statistics.median(times),
+        losses=[round(e.values["loss"], 4) for e in steps],
+        build_s=build_s,
+        trainable=adapters.n_parameters(),
+        last_step_ms={k: round(v, 1) for k, v in steps[-1].values.items() if k.endswith("_ms")},
+    )
     if args.profile and dev.startswith("cuda"):
         one = [Example(r.tolist(), [True] * seq) for r in rows[:batch]]
-        tc1 = TrainConfig(lr=1e-4, batch_size=batch, max_steps=1, epochs=None, schedule="constant", max_seq_len=seq,
-                          grad_checkpoint=grad_checkpoint)
+        tc1 = TrainConfig(
+            lr=1e-4,
+            batch_size=batch,
+            max_steps=1,
+            epochs=None,
+            schedule="constant",
+            max_seq_len=seq,
+            grad_checkpoint=grad_checkpoint,
+        )
         row["busy"] = busy_fraction(lambda: train(model, adapters, one, tc1, progress=False, log=lambda s: None))
     if args.kernels and dev.startswith("cuda"):
         one = [Example(r.tolist(), [True] * seq) for r in rows[:batch]]
-        tc1 = TrainConfig(lr=1e-4, batch_size=batch, max_steps=1, epochs=None, schedule="constant", max_seq_len=seq,
-                          grad_checkpoint=grad_checkpoint)
-        kernel_table(lambda: train(model, adapters, one, tc1, progress=False, log=lambda s: None),
-                     f"juno-py {cfg['mode']} {cfg['targets']} r{cfg['rank']}, cache {cache}")
-    del model, adapters
+        tc1 = TrainConfig(
+            lr=1e-4,
+            batch_size=batch,
+            max_steps=1,
+            epochs=None,
+            schedule="constant",
+            max_seq_len=seq,
+            grad_checkpoint=grad_checkpoint,
+        )
+        kernel_table(
+            lambda: train(model, adapters, one, tc1, progress=False, log=lambda s: None),
+            f"juno-py {cfg['mode']} {cfg['targets']} r{cfg['rank']}, cache {cache}",
+        )
+    model = adapters = None  # freed
     return row
 
 
@@ -234,9 +306,16 @@ def run_peft(meta, tensors_spec, cfg: dict, args) -> dict:
     base = hf_model(meta, tensors, dev)
     del tensors  # the peer keeps only its bf16 weights (the bytes would be a file on disk)
     gc.collect()
-    model = get_peft_model(base, LoraConfig(r=cfg["rank"], lora_alpha=cfg["alpha"],
-                                            target_modules=PEFT_TARGETS[cfg["targets"]], lora_dropout=0.0,
-                                            use_dora=cfg["mode"] == "dora"))
+    model = get_peft_model(
+        base,
+        LoraConfig(
+            r=cfg["rank"],
+            lora_alpha=cfg["alpha"],
+            target_modules=PEFT_TARGETS[cfg["targets"]],
+            lora_dropout=0.0,
+            use_dora=cfg["mode"] == "dora",
+        ),
+    )
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     build_s = time.perf_counter() - t_build
@@ -259,13 +338,17 @@ def run_peft(meta, tensors_spec, cfg: dict, args) -> dict:
         losses.append(round(float(step()), 4))
         sync(dev)
         times.append(time.perf_counter() - t0)
-    row = dict(step_s=statistics.median(times[args.warmup:]), losses=losses, build_s=build_s,
-               trainable=sum(p.numel() for p in params))
+    row = dict(
+        step_s=statistics.median(times[args.warmup :]),
+        losses=losses,
+        build_s=build_s,
+        trainable=sum(p.numel() for p in params),
+    )
     if args.profile and dev.startswith("cuda"):
         row["busy"] = busy_fraction(step)
     if args.kernels and dev.startswith("cuda"):
         kernel_table(step, f"PEFT {cfg['mode']} {cfg['targets']} r{cfg['rank']}")
-    del model, base, opt, params
+    model = base = opt = params = None  # freed
     return row
 
 
@@ -289,15 +372,31 @@ def measured(fn, *a, **kw) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ tables
-COLUMNS = ["model", "adapters", "implementation", "frozen weights", "ms/step", "tokens/s", "peak GiB",
-           "tokens/s vs PEFT", "memory vs PEFT", "busy"]
+COLUMNS = [
+    "model",
+    "adapters",
+    "implementation",
+    "frozen weights",
+    "ms/step",
+    "tokens/s",
+    "peak GiB",
+    "tokens/s vs PEFT",
+    "memory vs PEFT",
+    "busy",
+]
 
 
 def compare_rows(rows: list[dict], args) -> list[list]:
     out = []
     for r in rows:
-        peer = next((p for p in rows if p["model"] == r["model"] and p["config"] == r["config"]
-                     and p["impl"] == "transformers + PEFT"), None)
+        peer = next(
+            (
+                p
+                for p in rows
+                if p["model"] == r["model"] and p["config"] == r["config"] and p["impl"] == "transformers + PEFT"
+            ),
+            None,
+        )
         if "error" in r:
             out.append([r["model"], r["config"], r["impl"], r["cache"], f"failed: {r['error']}", "", "", "", "", ""])
             continue
@@ -307,8 +406,20 @@ def compare_rows(rows: list[dict], args) -> list[list]:
             vs_t = f"{tok / (args.batch * args.seq / peer['step_s']):.2f}x"
             vs_m = f"{r['peak_gib'] / peer['peak_gib']:.2f}x"
         busy = f"{100 * r['busy']:.0f} %" if "busy" in r else "-"
-        out.append([r["model"], r["config"], r["impl"], r["cache"], round(1e3 * r["step_s"], 1), f"{tok:,.0f}",
-                    round(r["peak_gib"], 2), vs_t, vs_m, busy])
+        out.append(
+            [
+                r["model"],
+                r["config"],
+                r["impl"],
+                r["cache"],
+                round(1e3 * r["step_s"], 1),
+                f"{tok:,.0f}",
+                round(r["peak_gib"], 2),
+                vs_t,
+                vs_m,
+                busy,
+            ]
+        )
     return out
 
 
@@ -316,15 +427,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="*", default=["smollm2-135m", "gemma3-270m", "llama8b-4l"])
     ap.add_argument("--configs", nargs="*", default=list(CONFIGS))
-    ap.add_argument("--impls", nargs="*", default=["peft", "juno-none"],
-                    help="peft, juno-none (quantized base on the GPU), juno-bf16 (resident bf16 copy); a suffix "
-                         "-eager turns CUDA graphs off (juno-none-eager)")
+    ap.add_argument(
+        "--impls",
+        nargs="*",
+        default=["peft", "juno-none"],
+        help="peft, juno-none (quantized base on the GPU), juno-bf16 (resident bf16 copy); a suffix "
+        "-eager turns CUDA graphs off (juno-none-eager)",
+    )
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
-                    help="profile one extra step for the GPU-busy share (small models only)")
+    ap.add_argument(
+        "--profile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="profile one extra step for the GPU-busy share (small models only)",
+    )
     ap.add_argument("--kernels", action="store_true", help="print torch.profiler's kernel table of one step per run")
     ap.add_argument("--scale-70b", action="store_true", help="one DoRA step of the 70B-shaped model instead")
     ap.add_argument("--device", default="cuda", help="cuda (the measurement); cpu only smoke-tests the script")
@@ -340,16 +459,49 @@ def main() -> None:
     if args.scale_70b:
         rows = [scale_70b(args)]
         r = rows[0]
-        columns = ["model", "adapters", "tokens a step", "s/step", "tokens/s", "peak GiB", "quantized weights GiB",
-                   "forward s", "backward s", "optimizer s"]
-        table = [[r["model"], r["config"], r["tokens"], round(r["step_s"], 2), f"{r['tokens_per_s']:,.0f}",
-                  round(r["peak_total_gib"], 1), round(r["quant_bytes"] / GIB, 1),
-                  *(round(r["last_step_ms"][k] / 1e3, 2) if k in r["last_step_ms"] else ""
-                    for k in ("forward_ms", "backward_ms", "optimizer_ms"))]
-                 ] if "step_s" in r else [[r["model"], r["config"], r["tokens"], f"failed: {r.get('error')}"]]
-        record = harness.results("gpu-scale-70b", "A Llama-70B-shaped DoRA step on one GPU", command, columns, table,
-                                 ["DoRA on every linear, r 64, 1 x 4096 tokens, --grad-checkpoint; peak: torch's "
-                                  "max_memory_allocated, the quantized weights included."], env=env)
+        columns = [
+            "model",
+            "adapters",
+            "tokens a step",
+            "s/step",
+            "tokens/s",
+            "peak GiB",
+            "quantized weights GiB",
+            "forward s",
+            "backward s",
+            "optimizer s",
+        ]
+        table = (
+            [
+                [
+                    r["model"],
+                    r["config"],
+                    r["tokens"],
+                    round(r["step_s"], 2),
+                    f"{r['tokens_per_s']:,.0f}",
+                    round(r["peak_total_gib"], 1),
+                    round(r["quant_bytes"] / GIB, 1),
+                    *(
+                        round(r["last_step_ms"][k] / 1e3, 2) if k in r["last_step_ms"] else ""
+                        for k in ("forward_ms", "backward_ms", "optimizer_ms")
+                    ),
+                ]
+            ]
+            if "step_s" in r
+            else [[r["model"], r["config"], r["tokens"], f"failed: {r.get('error')}"]]
+        )
+        record = harness.results(
+            "gpu-scale-70b",
+            "A Llama-70B-shaped DoRA step on one GPU",
+            command,
+            columns,
+            table,
+            [
+                "DoRA on every linear, r 64, 1 x 4096 tokens, --grad-checkpoint; peak: torch's "
+                "max_memory_allocated, the quantized weights included."
+            ],
+            env=env,
+        )
     else:
         rows = []
         for name in args.models:
@@ -363,17 +515,30 @@ def main() -> None:
                     else:
                         _, cache, *eager = impl.split("-")
                         row = measured(run_juno, meta, spec, cfg, cache, sub, graphs="off" if eager else "auto")
-                    row.update(model=name, config=cname, impl="transformers + PEFT" if impl == "peft" else "juno-py",
-                               cache={"peft": "bf16 (dense)", "juno-none": "quantized on GPU",
-                                      "juno-bf16": "bf16 cache"}[impl.removesuffix("-eager")]
-                               + (", eager steps" if impl.endswith("-eager") else ""))
+                    row.update(
+                        model=name,
+                        config=cname,
+                        impl="transformers + PEFT" if impl == "peft" else "juno-py",
+                        cache={"peft": "bf16 (dense)", "juno-none": "quantized on GPU", "juno-bf16": "bf16 cache"}[
+                            impl.removesuffix("-eager")
+                        ]
+                        + (", eager steps" if impl.endswith("-eager") else ""),
+                    )
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
         record = harness.results(
-            "gpu-training", "Whole-model training on one GPU", command, COLUMNS, compare_rows(rows, args),
-            [f"{args.batch} x {args.seq} tokens a step, median of {args.steps} steps after {args.warmup}. Peak: "
-             "torch's max_memory_allocated over the configuration's life, weights included. Busy: GPU kernel time "
-             "over the wall time of one profiled step."], env=env)
+            "gpu-training",
+            "Whole-model training on one GPU",
+            command,
+            COLUMNS,
+            compare_rows(rows, args),
+            [
+                f"{args.batch} x {args.seq} tokens a step, median of {args.steps} steps after {args.warmup}. Peak: "
+                "torch's max_memory_allocated over the configuration's life, weights included. Busy: GPU kernel time "
+                "over the wall time of one profiled step."
+            ],
+            env=env,
+        )
     print(harness.markdown_table(record["columns"], record["rows"]))
     print("\n".join(record["notes"]))
     harness.write_results(args, record)
@@ -387,8 +552,17 @@ def scale_70b(args) -> dict:
     meta, spec = model_spec("llama70b", args.layers)
     sub = argparse.Namespace(**{**vars(args), "profile": False})
     torch.cuda.reset_peak_memory_stats()
-    row = measured(run_juno, meta, spec, dict(mode="dora", targets="all", rank=64, alpha=128.0), "none", sub,
-                   grad_checkpoint=True, batch=1, seq=4096)
+    row = measured(
+        run_juno,
+        meta,
+        spec,
+        dict(mode="dora", targets="all", rank=64, alpha=128.0),
+        "none",
+        sub,
+        grad_checkpoint=True,
+        batch=1,
+        seq=4096,
+    )
     from juno_py.gguf.constants import GGML_BLOCK_SIZES
 
     quant_bytes = 0
@@ -397,8 +571,13 @@ def scale_70b(args) -> dict:
         for x in dims:
             n *= x
         quant_bytes += n // GGML_BLOCK_SIZES[t][0] * GGML_BLOCK_SIZES[t][1]
-    row.update(model="llama70b-shaped Q4_K", config="dora-all-r64, --grad-checkpoint", tokens=4096,
-               peak_total_gib=torch.cuda.max_memory_allocated() / GIB, quant_bytes=quant_bytes)
+    row.update(
+        model="llama70b-shaped Q4_K",
+        config="dora-all-r64, --grad-checkpoint",
+        tokens=4096,
+        peak_total_gib=torch.cuda.max_memory_allocated() / GIB,
+        quant_bytes=quant_bytes,
+    )
     if "step_s" in row:
         row["tokens_per_s"] = 4096 / row["step_s"]
     print(json.dumps(row))

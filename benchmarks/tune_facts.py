@@ -42,8 +42,8 @@ def score(adapter: Path) -> tuple[int, float]:
     from juno_py.lora import load_adapters
     from juno_py.models import load_model
     from juno_py.train.data import BUILTIN_FACTS_HELDOUT, load_examples
-    from juno_py.train.steps import evaluate
     from juno_py.train.recall import answer_recall, read_keyword_records
+    from juno_py.train.steps import evaluate
 
     model = load_model("smollm2-135m")
     load_adapters(model, [str(adapter)])
@@ -79,25 +79,41 @@ def main() -> None:
                 summary = [line for line in proc.stderr.splitlines() if line.startswith("trained ")][-1]
                 right, loss = score(out)
                 runs.append((right, loss, seconds, os.getloadavg()[0]))
-                print(f"{label} seed {seed}: {right}/10, loss {loss:.3f}, {seconds:.0f} s  # {summary}",
-                      file=sys.stderr)
+                print(
+                    f"{label} seed {seed}: {right}/10, loss {loss:.3f}, {seconds:.0f} s  # {summary}", file=sys.stderr
+                )
             rights = [r[0] for r in runs]
             scores = ", ".join(f"{r}/10" for r in rights)
             if len(runs) > 1:
                 scores += f" (lowest {min(rights)}, mean {sum(rights) / len(rights):.1f})"
             loss = sum(r[1] for r in runs) / len(runs)
-            rows.append([label, scores, round(loss, 3), round(max(r[2] for r in runs)),
-                         round(max(r[3] for r in runs), 1)])
+            rows.append(
+                [label, scores, round(loss, 3), round(max(r[2] for r in runs)), round(max(r[3] for r in runs), 1)]
+            )
             print(rows[-1], file=sys.stderr)
     what = "held-out rewordings answered" + (f" (seeds {', '.join(map(str, seeds))})" if args.seeds else "")
-    columns = ["setting", what, f"held-out loss{' (mean)' if args.seeds else ''}",
-               "wall s (load, train, save; the longest)", "load avg"]
+    columns = [
+        "setting",
+        what,
+        f"held-out loss{' (mean)' if args.seeds else ''}",
+        "wall s (load, train, save; the longest)",
+        "load avg",
+    ]
     print(harness.markdown_table(columns, rows))
-    harness.write_results(args, harness.results(
-        "lora-defaults", "The defaults of juno-py lora on the built-in facts (SmolLM2-135M, CPU)",
-        harness.command_line("benchmarks.tune_facts"), columns, rows,
-        ["Each row one setting changed from the defaults; answers: greedy playback of the ten held-out rewordings, "
-         "scored by keyword."]))
+    harness.write_results(
+        args,
+        harness.results(
+            "lora-defaults",
+            "The defaults of juno-py lora on the built-in facts (SmolLM2-135M, CPU)",
+            harness.command_line("benchmarks.tune_facts"),
+            columns,
+            rows,
+            [
+                "Each row one setting changed from the defaults; answers: greedy playback of the ten held-out rewordings, "
+                "scored by keyword."
+            ],
+        ),
+    )
 
 
 if __name__ == "__main__":

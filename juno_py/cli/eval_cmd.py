@@ -13,10 +13,19 @@ from juno_py.cli.options import model_options, open_model
 
 @click.command("eval")
 @model_options
-@click.option("--data", "data", required=True, multiple=True,
-              help="Data file(s): .txt, JSON array or JSONL of text, prompt/completion, messages or Q/A records.")
-@click.option("--max-seq-len", default=1024, show_default=True,
-              help="Longest sequence; longer texts are split, longer chat/prompt records dropped (counted).")
+@click.option(
+    "--data",
+    "data",
+    required=True,
+    multiple=True,
+    help="Data file(s): .txt, JSON array or JSONL of text, prompt/completion, messages or Q/A records.",
+)
+@click.option(
+    "--max-seq-len",
+    default=1024,
+    show_default=True,
+    help="Longest sequence; longer texts are split, longer chat/prompt records dropped (counted).",
+)
 @click.option("--batch-size", default=8, show_default=True, help="Sequences per forward pass.")
 @click.option("--skip-bad-records", is_flag=True, help="Skip malformed records (counted) instead of stopping.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
@@ -31,8 +40,12 @@ def eval_cmd(data, max_seq_len, batch_size, skip_bad_records, as_json, **model_k
     click.echo(f"juno-py eval: {stats.line()}", err=True)
     with torch.no_grad():
         result = evaluate(model, examples, batch_size, pad_id=model.tokenizer.pad_id or 0)
-    result = {"model": str(model.gguf.path), "adapters": model_kw.get("lora_play"), **result,
-              "sequences": len(examples)}
+    result = {
+        "model": str(model.gguf.path),
+        "adapters": model_kw.get("lora_play"),
+        **result,
+        "sequences": len(examples),
+    }
     if as_json:
         click.echo(json.dumps(result))
     else:

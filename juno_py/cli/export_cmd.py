@@ -14,16 +14,33 @@ FORMATS = ("peft", "gguf-lora")
 
 
 @click.command("export")
-@click.option("--format", "fmt", type=click.Choice(FORMATS), required=True,
-              help="peft: adapter_config.json + adapter_model.safetensors for transformers; gguf-lora: llama.cpp's "
-                   "--lora file (LoRA only).")
-@click.option("--model-path", default=DEFAULT_MODEL, show_default=True,
-              help="The base the adapter was trained on: a .gguf file or a model-store name.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(FORMATS),
+    required=True,
+    help="peft: adapter_config.json + adapter_model.safetensors for transformers; gguf-lora: llama.cpp's "
+    "--lora file (LoRA only).",
+)
+@click.option(
+    "--model-path",
+    default=DEFAULT_MODEL,
+    show_default=True,
+    help="The base the adapter was trained on: a .gguf file or a model-store name.",
+)
 @click.option("--lora-path", required=True, help="adapter.bin to export.")
-@click.option("--output", default=None,
-              help="Folder (peft) or .gguf file (gguf-lora); default: <adapter name>-peft or <adapter name>.lora.gguf.")
-@click.option("--dtype", type=click.Choice(["f32", "f16", "bf16"]), default="f32", show_default=True,
-              help="Tensor type of a GGUF-LoRA export.")
+@click.option(
+    "--output",
+    default=None,
+    help="Folder (peft) or .gguf file (gguf-lora); default: <adapter name>-peft or <adapter name>.lora.gguf.",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["f32", "f16", "bf16"]),
+    default="f32",
+    show_default=True,
+    help="Tensor type of a GGUF-LoRA export.",
+)
 @one_line_errors
 def export(fmt, model_path, lora_path, output, dtype) -> None:
     """Export an adapter for PEFT or llama.cpp. Prints the output path."""
@@ -40,10 +57,19 @@ def export(fmt, model_path, lora_path, output, dtype) -> None:
 
 @click.command("import")
 @click.argument("source")
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
-              help="Format of SOURCE (default: a folder is peft, a file gguf-lora).")
-@click.option("--model-path", default=DEFAULT_MODEL, show_default=True,
-              help="The base model the adapter belongs to (fingerprints, layout, Q/K row order).")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(FORMATS),
+    default=None,
+    help="Format of SOURCE (default: a folder is peft, a file gguf-lora).",
+)
+@click.option(
+    "--model-path",
+    default=DEFAULT_MODEL,
+    show_default=True,
+    help="The base model the adapter belongs to (fingerprints, layout, Q/K row order).",
+)
 @click.option("--lora-path", required=True, help="adapter.bin to write.")
 @one_line_errors
 def import_(source, fmt, model_path, lora_path) -> None:

@@ -11,27 +11,69 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from juno_py.cli.common import (StopFlag, load_training_data, load_training_model, one_line_errors, say,
-                                warnings_to_stderr)
+from juno_py.cli.common import (
+    StopFlag,
+    load_training_data,
+    load_training_model,
+    one_line_errors,
+    say,
+    warnings_to_stderr,
+)
 from juno_py.cli.options import training_options
 
 # `juno-py lora`'s options that mean the same here (data, validation, schedule, batches, stop rules, precision,
 # checkpoints, metrics); both commands take them from options.training_options, so they cannot drift apart. Those
 # named --lora-* there are renamed here (RENAMED), and their --lora-* spellings stay as hidden deprecated aliases.
 SHARED_OPTIONS = (
-    "model_path", "data", "validation_data", "validation_split", "lora_targets", "lora_schedule", "lora_warmup_steps",
-    "lora_min_lr", "batch_size", "lora_gradient_accumulation", "max_seq_len", "max_steps", "epochs",
-    "lora_loss_target", "validation_every", "lora_validation_patience", "lora_validation_min_delta",
-    "lora_overfit_ratio", "qa_variants", "system", "pack", "skip_bad_records", "seed", "bptt_window",
-    "grad_checkpoint", "compute_dtype", "weights_cache", "device", "threads", "save_every", "metrics_out",
-    "events_out", "progress")
+    "model_path",
+    "data",
+    "validation_data",
+    "validation_split",
+    "lora_targets",
+    "lora_schedule",
+    "lora_warmup_steps",
+    "lora_min_lr",
+    "batch_size",
+    "lora_gradient_accumulation",
+    "max_seq_len",
+    "max_steps",
+    "epochs",
+    "lora_loss_target",
+    "validation_every",
+    "lora_validation_patience",
+    "lora_validation_min_delta",
+    "lora_overfit_ratio",
+    "qa_variants",
+    "system",
+    "pack",
+    "skip_bad_records",
+    "seed",
+    "bptt_window",
+    "grad_checkpoint",
+    "compute_dtype",
+    "weights_cache",
+    "device",
+    "threads",
+    "save_every",
+    "metrics_out",
+    "events_out",
+    "progress",
+)
 # full's option name -> the name of the same option on `juno-py lora` (and of the deprecated alias here)
 RENAMED = {
-    "lr": "lora_lr", "weight_decay": "lora_weight_decay", "max_grad_norm": "lora_max_grad_norm",
-    "targets": "lora_targets", "schedule": "lora_schedule", "warmup_steps": "lora_warmup_steps",
-    "min_lr": "lora_min_lr", "gradient_accumulation": "lora_gradient_accumulation", "loss_target": "lora_loss_target",
-    "validation_patience": "lora_validation_patience", "validation_min_delta": "lora_validation_min_delta",
-    "overfit_ratio": "lora_overfit_ratio"}
+    "lr": "lora_lr",
+    "weight_decay": "lora_weight_decay",
+    "max_grad_norm": "lora_max_grad_norm",
+    "targets": "lora_targets",
+    "schedule": "lora_schedule",
+    "warmup_steps": "lora_warmup_steps",
+    "min_lr": "lora_min_lr",
+    "gradient_accumulation": "lora_gradient_accumulation",
+    "loss_target": "lora_loss_target",
+    "validation_patience": "lora_validation_patience",
+    "validation_min_delta": "lora_validation_min_delta",
+    "overfit_ratio": "lora_overfit_ratio",
+}
 # learning rates: GaLore's lifted step is scaled by α and spread by an r-column projector, so per weight it moves
 # about an eighth of AdamW's at the same rate (1e-3 learns the built-in facts in 4 epochs on SmolLM2-135M)
 DEFAULTS = dict(lr={"galore": 1e-3, "adamw": 1e-4}, rank=128, update_gap=200, scale=0.25)
@@ -46,43 +88,111 @@ def world_size() -> int:
 
 
 @click.command("full")
-@click.option("--output", required=True, type=click.Path(dir_okay=False),
-              help="The trained model as GGUF (written at the end by the merge stage); the resume state goes to "
-                   "<output>.state.")
-@click.option("--optimizer", type=click.Choice(["galore", "adamw"]), default="galore", show_default=True,
-              help="GaLore-AdamW (moments in a low-rank subspace of each gradient) or AdamW (full moments).")
-@click.option("--lr", default=None, type=click.FloatRange(0, min_open=True),
-              help="Peak learning rate (default: 1e-3 for galore, whose steps are further scaled by --galore-scale; "
-                   "1e-4 for adamw).")
-@click.option("--weight-decay", default=0.0, show_default=True, type=click.FloatRange(0),
-              help="Decoupled weight decay on every trained matrix.")
-@click.option("--max-grad-norm", default=1.0, show_default=True, type=click.FloatRange(0),
-              help="Clip gradients to this L2 norm (0: no clipping): globally or per matrix, see --grad-clip.")
-@click.option("--grad-clip", type=click.Choice(["auto", "global", "per-matrix"]), default="auto", show_default=True,
-              help="Clip the global gradient norm, or each matrix's (auto: per matrix in GaLore's per-layer mode, "
-                   "which never holds all gradients at once; else global).")
-@click.option("--galore-rank", default=DEFAULTS["rank"], show_default=True, type=click.IntRange(1),
-              help="Rank r of each matrix's gradient subspace (at most the matrix's smaller side).")
-@click.option("--galore-update-gap", default=DEFAULTS["update_gap"], show_default=True, type=click.IntRange(1),
-              help="Steps T between refreshes of a matrix's projector (staggered across matrices).")
-@click.option("--galore-scale", default=DEFAULTS["scale"], show_default=True, type=click.FloatRange(0, min_open=True),
-              help="α: the lifted update is multiplied by this (independent of the rank).")
-@click.option("--galore-svd", type=click.Choice(["randomized", "exact"]), default="randomized", show_default=True,
-              help="How a projector is refreshed: randomized SVD (a sketch of r+8 columns, 2 power iterations) "
-                   "or torch.linalg.svd.")
-@click.option("--galore-per-layer/--no-galore-per-layer", default=None,
-              help="Update each matrix in its gradient hook during backward and free the gradient at once, so all "
-                   "gradients never coexist (default: on in a single process). Excludes gradient accumulation and "
-                   "global-norm clipping.")
-@click.option("--requant", default="auto", show_default=True,
-              help="How trained tensors are encoded: auto (per tensor the smallest type from its own upward whose "
-                   "retention meets --min-retention), source (each keeps its type), or a GGML type (f16, q8_0, ...).")
-@click.option("--min-retention", default=0.9, show_default=True, type=click.FloatRange(0, 1),
-              help="Target of --requant auto: 1 - |ΔW - ΔW_kept| / |ΔW| per tensor.")
-@click.option("--report", "report_path", type=click.Path(dir_okay=False), default=None,
-              help="Write the merge report (per tensor and summary) as JSON.")
-@click.option("--resume", is_flag=True, help="Continue from <output>.state: trained weights, optimizer moments and "
-                                             "projectors, step, schedule, RNG and data position.")
+@click.option(
+    "--output",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="The trained model as GGUF (written at the end by the merge stage); the resume state goes to <output>.state.",
+)
+@click.option(
+    "--optimizer",
+    type=click.Choice(["galore", "adamw"]),
+    default="galore",
+    show_default=True,
+    help="GaLore-AdamW (moments in a low-rank subspace of each gradient) or AdamW (full moments).",
+)
+@click.option(
+    "--lr",
+    default=None,
+    type=click.FloatRange(0, min_open=True),
+    help="Peak learning rate (default: 1e-3 for galore, whose steps are further scaled by --galore-scale; "
+    "1e-4 for adamw).",
+)
+@click.option(
+    "--weight-decay",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(0),
+    help="Decoupled weight decay on every trained matrix.",
+)
+@click.option(
+    "--max-grad-norm",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(0),
+    help="Clip gradients to this L2 norm (0: no clipping): globally or per matrix, see --grad-clip.",
+)
+@click.option(
+    "--grad-clip",
+    type=click.Choice(["auto", "global", "per-matrix"]),
+    default="auto",
+    show_default=True,
+    help="Clip the global gradient norm, or each matrix's (auto: per matrix in GaLore's per-layer mode, "
+    "which never holds all gradients at once; else global).",
+)
+@click.option(
+    "--galore-rank",
+    default=DEFAULTS["rank"],
+    show_default=True,
+    type=click.IntRange(1),
+    help="Rank r of each matrix's gradient subspace (at most the matrix's smaller side).",
+)
+@click.option(
+    "--galore-update-gap",
+    default=DEFAULTS["update_gap"],
+    show_default=True,
+    type=click.IntRange(1),
+    help="Steps T between refreshes of a matrix's projector (staggered across matrices).",
+)
+@click.option(
+    "--galore-scale",
+    default=DEFAULTS["scale"],
+    show_default=True,
+    type=click.FloatRange(0, min_open=True),
+    help="α: the lifted update is multiplied by this (independent of the rank).",
+)
+@click.option(
+    "--galore-svd",
+    type=click.Choice(["randomized", "exact"]),
+    default="randomized",
+    show_default=True,
+    help="How a projector is refreshed: randomized SVD (a sketch of r+8 columns, 2 power iterations) "
+    "or torch.linalg.svd.",
+)
+@click.option(
+    "--galore-per-layer/--no-galore-per-layer",
+    default=None,
+    help="Update each matrix in its gradient hook during backward and free the gradient at once, so all "
+    "gradients never coexist (default: on in a single process). Excludes gradient accumulation and "
+    "global-norm clipping.",
+)
+@click.option(
+    "--requant",
+    default="auto",
+    show_default=True,
+    help="How trained tensors are encoded: auto (per tensor the smallest type from its own upward whose "
+    "retention meets --min-retention), source (each keeps its type), or a GGML type (f16, q8_0, ...).",
+)
+@click.option(
+    "--min-retention",
+    default=0.9,
+    show_default=True,
+    type=click.FloatRange(0, 1),
+    help="Target of --requant auto: 1 - |ΔW - ΔW_kept| / |ΔW| per tensor.",
+)
+@click.option(
+    "--report",
+    "report_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the merge report (per tensor and summary) as JSON.",
+)
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue from <output>.state: trained weights, optimizer moments and "
+    "projectors, step, schedule, RNG and data position.",
+)
 @one_line_errors
 def full(**o) -> None:
     """Train every weight of the chosen targets (the rest stays quantized and frozen); write a GGUF. Prints its path."""
@@ -101,11 +211,23 @@ def full(**o) -> None:
     galore = o["optimizer"] == "galore"
     lr = o["lr"] or DEFAULTS["lr"][o["optimizer"]]
     per_layer, clip, global_norm, matrix_norm = resolve_update_mode(
-        o["optimizer"], o["galore_per_layer"], o["grad_clip"], o["max_grad_norm"],
-        o["gradient_accumulation"], o["bptt_window"], world_size())
+        o["optimizer"],
+        o["galore_per_layer"],
+        o["grad_clip"],
+        o["max_grad_norm"],
+        o["gradient_accumulation"],
+        o["bptt_window"],
+        world_size(),
+    )
     parse_requant(o["requant"])  # a bad type fails now, not after the training
-    galore_cfg = GaLoreConfig(rank=o["galore_rank"], update_gap=o["galore_update_gap"], scale=o["galore_scale"],
-                              svd=o["galore_svd"], per_layer=per_layer, max_matrix_norm=matrix_norm)
+    galore_cfg = GaLoreConfig(
+        rank=o["galore_rank"],
+        update_gap=o["galore_update_gap"],
+        scale=o["galore_scale"],
+        svd=o["galore_svd"],
+        per_layer=per_layer,
+        max_matrix_norm=matrix_norm,
+    )
     output = Path(o["output"])
     if o["threads"]:
         torch.set_num_threads(o["threads"])
@@ -116,24 +238,47 @@ def full(**o) -> None:
     train_set, val_set = load_training_data(o, model)
     targets = parse_targets(o["targets"])
     dense = densify(model, targets)
-    identity = Identity(algorithm=f"full-{o['optimizer']}", scaling="-", init="-",
-                        architecture=model.args.architecture, device=str(o["device"]),
-                        rank=galore_cfg.rank if galore else 0, alpha=galore_cfg.scale if galore else 1.0,
-                        targets=",".join(targets))
+    identity = Identity(
+        algorithm=f"full-{o['optimizer']}",
+        scaling="-",
+        init="-",
+        architecture=model.args.architecture,
+        device=str(o["device"]),
+        rank=galore_cfg.rank if galore else 0,
+        alpha=galore_cfg.scale if galore else 1.0,
+        targets=",".join(targets),
+    )
     recorder = MetricsRecorder(identity, o["events_out"])
-    optimizer = build_dense_optimizer(o["optimizer"], dense, lr, o["weight_decay"], galore_cfg,
-                                      o["seed"], recorder)
-    what = (f"GaLore r={galore_cfg.rank} T={galore_cfg.update_gap} α={galore_cfg.scale} {galore_cfg.svd} SVD, "
-            f"{'per-layer updates' if per_layer else 'updates after backward'}" if galore else "AdamW")
-    say(f"full training: {len(dense.linears)} matrices ({','.join(targets)}), {dense.n_parameters():,} trainable "
-        f"weights (fp32 masters); {what}; lr {lr:g}; clipping {clip} at {o['max_grad_norm']}")
+    optimizer = build_dense_optimizer(o["optimizer"], dense, lr, o["weight_decay"], galore_cfg, o["seed"], recorder)
+    what = (
+        f"GaLore r={galore_cfg.rank} T={galore_cfg.update_gap} α={galore_cfg.scale} {galore_cfg.svd} SVD, "
+        f"{'per-layer updates' if per_layer else 'updates after backward'}"
+        if galore
+        else "AdamW"
+    )
+    say(
+        f"full training: {len(dense.linears)} matrices ({','.join(targets)}), {dense.n_parameters():,} trainable "
+        f"weights (fp32 masters); {what}; lr {lr:g}; clipping {clip} at {o['max_grad_norm']}"
+    )
 
-    cfg = train_config_from_options(o, lr=lr, max_grad_norm=global_norm, pad_id=model.tokenizer.pad_id or 0,
-                                    output=output)
+    cfg = train_config_from_options(
+        o, lr=lr, max_grad_norm=global_norm, pad_id=model.tokenizer.pad_id or 0, output=output
+    )
     try:
         with StopFlag() as stop:
-            result = train(model, dense, train_set, cfg, val_set, recorder, resume=o["resume"], stop_requested=stop,
-                           progress=o["progress"], log=say, optimizer=optimizer)
+            result = train(
+                model,
+                dense,
+                train_set,
+                cfg,
+                val_set,
+                recorder,
+                resume=o["resume"],
+                stop_requested=stop,
+                progress=o["progress"],
+                log=say,
+                optimizer=optimizer,
+            )
         say(result.summary())
         if galore:
             for line in optimizer.summary_lines():
@@ -176,9 +321,17 @@ def _share_lora_options() -> None:
     for p in shared:
         if p.name in renamed:
             p.name, p.opts = renamed[p.name], [f"--{renamed[p.name].replace('_', '-')}"]
-    aliases = [click.Option([f"--{old.replace('_', '-')}", old], type=next(
-        (p.type for p in [*shared, *full.params] if p.name == new), None), default=None, hidden=True,
-        callback=_deprecated, expose_value=True) for new, old in RENAMED.items()]
+    aliases = [
+        click.Option(
+            [f"--{old.replace('_', '-')}", old],
+            type=next((p.type for p in [*shared, *full.params] if p.name == new), None),
+            default=None,
+            hidden=True,
+            callback=_deprecated,
+            expose_value=True,
+        )
+        for new, old in RENAMED.items()
+    ]
     full.params[:0] = shared
     full.params.extend(aliases)
 
@@ -199,13 +352,30 @@ def train_config_from_options(o: dict, *, lr: float, max_grad_norm: float, pad_i
     from juno_py.train.loop import TrainConfig
 
     return TrainConfig(
-        lr=lr, batch_size=o["batch_size"], accumulation=o["gradient_accumulation"], max_grad_norm=max_grad_norm,
-        weight_decay=o["weight_decay"], schedule=o["schedule"], warmup_steps=o["warmup_steps"], min_lr=o["min_lr"],
-        max_steps=o["max_steps"], epochs=o["epochs"], loss_target=o["loss_target"],
-        validation_every=o["validation_every"], patience=o["validation_patience"], min_delta=o["validation_min_delta"],
-        overfit_ratio=o["overfit_ratio"], bptt_window=o["bptt_window"], grad_checkpoint=o["grad_checkpoint"],
-        pack=o["pack"], max_seq_len=o["max_seq_len"], pad_id=pad_id, seed=o["seed"], save_every=o["save_every"],
-        lora_path=output)
+        lr=lr,
+        batch_size=o["batch_size"],
+        accumulation=o["gradient_accumulation"],
+        max_grad_norm=max_grad_norm,
+        weight_decay=o["weight_decay"],
+        schedule=o["schedule"],
+        warmup_steps=o["warmup_steps"],
+        min_lr=o["min_lr"],
+        max_steps=o["max_steps"],
+        epochs=o["epochs"],
+        loss_target=o["loss_target"],
+        validation_every=o["validation_every"],
+        patience=o["validation_patience"],
+        min_delta=o["validation_min_delta"],
+        overfit_ratio=o["overfit_ratio"],
+        bptt_window=o["bptt_window"],
+        grad_checkpoint=o["grad_checkpoint"],
+        pack=o["pack"],
+        max_seq_len=o["max_seq_len"],
+        pad_id=pad_id,
+        seed=o["seed"],
+        save_every=o["save_every"],
+        lora_path=output,
+    )
 
 
 _share_lora_options()

@@ -9,10 +9,22 @@ from juno_py.cli.common import one_line_errors
 from juno_py.gguf import GGUFFile
 from juno_py.store import resolve_model
 
-_HYPER = ("context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
-          "attention.head_count_kv", "attention.key_length", "attention.value_length", "rope.freq_base",
-          "rope.dimension_count", "attention.layer_norm_rms_epsilon", "attention.sliding_window", "vocab_size",
-          "expert_count")
+_HYPER = (
+    "context_length",
+    "embedding_length",
+    "block_count",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    "attention.value_length",
+    "rope.freq_base",
+    "rope.dimension_count",
+    "attention.layer_norm_rms_epsilon",
+    "attention.sliding_window",
+    "vocab_size",
+    "expert_count",
+)
 
 
 def summarize(f: GGUFFile) -> dict:
@@ -29,9 +41,12 @@ def summarize(f: GGUFFile) -> dict:
         "architecture": arch,
         "name": meta.get("general.name"),
         "hyperparameters": {k: meta[f"{arch}.{k}"] for k in _HYPER if f"{arch}.{k}" in meta},
-        "tokenizer": {"model": meta.get("tokenizer.ggml.model"), "pre": meta.get("tokenizer.ggml.pre"),
-                      "vocab_size": len(tokens) if isinstance(tokens, list) else None,
-                      "chat_template": "tokenizer.chat_template" in meta},
+        "tokenizer": {
+            "model": meta.get("tokenizer.ggml.model"),
+            "pre": meta.get("tokenizer.ggml.pre"),
+            "vocab_size": len(tokens) if isinstance(tokens, list) else None,
+            "chat_template": "tokenizer.chat_template" in meta,
+        },
         "alignment": f.alignment,
         "metadata_keys": len(f.fields),
         "tensor_count": len(f.tensors),
@@ -49,8 +64,9 @@ def inspect(model: str, tensors: bool, as_json: bool) -> None:
     """Show what MODEL (a .gguf path or a model-store name) holds."""
     with GGUFFile(resolve_model(model)) as f:
         info = summarize(f)
-        rows = [{"name": t.name, "type": t.type_name, "shape": list(t.shape), "bytes": t.nbytes}
-                for t in f.tensors.values()]
+        rows = [
+            {"name": t.name, "type": t.type_name, "shape": list(t.shape), "bytes": t.nbytes} for t in f.tensors.values()
+        ]
     if as_json:
         if tensors:
             info["tensors"] = rows
@@ -61,8 +77,10 @@ def inspect(model: str, tensors: bool, as_json: bool) -> None:
     for k, v in info["hyperparameters"].items():
         click.echo(f"  {k}: {v}")
     tok = info["tokenizer"]
-    click.echo(f"tokenizer: {tok['model']} (pre {tok['pre']}), {tok['vocab_size']} tokens, "
-               f"chat template: {'yes' if tok['chat_template'] else 'no'}")
+    click.echo(
+        f"tokenizer: {tok['model']} (pre {tok['pre']}), {tok['vocab_size']} tokens, "
+        f"chat template: {'yes' if tok['chat_template'] else 'no'}"
+    )
     click.echo(f"tensors: {info['tensor_count']}, {info['tensor_bytes'] / 1e6:.1f} MB")
     for k, v in info["types"].items():
         click.echo(f"  {k:8s} {v['tensors']:5d} tensors  {v['bytes'] / 1e6:9.2f} MB")

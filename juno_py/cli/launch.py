@@ -30,15 +30,22 @@ def forwarded_args(ctx: click.Context, drop: Sequence[str] = ("nproc",)) -> list
             elif value:
                 out.append(name)
             continue
-        for v in (value if param.multiple else [value]):
+        for v in value if param.multiple else [value]:
             out += [name, str(v)]
     return out
 
 
 def torchrun_argv(ctx: click.Context, nproc: int) -> list[str]:
     """torchrun's arguments: one host, a free port (`--standalone`), `python -m juno_py <command> <options>`."""
-    return ["--standalone", "--nproc-per-node", str(nproc), "--module", "juno_py", ctx.command.name,
-            *forwarded_args(ctx)]
+    return [
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--module",
+        "juno_py",
+        ctx.command.name,
+        *forwarded_args(ctx),
+    ]
 
 
 def run_torchrun(ctx: click.Context, nproc: int, device: str) -> int:
@@ -62,14 +69,20 @@ def run_torchrun(ctx: click.Context, nproc: int, device: str) -> int:
     else:  # share the cores; torchrun would set 1 thread per process
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_GRACE_S))
-    click.echo(f"juno-py: starting {nproc} processes with torchrun (data parallel, "
-               f"{'NCCL' if str(device).startswith('cuda') else 'Gloo'})", err=True)
+    click.echo(
+        f"juno-py: starting {nproc} processes with torchrun (data parallel, "
+        f"{'NCCL' if str(device).startswith('cuda') else 'Gloo'})",
+        err=True,
+    )
     try:
         run(parse_args(torchrun_argv(ctx, nproc)))
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        click.echo(f"juno-py: error: the process of rank {rank} exited with status {failure.exitcode} (its message "
-                   f"is above); torchrun stopped the others", err=True)
+        click.echo(
+            f"juno-py: error: the process of rank {rank} exited with status {failure.exitcode} (its message "
+            f"is above); torchrun stopped the others",
+            err=True,
+        )
         return failure.exitcode if failure.exitcode > 0 else 1
     except SignalException as e:
         click.echo(f"juno-py: {e.sigval.name}: the processes were asked to save and stop", err=True)

@@ -25,8 +25,17 @@ def _reply(model, messages, max_tokens, temperature, top_k, top_p, seed, stream_
             stream_out.write(text)
             stream_out.flush()
 
-    out = generate(model, ids, max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                   stop_ids=tok.eog_ids, on_token=on_token)
+    out = generate(
+        model,
+        ids,
+        max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        stop_ids=tok.eog_ids,
+        on_token=on_token,
+    )
     tail = decoder.flush()
     if tail:
         stream_out.write(tail)
@@ -50,8 +59,16 @@ def local(prompt, system, max_tokens, temperature, top_k, top_p, seed, **model_k
     model = open_model(**model_kw)
     base = [{"role": "system", "content": system}] if system else []
     if prompt is not None:
-        _, n, dt = _reply(model, base + [{"role": "user", "content": prompt}], max_tokens, temperature, top_k or None,
-                          top_p, seed, sys.stdout)
+        _, n, dt = _reply(
+            model,
+            base + [{"role": "user", "content": prompt}],
+            max_tokens,
+            temperature,
+            top_k or None,
+            top_p,
+            seed,
+            sys.stdout,
+        )
         click.echo(f"[{n} tokens, {n / max(dt, 1e-9):.1f} tokens/s]", err=True)
         return
     history = list(base)

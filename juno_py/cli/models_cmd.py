@@ -17,8 +17,9 @@ def list_models() -> None:
     for e in store.MODELS.values():
         where = store.cached_path(e.name)
         state = str(where) if where else "not pulled"
-        click.echo(f"{e.name:14s} {e.architecture:8s} {e.quantization:32s} {e.size / 1e6:7.1f} MB  "
-                   f"{e.license}  [{state}]")
+        click.echo(
+            f"{e.name:14s} {e.architecture:8s} {e.quantization:32s} {e.size / 1e6:7.1f} MB  {e.license}  [{state}]"
+        )
 
 
 @models.command("pull")

@@ -10,21 +10,42 @@ from juno_py.store import DEFAULT_MODEL
 
 
 def model_options(fn):
-    @click.option("--model-path", default=DEFAULT_MODEL, show_default=True,
-                  help="A .gguf file or a model-store name (pulled on first use).")
-    @click.option("--lora-play", "lora_play", default=None,
-                  help="Adapters to play: A[:scale][,B[:scale]] (LoRAs add up; a DoRA adapter plays alone at 1).")
+    @click.option(
+        "--model-path",
+        default=DEFAULT_MODEL,
+        show_default=True,
+        help="A .gguf file or a model-store name (pulled on first use).",
+    )
+    @click.option(
+        "--lora-play",
+        "lora_play",
+        default=None,
+        help="Adapters to play: A[:scale][,B[:scale]] (LoRAs add up; a DoRA adapter plays alone at 1).",
+    )
     @click.option("--force", is_flag=True, help="Load a DoRA adapter whose base fingerprint differs.")
-    @click.option("--weights-cache", type=click.Choice(["auto", "none", "bf16", "fp32"]), default="auto",
-                  show_default=True,
-                  help="Keep a dequantized copy of the weights (faster, more memory) or stream them from the "
-                       "quantized file; auto keeps an fp32 copy when it takes under a quarter of free memory (on a "
-                       "GPU: none, the bytes stay quantized there).")
-    @click.option("--compute-dtype", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", show_default=True,
-                  help="Matmul precision of the frozen weights (auto: fp32 on the CPU, bf16 on a GPU, where the "
-                       "activations then run in bf16 too).")
-    @click.option("--device", default="cpu", show_default=True,
-                  help="Torch device; on cuda the weights stay quantized on the GPU (Triton decodes them).")
+    @click.option(
+        "--weights-cache",
+        type=click.Choice(["auto", "none", "bf16", "fp32"]),
+        default="auto",
+        show_default=True,
+        help="Keep a dequantized copy of the weights (faster, more memory) or stream them from the "
+        "quantized file; auto keeps an fp32 copy when it takes under a quarter of free memory (on a "
+        "GPU: none, the bytes stay quantized there).",
+    )
+    @click.option(
+        "--compute-dtype",
+        type=click.Choice(["auto", "fp32", "bf16"]),
+        default="auto",
+        show_default=True,
+        help="Matmul precision of the frozen weights (auto: fp32 on the CPU, bf16 on a GPU, where the "
+        "activations then run in bf16 too).",
+    )
+    @click.option(
+        "--device",
+        default="cpu",
+        show_default=True,
+        help="Torch device; on cuda the weights stay quantized on the GPU (Triton decodes them).",
+    )
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         return fn(*args, **kwargs)
@@ -39,101 +60,280 @@ LORA_DEFAULTS = dict(rank=32, alpha=64.0, targets="all", lr=2e-3, epochs=8, batc
 def training_options(fn):
     """Every option of `juno-py lora`; `juno-py full` takes the ones that mean the same there."""
 
-    @click.option("--model-path", default=DEFAULT_MODEL, show_default=True,
-                  help="A .gguf file or a model-store name (pulled on first use).")
-    @click.option("--data", "data", multiple=True, type=click.Path(dir_okay=False),
-                  help="Training data: JSONL or a JSON array of {text}, {prompt, completion}, {messages} or {Q, A} "
-                       "records, or a .txt file; repeat for several files (default: the built-in facts).")
-    @click.option("--validation-data", multiple=True, type=click.Path(dir_okay=False),
-                  help="Validation records (same formats) instead of --validation-split.")
-    @click.option("--validation-split", default=0.0, show_default=True, type=click.FloatRange(0, 0.9),
-                  help="Fraction of the records (whole records) held out for validation.")
-    @click.option("--lora-path", type=click.Path(dir_okay=False), default=None,
-                  help="Output adapter.bin (default: <model name>.adapter.bin in the current folder); its resume "
-                       "state goes to <path>.state.")
-    @click.option("--lora-mode", type=click.Choice(["lora", "dora"]), default="lora", show_default=True,
-                  help="Plain LoRA, or DoRA (magnitude and direction).")
-    @click.option("--lora-targets", default=LORA_DEFAULTS["targets"], show_default=True,
-                  help="qv, all, attn, mlp, or a comma list of wq,wk,wv,wo,wgate,wup,wdown.")
-    @click.option("--lora-rank", default=LORA_DEFAULTS["rank"], show_default=True, type=click.IntRange(1),
-                  help="Rank r.")
-    @click.option("--lora-alpha", default=LORA_DEFAULTS["alpha"], show_default=True, type=float,
-                  help="Alpha: the scale is alpha/r (standard) or alpha/sqrt(r) (rslora).")
-    @click.option("--lora-scaling", type=click.Choice(["standard", "rslora"]), default="standard", show_default=True,
-                  help="How alpha and r give the scale.")
-    @click.option("--lora-init", type=click.Choice(["kaiming-uniform", "legacy-normal"]), default="kaiming-uniform",
-                  show_default=True, help="Initialisation of A (B starts at zero).")
-    @click.option("--lora-dropout", default=0.0, show_default=True, type=click.FloatRange(0, 1, max_open=True),
-                  help="Dropout on the adapter's input.")
-    @click.option("--lora-lr", default=LORA_DEFAULTS["lr"], show_default=True, type=click.FloatRange(0, min_open=True),
-                  help="Peak learning rate.")
-    @click.option("--lora-weight-decay", default=0.01, show_default=True, type=click.FloatRange(0),
-                  help="AdamW decoupled weight decay, on A only (never B or the DoRA magnitude).")
-    @click.option("--lora-plus-ratio", default=1.0, show_default=True, type=click.FloatRange(0, min_open=True),
-                  help="LoRA+: B's learning rate is this many times the rate of A.")
-    @click.option("--lora-schedule", type=click.Choice(["constant", "warmup-cosine"]), default="warmup-cosine",
-                  show_default=True, help="Learning-rate schedule.")
-    @click.option("--lora-warmup-steps", default=0, show_default=True, type=click.IntRange(0),
-                  help="Linear warmup steps.")
-    @click.option("--lora-min-lr", default=0.0, show_default=True, type=click.FloatRange(0),
-                  help="Learning rate at the end of the cosine.")
-    @click.option("--batch-size", default=LORA_DEFAULTS["batch_size"], show_default=True, type=click.IntRange(1),
-                  help="Sequences (rows, when packed) per micro-batch.")
-    @click.option("--lora-gradient-accumulation", default=1, show_default=True, type=click.IntRange(1),
-                  help="Micro-batches per optimizer step; the loss is averaged over the group's supervised tokens.")
-    @click.option("--lora-max-grad-norm", default=1.0, show_default=True, type=click.FloatRange(0),
-                  help="Clip the global gradient L2 norm to this (0: no clipping).")
-    @click.option("--max-seq-len", default=512, show_default=True, type=click.IntRange(2),
-                  help="Longest sequence: longer texts are split, longer chat/prompt/Q&A records dropped (counted).")
+    @click.option(
+        "--model-path",
+        default=DEFAULT_MODEL,
+        show_default=True,
+        help="A .gguf file or a model-store name (pulled on first use).",
+    )
+    @click.option(
+        "--data",
+        "data",
+        multiple=True,
+        type=click.Path(dir_okay=False),
+        help="Training data: JSONL or a JSON array of {text}, {prompt, completion}, {messages} or {Q, A} "
+        "records, or a .txt file; repeat for several files (default: the built-in facts).",
+    )
+    @click.option(
+        "--validation-data",
+        multiple=True,
+        type=click.Path(dir_okay=False),
+        help="Validation records (same formats) instead of --validation-split.",
+    )
+    @click.option(
+        "--validation-split",
+        default=0.0,
+        show_default=True,
+        type=click.FloatRange(0, 0.9),
+        help="Fraction of the records (whole records) held out for validation.",
+    )
+    @click.option(
+        "--lora-path",
+        type=click.Path(dir_okay=False),
+        default=None,
+        help="Output adapter.bin (default: <model name>.adapter.bin in the current folder); its resume "
+        "state goes to <path>.state.",
+    )
+    @click.option(
+        "--lora-mode",
+        type=click.Choice(["lora", "dora"]),
+        default="lora",
+        show_default=True,
+        help="Plain LoRA, or DoRA (magnitude and direction).",
+    )
+    @click.option(
+        "--lora-targets",
+        default=LORA_DEFAULTS["targets"],
+        show_default=True,
+        help="qv, all, attn, mlp, or a comma list of wq,wk,wv,wo,wgate,wup,wdown.",
+    )
+    @click.option(
+        "--lora-rank", default=LORA_DEFAULTS["rank"], show_default=True, type=click.IntRange(1), help="Rank r."
+    )
+    @click.option(
+        "--lora-alpha",
+        default=LORA_DEFAULTS["alpha"],
+        show_default=True,
+        type=float,
+        help="Alpha: the scale is alpha/r (standard) or alpha/sqrt(r) (rslora).",
+    )
+    @click.option(
+        "--lora-scaling",
+        type=click.Choice(["standard", "rslora"]),
+        default="standard",
+        show_default=True,
+        help="How alpha and r give the scale.",
+    )
+    @click.option(
+        "--lora-init",
+        type=click.Choice(["kaiming-uniform", "legacy-normal"]),
+        default="kaiming-uniform",
+        show_default=True,
+        help="Initialisation of A (B starts at zero).",
+    )
+    @click.option(
+        "--lora-dropout",
+        default=0.0,
+        show_default=True,
+        type=click.FloatRange(0, 1, max_open=True),
+        help="Dropout on the adapter's input.",
+    )
+    @click.option(
+        "--lora-lr",
+        default=LORA_DEFAULTS["lr"],
+        show_default=True,
+        type=click.FloatRange(0, min_open=True),
+        help="Peak learning rate.",
+    )
+    @click.option(
+        "--lora-weight-decay",
+        default=0.01,
+        show_default=True,
+        type=click.FloatRange(0),
+        help="AdamW decoupled weight decay, on A only (never B or the DoRA magnitude).",
+    )
+    @click.option(
+        "--lora-plus-ratio",
+        default=1.0,
+        show_default=True,
+        type=click.FloatRange(0, min_open=True),
+        help="LoRA+: B's learning rate is this many times the rate of A.",
+    )
+    @click.option(
+        "--lora-schedule",
+        type=click.Choice(["constant", "warmup-cosine"]),
+        default="warmup-cosine",
+        show_default=True,
+        help="Learning-rate schedule.",
+    )
+    @click.option(
+        "--lora-warmup-steps", default=0, show_default=True, type=click.IntRange(0), help="Linear warmup steps."
+    )
+    @click.option(
+        "--lora-min-lr",
+        default=0.0,
+        show_default=True,
+        type=click.FloatRange(0),
+        help="Learning rate at the end of the cosine.",
+    )
+    @click.option(
+        "--batch-size",
+        default=LORA_DEFAULTS["batch_size"],
+        show_default=True,
+        type=click.IntRange(1),
+        help="Sequences (rows, when packed) per micro-batch.",
+    )
+    @click.option(
+        "--lora-gradient-accumulation",
+        default=1,
+        show_default=True,
+        type=click.IntRange(1),
+        help="Micro-batches per optimizer step; the loss is averaged over the group's supervised tokens.",
+    )
+    @click.option(
+        "--lora-max-grad-norm",
+        default=1.0,
+        show_default=True,
+        type=click.FloatRange(0),
+        help="Clip the global gradient L2 norm to this (0: no clipping).",
+    )
+    @click.option(
+        "--max-seq-len",
+        default=512,
+        show_default=True,
+        type=click.IntRange(2),
+        help="Longest sequence: longer texts are split, longer chat/prompt/Q&A records dropped (counted).",
+    )
     @click.option("--max-steps", default=None, type=click.IntRange(1), help="Stop after this many optimizer steps.")
-    @click.option("--epochs", default=LORA_DEFAULTS["epochs"], show_default=True, type=click.IntRange(1),
-                  help="Passes over the training data.")
-    @click.option("--lora-loss-target", default=None, type=click.FloatRange(0),
-                  help="Stop once the training loss over the last epoch's worth of steps is at or below this.")
-    @click.option("--validation-every", default=None, type=click.IntRange(1),
-                  help="Validate every N optimizer steps (default: at the end of each epoch).")
-    @click.option("--lora-validation-patience", default=3, show_default=True, type=click.IntRange(0),
-                  help="Stop after this many validations without improvement (0: never); the best weights are kept.")
-    @click.option("--lora-validation-min-delta", default=0.0, show_default=True, type=click.FloatRange(0),
-                  help="Smallest decrease of the validation loss that counts as an improvement.")
-    @click.option("--lora-overfit-ratio", default=1.25, show_default=True, type=click.FloatRange(0),
-                  help="Overfit guard: stop at once when the validation loss exceeds its best by this factor "
-                       "(0: off); the best weights are kept.")
-    @click.option("--qa-variants", default=LORA_DEFAULTS["qa_variants"], show_default=True, type=click.IntRange(1, 8),
-                  help="Question rewordings per {Q, A} record.")
+    @click.option(
+        "--epochs",
+        default=LORA_DEFAULTS["epochs"],
+        show_default=True,
+        type=click.IntRange(1),
+        help="Passes over the training data.",
+    )
+    @click.option(
+        "--lora-loss-target",
+        default=None,
+        type=click.FloatRange(0),
+        help="Stop once the training loss over the last epoch's worth of steps is at or below this.",
+    )
+    @click.option(
+        "--validation-every",
+        default=None,
+        type=click.IntRange(1),
+        help="Validate every N optimizer steps (default: at the end of each epoch).",
+    )
+    @click.option(
+        "--lora-validation-patience",
+        default=3,
+        show_default=True,
+        type=click.IntRange(0),
+        help="Stop after this many validations without improvement (0: never); the best weights are kept.",
+    )
+    @click.option(
+        "--lora-validation-min-delta",
+        default=0.0,
+        show_default=True,
+        type=click.FloatRange(0),
+        help="Smallest decrease of the validation loss that counts as an improvement.",
+    )
+    @click.option(
+        "--lora-overfit-ratio",
+        default=1.25,
+        show_default=True,
+        type=click.FloatRange(0),
+        help="Overfit guard: stop at once when the validation loss exceeds its best by this factor "
+        "(0: off); the best weights are kept.",
+    )
+    @click.option(
+        "--qa-variants",
+        default=LORA_DEFAULTS["qa_variants"],
+        show_default=True,
+        type=click.IntRange(1, 8),
+        help="Question rewordings per {Q, A} record.",
+    )
     @click.option("--system", default=None, help="System prompt put in front of chat and Q&A records.")
-    @click.option("--pack/--no-pack", default=False, show_default=True,
-                  help="Pack several sequences per row (block-diagonal attention, per-document positions).")
+    @click.option(
+        "--pack/--no-pack",
+        default=False,
+        show_default=True,
+        help="Pack several sequences per row (block-diagonal attention, per-document positions).",
+    )
     @click.option("--skip-bad-records", is_flag=True, help="Skip malformed records (counted) instead of stopping.")
     @click.option("--seed", default=0, show_default=True, type=int, help="Seed of initialisation, shuffling, dropout.")
-    @click.option("--bptt-window", default=0, show_default=True, type=click.IntRange(0),
-                  help="Truncated backprop: windows of N tokens attend to earlier windows' cached K/V without "
-                       "gradients (0: whole sequence, exact).")
+    @click.option(
+        "--bptt-window",
+        default=0,
+        show_default=True,
+        type=click.IntRange(0),
+        help="Truncated backprop: windows of N tokens attend to earlier windows' cached K/V without "
+        "gradients (0: whole sequence, exact).",
+    )
     @click.option("--grad-checkpoint", is_flag=True, help="Recompute each block in backward: less memory, more time.")
-    @click.option("--cuda-graphs", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
-                  help="On a GPU, capture each training step (forward, loss, backward) as a CUDA graph once per batch "
-                       "shape and replay it: one launch instead of thousands (auto: where the run allows it; not with "
-                       "--grad-checkpoint, --bptt-window, dropout or several processes).")
-    @click.option("--compute-dtype", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", show_default=True,
-                  help="Dtype of the frozen matmuls (auto: bf16 where the CPU has native bf16, and on a GPU, where "
-                       "the activations run in bf16 too). Adapters and optimizer state stay fp32.")
-    @click.option("--weights-cache", type=click.Choice(["auto", "none", "bf16", "fp32"]), default="auto",
-                  show_default=True, help="Keep dequantized frozen weights resident (auto: bf16 for small models "
-                                          "with bf16 compute) or stream them from the quantized bytes (none).")
-    @click.option("--device", default="cpu", show_default=True,
-                  help="Torch device; on cuda the base stays quantized on the GPU (Triton decodes it).")
+    @click.option(
+        "--cuda-graphs",
+        type=click.Choice(["auto", "on", "off"]),
+        default="auto",
+        show_default=True,
+        help="On a GPU, capture each training step (forward, loss, backward) as a CUDA graph once per batch "
+        "shape and replay it: one launch instead of thousands (auto: where the run allows it; not with "
+        "--grad-checkpoint, --bptt-window, dropout or several processes).",
+    )
+    @click.option(
+        "--compute-dtype",
+        type=click.Choice(["auto", "fp32", "bf16"]),
+        default="auto",
+        show_default=True,
+        help="Dtype of the frozen matmuls (auto: bf16 where the CPU has native bf16, and on a GPU, where "
+        "the activations run in bf16 too). Adapters and optimizer state stay fp32.",
+    )
+    @click.option(
+        "--weights-cache",
+        type=click.Choice(["auto", "none", "bf16", "fp32"]),
+        default="auto",
+        show_default=True,
+        help="Keep dequantized frozen weights resident (auto: bf16 for small models "
+        "with bf16 compute) or stream them from the quantized bytes (none).",
+    )
+    @click.option(
+        "--device",
+        default="cpu",
+        show_default=True,
+        help="Torch device; on cuda the base stays quantized on the GPU (Triton decodes it).",
+    )
     @click.option("--threads", default=None, type=click.IntRange(1), help="CPU threads (default: torch's choice).")
-    @click.option("--nproc", default=None, type=click.IntRange(1),
-                  help="Data-parallel training on N processes on this host (one per GPU with --device cuda): runs "
-                       "torchrun for you. Same global batch as one process. See docs/distributed.md.")
-    @click.option("--save-every", default=0, show_default=True, type=click.IntRange(0),
-                  help="Write the adapter and its resume state every N optimizer steps (0: at the end only).")
-    @click.option("--resume", is_flag=True, help="Continue from <lora-path>.state: weights, optimizer moments, step, "
-                                                 "schedule, RNG and data position.")
-    @click.option("--metrics-out", type=click.Path(dir_okay=False), default=None,
-                  help="Write a metrics.json summary (count, mean, last, p95 per series).")
-    @click.option("--events-out", type=click.Path(dir_okay=False), default=None,
-                  help="Append every metrics event as one JSON line.")
+    @click.option(
+        "--nproc",
+        default=None,
+        type=click.IntRange(1),
+        help="Data-parallel training on N processes on this host (one per GPU with --device cuda): runs "
+        "torchrun for you. Same global batch as one process. See docs/distributed.md.",
+    )
+    @click.option(
+        "--save-every",
+        default=0,
+        show_default=True,
+        type=click.IntRange(0),
+        help="Write the adapter and its resume state every N optimizer steps (0: at the end only).",
+    )
+    @click.option(
+        "--resume",
+        is_flag=True,
+        help="Continue from <lora-path>.state: weights, optimizer moments, step, schedule, RNG and data position.",
+    )
+    @click.option(
+        "--metrics-out",
+        type=click.Path(dir_okay=False),
+        default=None,
+        help="Write a metrics.json summary (count, mean, last, p95 per series).",
+    )
+    @click.option(
+        "--events-out",
+        type=click.Path(dir_okay=False),
+        default=None,
+        help="Append every metrics event as one JSON line.",
+    )
     @click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: on a terminal).")
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):

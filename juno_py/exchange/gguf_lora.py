@@ -23,8 +23,15 @@ from typing import Optional
 
 import numpy as np
 
-from juno_py.exchange.interop import (Part, dump_record, finish_import, load_record, part_records, split_by_record,
-                                      stack_parts)
+from juno_py.exchange.interop import (
+    Part,
+    dump_record,
+    finish_import,
+    load_record,
+    part_records,
+    split_by_record,
+    stack_parts,
+)
 from juno_py.gguf import GGMLType, GGUFFile, GGUFWriter, ValueType
 from juno_py.gguf.quants import quantize
 from juno_py.lora.format import AdapterEntry, Init, Mode, Scaling, read_adapter
@@ -63,8 +70,10 @@ def export_gguf_lora(base, adapter, output, dtype: str = "f32") -> Path:
     _, entries = read_adapter(adapter)
     dora = [e.key for e in entries if e.mode == Mode.DORA]
     if dora:
-        raise MergeError(f"{adapter}: entry {dora[0]!r} is DoRA; llama.cpp's LoRA adapters cannot express DoRA's "
-                         f"magnitude: merge it into the model instead (juno-py merge --lora-path {adapter})")
+        raise MergeError(
+            f"{adapter}: entry {dora[0]!r} is DoRA; llama.cpp's LoRA adapters cannot express DoRA's "
+            f"magnitude: merge it into the model instead (juno-py merge --lora-path {adapter})"
+        )
     check_output_path(output, [base_path, Path(adapter)])
     with GGUFFile(base_path) as gguf:
         targets = ModelTargets(gguf)
@@ -99,12 +108,13 @@ def _pairs(f: GGUFFile) -> dict[str, dict[str, str]]:
     for name in f.tensors:
         for suffix in (".lora_a", ".lora_b"):
             if name.endswith(suffix):
-                out.setdefault(name[:-len(suffix)], {})[suffix[1:]] = name
+                out.setdefault(name[: -len(suffix)], {})[suffix[1:]] = name
                 break
         else:
             if name.endswith("_norm.weight"):
-                warnings.warn(f"{f.path}: tensor {name!r} skipped (llama.cpp skips norm tensors of adapters too)",
-                              stacklevel=3)
+                warnings.warn(
+                    f"{f.path}: tensor {name!r} skipped (llama.cpp skips norm tensors of adapters too)", stacklevel=3
+                )
                 continue
             raise MergeError(f"{f.path}: tensor {name!r} has an unexpected suffix, expected .lora_a or .lora_b")
     for base, ab in out.items():
@@ -122,16 +132,22 @@ def import_gguf_lora(base, path, output) -> Path:
     with GGUFFile(path) as f, GGUFFile(Path(resolve_model(base))) as gguf:
         md = f.metadata
         if md.get("general.type") != "adapter" or md.get("adapter.type") != "lora":
-            raise MergeError(f"{path}: general.type {md.get('general.type')!r} / adapter.type "
-                             f"{md.get('adapter.type')!r}, expected 'adapter' / 'lora' (not a LoRA adapter GGUF)")
+            raise MergeError(
+                f"{path}: general.type {md.get('general.type')!r} / adapter.type "
+                f"{md.get('adapter.type')!r}, expected 'adapter' / 'lora' (not a LoRA adapter GGUF)"
+            )
         targets = ModelTargets(gguf)
         if md.get("general.architecture") != targets.args.architecture:
-            raise MergeError(f"{path}: architecture {md.get('general.architecture')!r} does not match the model's "
-                             f"{targets.args.architecture!r} ({gguf.path})")
+            raise MergeError(
+                f"{path}: architecture {md.get('general.architecture')!r} does not match the model's "
+                f"{targets.args.architecture!r} ({gguf.path})"
+            )
         field = f.fields.get(ALPHA_KEY)
         if field is not None and field.vtype != ValueType.FLOAT32:
-            raise MergeError(f"{path}: metadata {ALPHA_KEY!r} is {field.vtype.name}, expected FLOAT32 (llama.cpp "
-                             f"aborts on any other type)")
+            raise MergeError(
+                f"{path}: metadata {ALPHA_KEY!r} is {field.vtype.name}, expected FLOAT32 (llama.cpp "
+                f"aborts on any other type)"
+            )
         alpha = float(field.value) if field is not None else 0.0
         records = load_record(md.get(RECORD_KEY), str(path))
         entries: list[AdapterEntry] = []
@@ -144,20 +160,47 @@ def import_gguf_lora(base, path, output) -> Path:
                 raise MergeError(f"{where}: not a linear target juno-py adapts (wq wk wv wo wgate wup wdown)")
             A, B = f.dequantize(ab["lora_a"]).numpy(), f.dequantize(ab["lora_b"]).numpy()
             info = gguf.tensor(tensor)
-            if A.ndim != 2 or B.ndim != 2 or A.shape[1] != info.n_cols or B.shape[0] != info.n_rows \
-                    or A.shape[0] != B.shape[1]:
-                raise MergeError(f"{where}: lora_a {A.shape} and lora_b {B.shape} do not fit the model tensor "
-                                 f"{info.shape}: expected (r, {info.n_cols}) and ({info.n_rows}, r)")
+            if (
+                A.ndim != 2
+                or B.ndim != 2
+                or A.shape[1] != info.n_cols
+                or B.shape[0] != info.n_rows
+                or A.shape[0] != B.shape[1]
+            ):
+                raise MergeError(
+                    f"{where}: lora_a {A.shape} and lora_b {B.shape} do not fit the model tensor "
+                    f"{info.shape}: expected (r, {info.n_cols}) and ({info.n_rows}, r)"
+                )
             if tensor in records:
                 split = split_by_record(records[tensor], A, B, None, where)
             else:
                 rank = A.shape[0]
                 # standard scaling with alpha' such that alpha'/r is llama.cpp's scale
                 a_entry = alpha if alpha else float(rank)
-                split = [(f"{il}:{t}", A, B[s.rows[0]:s.rows[1]], None, a_entry, Scaling.STANDARD,
-                          Init.KAIMING_UNIFORM, Mode.LORA) for il, t, s in slots
-                         if len(slots) == 1 or B[s.rows[0]:s.rows[1]].any()]
+                split = [
+                    (
+                        f"{il}:{t}",
+                        A,
+                        B[s.rows[0] : s.rows[1]],
+                        None,
+                        a_entry,
+                        Scaling.STANDARD,
+                        Init.KAIMING_UNIFORM,
+                        Mode.LORA,
+                    )
+                    for il, t, s in slots
+                    if len(slots) == 1 or B[s.rows[0] : s.rows[1]].any()
+                ]
             for key, a, b, _, al, scaling, init, mode in split:
-                entries.append(AdapterEntry(key, np.ascontiguousarray(a, np.float32),
-                                            np.ascontiguousarray(b, np.float32), al, scaling, init, mode))
+                entries.append(
+                    AdapterEntry(
+                        key,
+                        np.ascontiguousarray(a, np.float32),
+                        np.ascontiguousarray(b, np.float32),
+                        al,
+                        scaling,
+                        init,
+                        mode,
+                    )
+                )
         return finish_import(targets, entries, path, output)

@@ -41,16 +41,26 @@ def stack_parts(parts: Sequence[Part], n_rows: int, factors: Sequence[Optional[f
     for p, f in zip(parts, factors):
         r = p.entry.rank
         block = p.B if f is None else (p.B.astype(np.float64) * f).astype(np.float32)
-        B[p.rows[0]:p.rows[1], c:c + r] = block
+        B[p.rows[0] : p.rows[1], c : c + r] = block
         cols.append((c, c + r))
         c += r
     return A, B, cols
 
 
 def part_records(parts: Sequence[Part], cols, factors) -> list[dict]:
-    return [{"key": p.entry.key, "rows": list(p.rows), "cols": list(c), "alpha": p.entry.alpha,
-             "scaling": p.entry.scaling.name.lower(), "init": p.entry.init.name.lower(),
-             "mode": p.entry.mode.name.lower(), "bake": f} for p, c, f in zip(parts, cols, factors)]
+    return [
+        {
+            "key": p.entry.key,
+            "rows": list(p.rows),
+            "cols": list(c),
+            "alpha": p.entry.alpha,
+            "scaling": p.entry.scaling.name.lower(),
+            "init": p.entry.init.name.lower(),
+            "mode": p.entry.mode.name.lower(),
+            "bake": f,
+        }
+        for p, c, f in zip(parts, cols, factors)
+    ]
 
 
 def dump_record(groups: dict[str, list[dict]]) -> str:
@@ -81,8 +91,10 @@ def split_by_record(records: list[dict], A: np.ndarray, B: np.ndarray, magnitude
         except (KeyError, TypeError, ValueError, AttributeError):
             raise MergeError(f"{where}: a part of the juno-py record is malformed: {rec!r}") from None
         if not (0 <= lo < hi <= B.shape[0] and 0 <= c0 < c1 <= A.shape[0]):
-            raise MergeError(f"{where}: record part {key!r} (rows {lo}..{hi}, columns {c0}..{c1}) lies outside "
-                             f"A {A.shape} / B {B.shape}")
+            raise MergeError(
+                f"{where}: record part {key!r} (rows {lo}..{hi}, columns {c0}..{c1}) lies outside "
+                f"A {A.shape} / B {B.shape}"
+            )
         b = B[lo:hi, c0:c1]
         if bake is not None:
             b = (b.astype(np.float64) / float(bake)).astype(np.float32)

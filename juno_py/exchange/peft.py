@@ -21,8 +21,15 @@ from typing import Optional
 import numpy as np
 
 from juno_py.atomic import atomic_output
-from juno_py.exchange.interop import (Part, dump_record, finish_import, load_record, part_records, split_by_record,
-                                      stack_parts)
+from juno_py.exchange.interop import (
+    Part,
+    dump_record,
+    finish_import,
+    load_record,
+    part_records,
+    split_by_record,
+    stack_parts,
+)
 from juno_py.gguf import GGUFFile
 from juno_py.lora.format import AdapterEntry, Init, Mode, Scaling, read_adapter
 from juno_py.merge.targets import MergeError, ModelTargets
@@ -34,8 +41,10 @@ RECORD_KEY = "juno_py"
 PREFIX = "base_model.model."
 LAYER_MODULE = "model.layers.{layer}.{module}"
 
-_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<kind>lora_A\.weight|lora_B\.weight|"
-                  r"lora_magnitude_vector(?:\.weight)?)$")
+_KEY = re.compile(
+    r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<kind>lora_A\.weight|lora_B\.weight|"
+    r"lora_magnitude_vector(?:\.weight)?)$"
+)
 _LAYER = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.(?P<module>[^.]+\.[^.]+)$")
 
 
@@ -43,11 +52,18 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.(?P<module>[^.]+\.[^.]+)$"
 def module_rows(targets: ModelTargets, target: str) -> tuple[int, int, int]:
     """(lo, hi, rows of the module) of a logical target inside its Hugging Face module."""
     a = targets.args
-    sizes = {"wq": a.q_dim, "wk": a.kv_dim, "wv": a.v_dim, "wo": a.n_embd, "wgate": a.n_ff, "wup": a.n_ff,
-             "wdown": a.n_embd}
+    sizes = {
+        "wq": a.q_dim,
+        "wk": a.kv_dim,
+        "wv": a.v_dim,
+        "wo": a.n_embd,
+        "wgate": a.n_ff,
+        "wup": a.n_ff,
+        "wdown": a.n_embd,
+    }
     table = targets.spec.hf_modules
     members = [t for t in TARGETS if table[t] == table[target]]
-    lo = sum(sizes[t] for t in members[:members.index(target)])
+    lo = sum(sizes[t] for t in members[: members.index(target)])
     return lo, lo + sizes[target], sum(sizes[t] for t in members)
 
 
@@ -113,8 +129,11 @@ def export_peft(base, adapter, output) -> Path:
             targets.check_entry(e, adapter, force=True)  # a differing fingerprint warns (below); PEFT decides
             lo, hi, _ = module_rows(targets, e.target)
             name = LAYER_MODULE.format(layer=e.layer, module=table[e.target])
-            groups.setdefault(name, []).append(Part(e, (lo, hi), _reorder(targets, e.target, e.B, True),
-                                                    _reorder(targets, e.target, e.magnitude, True)))
+            groups.setdefault(name, []).append(
+                Part(
+                    e, (lo, hi), _reorder(targets, e.target, e.B, True), _reorder(targets, e.target, e.magnitude, True)
+                )
+            )
         targets.warn_mismatches()
         tensors, ranks, alphas, records = {}, {}, {}, {}
         for name, parts in groups.items():
@@ -130,8 +149,8 @@ def export_peft(base, adapter, output) -> Path:
                 mag = np.empty(n_rows, dtype=np.float32)
                 covered = np.zeros(n_rows, dtype=bool)
                 for p in parts:
-                    mag[p.rows[0]:p.rows[1]] = p.magnitude
-                    covered[p.rows[0]:p.rows[1]] = True
+                    mag[p.rows[0] : p.rows[1]] = p.magnitude
+                    covered[p.rows[0] : p.rows[1]] = True
                 # rows of the module no entry adapts: m = ‖W‖_row makes PEFT's g = 1 there
                 for t in TARGETS:
                     if table[t] == table[parts[0].entry.target]:
@@ -147,17 +166,28 @@ def export_peft(base, adapter, output) -> Path:
     layers_of = {s: {int(n.split(".")[2]) for n in groups if n.endswith(s)} for s in short}
     every_layer = all(layers_of[s] == set(range(targets.n_layer)) for s in short)
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path.name,
-        "r": r, "lora_alpha": alpha, "use_rslora": rslora, "use_dora": dora,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_path.name,
+        "r": r,
+        "lora_alpha": alpha,
+        "use_rslora": rslora,
+        "use_dora": dora,
         "target_modules": sorted(m.rsplit(".", 1)[1] for m in short) if every_layer else sorted(groups),
         "rank_pattern": {n: v for n, v in sorted(ranks.items()) if v != r},
         "alpha_pattern": {n: v for n, v in sorted(alphas.items()) if v != alpha},
-        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
-        "init_lora_weights": True, "modules_to_save": None,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
     }
     output.mkdir(parents=True, exist_ok=True)
-    blob = save({k: np.ascontiguousarray(v) for k, v in tensors.items()},
-                metadata={"format": "pt", RECORD_KEY: dump_record(records)})
+    blob = save(
+        {k: np.ascontiguousarray(v) for k, v in tensors.items()},
+        metadata={"format": "pt", RECORD_KEY: dump_record(records)},
+    )
     with atomic_output(output / WEIGHTS_FILE) as f:
         f.write(blob)
     with atomic_output(output / CONFIG_FILE, "w") as f:
@@ -184,8 +214,9 @@ def import_peft(base, folder, output) -> Path:
     cfg_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
     for p in (cfg_path, weights_path):
         if not p.is_file():
-            raise MergeError(f"{folder}: {p.name} is missing (a PEFT adapter folder holds {CONFIG_FILE} and "
-                             f"{WEIGHTS_FILE})")
+            raise MergeError(
+                f"{folder}: {p.name} is missing (a PEFT adapter folder holds {CONFIG_FILE} and {WEIGHTS_FILE})"
+            )
     try:
         cfg = json.loads(cfg_path.read_text())
     except ValueError as e:
@@ -215,16 +246,20 @@ def import_peft(base, folder, output) -> Path:
             m = _LAYER.search(module)
             members = [t for t in TARGETS if m and table[t] == m.group("module")]
             if not members:
-                raise MergeError(f"{where}: not a module juno-py adapts in {targets.args.architecture} "
-                                 f"({', '.join(sorted(set(table.values())))} of model.layers.N)")
+                raise MergeError(
+                    f"{where}: not a module juno-py adapts in {targets.args.architecture} "
+                    f"({', '.join(sorted(set(table.values())))} of model.layers.N)"
+                )
             if "lora_A" not in parts or "lora_B" not in parts:
                 raise MergeError(f"{where}: lora_A or lora_B is missing")
             layer = int(m.group("layer"))
             A, B, mag = parts["lora_A"], parts["lora_B"], parts.get("lora_magnitude_vector")
             n_rows = module_rows(targets, members[0])[2]
             if A.ndim != 2 or B.ndim != 2 or B.shape != (n_rows, A.shape[0]):
-                raise MergeError(f"{where}: A {A.shape} and B {B.shape} do not fit the module's {n_rows} rows "
-                                 f"(an adapter for another model?)")
+                raise MergeError(
+                    f"{where}: A {A.shape} and B {B.shape} do not fit the module's {n_rows} rows "
+                    f"(an adapter for another model?)"
+                )
             name = LAYER_MODULE.format(layer=layer, module=m.group("module"))
             if name in records:
                 split = split_by_record(records[name], A, B, mag, where)
@@ -236,13 +271,30 @@ def import_peft(base, folder, output) -> Path:
                     lo, hi, _ = module_rows(targets, t)
                     if mag is None and len(members) > 1 and not B[lo:hi].any():
                         continue  # a fused module's target this adapter leaves alone
-                    split.append((f"{layer}:{t}", A, B[lo:hi], None if mag is None else mag[lo:hi], alpha,
-                                  Scaling.RSLORA if rslora else Scaling.STANDARD, Init.KAIMING_UNIFORM,
-                                  Mode.DORA if mag is not None else Mode.LORA))
+                    split.append(
+                        (
+                            f"{layer}:{t}",
+                            A,
+                            B[lo:hi],
+                            None if mag is None else mag[lo:hi],
+                            alpha,
+                            Scaling.RSLORA if rslora else Scaling.STANDARD,
+                            Init.KAIMING_UNIFORM,
+                            Mode.DORA if mag is not None else Mode.LORA,
+                        )
+                    )
             for key, a, b, mg, alpha, scaling, init, mode in split:
                 target = key.split(":", 1)[1]
-                entries.append(AdapterEntry(key, np.ascontiguousarray(a, np.float32),
-                                            _reorder(targets, target, np.ascontiguousarray(b, np.float32), False),
-                                            alpha, scaling, init, mode,
-                                            _reorder(targets, target, mg, False)))
+                entries.append(
+                    AdapterEntry(
+                        key,
+                        np.ascontiguousarray(a, np.float32),
+                        _reorder(targets, target, np.ascontiguousarray(b, np.float32), False),
+                        alpha,
+                        scaling,
+                        init,
+                        mode,
+                        _reorder(targets, target, mg, False),
+                    )
+                )
         return finish_import(targets, entries, folder, output)

@@ -2,9 +2,18 @@
 
 from juno_py.errors import GGUFFormatError, UnsupportedQuantType
 from juno_py.gguf.constants import GGMLType, ValueType
+from juno_py.gguf.memory import MemoryGGUF
 from juno_py.gguf.reader import Field, GGUFFile, TensorInfo
 from juno_py.gguf.writer import GGUFWriter
-from juno_py.gguf.memory import MemoryGGUF
 
-__all__ = ["GGUFFile", "GGUFWriter", "GGUFFormatError", "UnsupportedQuantType", "GGMLType", "ValueType", "Field",
-           "TensorInfo", "MemoryGGUF"]
+__all__ = [
+    "GGUFFile",
+    "GGUFWriter",
+    "GGUFFormatError",
+    "UnsupportedQuantType",
+    "GGMLType",
+    "ValueType",
+    "Field",
+    "TensorInfo",
+    "MemoryGGUF",
+]

@@ -21,8 +21,12 @@ class MemoryGGUF(GGUFFile):
     """metadata: plain values by key (as `GGUFFile.metadata`); tensors: name → (ggml_type, shape, raw), raw a uint8
     torch tensor holding the tensor's bytes in GGUF order (any shape; it is viewed flat), shape row-major."""
 
-    def __init__(self, metadata: Mapping[str, Any], tensors: Mapping[str, tuple[int, tuple[int, ...], torch.Tensor]],
-                 label: str = "<memory>"):
+    def __init__(
+        self,
+        metadata: Mapping[str, Any],
+        tensors: Mapping[str, tuple[int, tuple[int, ...], torch.Tensor]],
+        label: str = "<memory>",
+    ):
         self.path = label
         self.shards = []
         self.fields = {}
@@ -39,12 +43,16 @@ class MemoryGGUF(GGUFFile):
             for d in shape:
                 n *= d
             if not shape or shape[-1] % block:
-                raise GGUFFormatError(f"{label}: tensor {name!r} shape {shape}: the last dimension is not a multiple "
-                                      f"of the {type_name(ggml_type)} block size {block}")
+                raise GGUFFormatError(
+                    f"{label}: tensor {name!r} shape {shape}: the last dimension is not a multiple "
+                    f"of the {type_name(ggml_type)} block size {block}"
+                )
             flat = raw.reshape(-1)
             if flat.dtype != torch.uint8 or flat.numel() != n // block * size:
-                raise GGUFFormatError(f"{label}: tensor {name!r} has {flat.numel()} {flat.dtype} values, expected "
-                                      f"{n // block * size} bytes of {type_name(ggml_type)} for shape {shape}")
+                raise GGUFFormatError(
+                    f"{label}: tensor {name!r} has {flat.numel()} {flat.dtype} values, expected "
+                    f"{n // block * size} bytes of {type_name(ggml_type)} for shape {shape}"
+                )
             self.tensors[name] = TensorInfo(name, int(ggml_type), shape, 0, flat.numel(), flat)
 
     def __repr__(self) -> str:

@@ -26,7 +26,6 @@ from juno_py.gguf.constants import (
     GGUF_MAGIC,
     GGUF_SUPPORTED_VERSIONS,
     SCALAR_DTYPES,
-    GGMLType,
     ValueType,
     type_name,
 )
@@ -36,13 +35,31 @@ MAX_KEY_BYTES = 1 << 16  # metadata keys and tensor names
 MAX_STRING_BYTES = 1 << 26  # one metadata string (a chat template, an embedded tokenizer.json)
 MAX_SPLITS = 99999  # the 5-digit split file names
 SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
-INTEGER_TYPES = frozenset({ValueType.UINT8, ValueType.INT8, ValueType.UINT16, ValueType.INT16, ValueType.UINT32,
-                           ValueType.INT32, ValueType.UINT64, ValueType.INT64})
+INTEGER_TYPES = frozenset(
+    {
+        ValueType.UINT8,
+        ValueType.INT8,
+        ValueType.UINT16,
+        ValueType.INT16,
+        ValueType.UINT32,
+        ValueType.INT32,
+        ValueType.UINT64,
+        ValueType.INT64,
+    }
+)
 # array.array type code per numeric item type (BOOL arrays hold 0/1 as unsigned bytes)
 _ARRAY_CODES: dict[int, str] = {
-    ValueType.UINT8: "B", ValueType.INT8: "b", ValueType.UINT16: "H", ValueType.INT16: "h",
-    ValueType.UINT32: "I", ValueType.INT32: "i", ValueType.FLOAT32: "f", ValueType.BOOL: "B",
-    ValueType.UINT64: "Q", ValueType.INT64: "q", ValueType.FLOAT64: "d",
+    ValueType.UINT8: "B",
+    ValueType.INT8: "b",
+    ValueType.UINT16: "H",
+    ValueType.INT16: "h",
+    ValueType.UINT32: "I",
+    ValueType.INT32: "i",
+    ValueType.FLOAT32: "f",
+    ValueType.BOOL: "B",
+    ValueType.UINT64: "Q",
+    ValueType.INT64: "q",
+    ValueType.FLOAT64: "d",
 }
 assert all(array.array(c).itemsize == np.dtype(SCALAR_DTYPES[t]).itemsize for t, c in _ARRAY_CODES.items())
 _MISSING = object()
@@ -72,8 +89,16 @@ class Field:
     offset: int = 0
 
 
-def typed_value(fields: Mapping[str, Field], metadata: Mapping[str, Any], key: str, kind: type, path,
-                default: Any = _MISSING, lo: Optional[int] = None, hi: Optional[int] = None):
+def typed_value(
+    fields: Mapping[str, Field],
+    metadata: Mapping[str, Any],
+    key: str,
+    kind: type,
+    path,
+    default: Any = _MISSING,
+    lo: Optional[int] = None,
+    hi: Optional[int] = None,
+):
     """metadata[key] checked to be of `kind` (int or str): by its stored value type where the key comes from a
     file, by its Python type otherwise; ints also within [lo, hi]. A wrong type or range is a GGUFFormatError."""
     if key not in metadata:
@@ -83,17 +108,28 @@ def typed_value(fields: Mapping[str, Field], metadata: Mapping[str, Any], key: s
     value = metadata[key]
     field = fields.get(key)
     if kind is int:
-        ok = field.vtype in INTEGER_TYPES if field is not None else isinstance(value, int) and not isinstance(
-            value, bool)
+        ok = (
+            field.vtype in INTEGER_TYPES
+            if field is not None
+            else isinstance(value, int) and not isinstance(value, bool)
+        )
     else:
         ok = field.vtype == ValueType.STRING if field is not None else isinstance(value, str)
     stored = field.vtype.name if field is not None else type(value).__name__
     if not ok:
-        raise format_error(path, f"metadata {key!r}", f"{show(value)} ({stored}), expected {kind.__name__}",
-                           field.offset if field is not None else None)
+        raise format_error(
+            path,
+            f"metadata {key!r}",
+            f"{show(value)} ({stored}), expected {kind.__name__}",
+            field.offset if field is not None else None,
+        )
     if kind is int and ((lo is not None and value < lo) or (hi is not None and value > hi)):
-        raise format_error(path, f"metadata {key!r}", f"{value} is out of range, expected {lo}..{hi}",
-                           field.offset if field is not None else None)
+        raise format_error(
+            path,
+            f"metadata {key!r}",
+            f"{value} is out of range, expected {lo}..{hi}",
+            field.offset if field is not None else None,
+        )
     return value
 
 
@@ -135,7 +171,7 @@ class TensorInfo:
     @property
     def data(self) -> np.ndarray:
         """The tensor's bytes, flat uint8 (a view of the memory map: no copy)."""
-        return self._buf[self.data_offset:self.data_offset + self.nbytes]
+        return self._buf[self.data_offset : self.data_offset + self.nbytes]
 
     @property
     def raw(self) -> np.ndarray:
@@ -179,7 +215,7 @@ class _Cursor:
             raise self.fail(f"{what} (length)", f"{n} bytes, expected at most {limit}", self.pos - 8)
         self.need(n, what)
         # surrogateescape keeps invalid UTF-8 (seen in some vocabularies) round-trippable byte for byte
-        text = str(self.view[self.pos:self.pos + n], "utf-8", "surrogateescape")
+        text = str(self.view[self.pos : self.pos + n], "utf-8", "surrogateescape")
         self.pos += n
         return text
 
@@ -191,14 +227,18 @@ class _Cursor:
         for i in range(n):
             if pos + 8 > size:
                 self.pos = pos
-                raise self.fail(f"{what}[{i}] (length)", f"needs 8 bytes but only {size - pos} remain (truncated "
-                                                         f"file?)")
+                raise self.fail(
+                    f"{what}[{i}] (length)", f"needs 8 bytes but only {size - pos} remain (truncated file?)"
+                )
             length = unpack("<Q", view, pos)[0]
             pos += 8
             if length > size - pos or length > MAX_STRING_BYTES:
-                raise self.fail(f"{what}[{i}] (length)", f"{length} bytes, expected at most "
-                                                         f"{min(size - pos, MAX_STRING_BYTES)}", pos - 8)
-            append(str(view[pos:pos + length], "utf-8", "surrogateescape"))
+                raise self.fail(
+                    f"{what}[{i}] (length)",
+                    f"{length} bytes, expected at most {min(size - pos, MAX_STRING_BYTES)}",
+                    pos - 8,
+                )
+            append(str(view[pos : pos + length], "utf-8", "surrogateescape"))
             pos += length
         self.pos = pos
         return out
@@ -207,8 +247,11 @@ class _Cursor:
         n = self.u64(what)
         remaining = self.size - self.pos
         if n * min_item_bytes > remaining:
-            raise self.fail(what, f"declares {n} items but only {remaining} bytes remain "
-                                  f"(at least {min_item_bytes} bytes each expected)", self.pos - 8)
+            raise self.fail(
+                what,
+                f"declares {n} items but only {remaining} bytes remain (at least {min_item_bytes} bytes each expected)",
+                self.pos - 8,
+            )
         return n
 
 
@@ -234,7 +277,7 @@ def _read_value(cur: _Cursor, vtype: ValueType, what: str) -> tuple[Any, Optiona
         itemsize = np.dtype(SCALAR_DTYPES[item_type]).itemsize
         n = cur.count(f"{what} (array length)", itemsize)
         values = array.array(_ARRAY_CODES[item_type])
-        values.frombytes(cur.view[cur.pos:cur.pos + n * itemsize])
+        values.frombytes(cur.view[cur.pos : cur.pos + n * itemsize])
         if sys.byteorder == "big" and itemsize > 1:
             values.byteswap()
         if item_type == ValueType.BOOL and n and np.frombuffer(values, np.uint8).max() > 1:
@@ -307,8 +350,11 @@ class _Shard:
             f = self.fields["general.alignment"]
             alignment = f.value
             if f.vtype != ValueType.UINT32 or alignment <= 0 or alignment & (alignment - 1):
-                raise cur.fail("metadata 'general.alignment'",
-                               f"value {show(alignment)} ({f.vtype.name}), expected a UINT32 power of two", f.offset)
+                raise cur.fail(
+                    "metadata 'general.alignment'",
+                    f"value {show(alignment)} ({f.vtype.name}), expected a UINT32 power of two",
+                    f.offset,
+                )
         self.alignment = alignment
 
         infos = []
@@ -335,8 +381,11 @@ class _Shard:
             offset = cur.u64(f"{what} (data offset)")
             block, bsize = GGML_BLOCK_SIZES[ggml_type]
             if ne[0] % block:
-                raise cur.fail(what, f"row length {ne[0]} is not a multiple of the {type_name(ggml_type)} "
-                                     f"block size {block}", start)
+                raise cur.fail(
+                    what,
+                    f"row length {ne[0]} is not a multiple of the {type_name(ggml_type)} block size {block}",
+                    start,
+                )
             n_el = 1
             for d in ne:
                 n_el *= d
@@ -344,8 +393,9 @@ class _Shard:
                 raise cur.fail(what, f"dims {ne} declare {n_el} elements, far more than the file holds", start)
             nbytes = n_el // block * bsize
             if offset % alignment:
-                raise cur.fail(what, f"data offset {offset} is not a multiple of the alignment {alignment}",
-                               type_at + 4)
+                raise cur.fail(
+                    what, f"data offset {offset} is not a multiple of the alignment {alignment}", type_at + 4
+                )
             infos.append((name, ggml_type, tuple(reversed(ne)), offset, nbytes, type_at + 4))
 
         data_start = -(-cur.pos // alignment) * alignment
@@ -360,11 +410,19 @@ class _Shard:
             begin = data_start + offset
             what = f"tensor {show(name)}"
             if begin + nbytes > self.size:
-                raise cur.fail(what, f"data [{begin}, {begin + nbytes}) lies past the end of the file (size "
-                                     f"{self.size}), expected {nbytes} bytes of {type_name(ggml_type)} inside it", at)
+                raise cur.fail(
+                    what,
+                    f"data [{begin}, {begin + nbytes}) lies past the end of the file (size "
+                    f"{self.size}), expected {nbytes} bytes of {type_name(ggml_type)} inside it",
+                    at,
+                )
             if previous is not None and begin < previous[1]:
-                raise cur.fail(what, f"data [{begin}, {begin + nbytes}) overlaps tensor {show(previous[0])} at "
-                                     f"[{previous[2]}, {previous[1]}), expected separate ranges", at)
+                raise cur.fail(
+                    what,
+                    f"data [{begin}, {begin + nbytes}) overlaps tensor {show(previous[0])} at "
+                    f"[{previous[2]}, {previous[1]}), expected separate ranges",
+                    at,
+                )
             previous = (name, begin + nbytes, begin)
 
     def close(self) -> None:
@@ -406,20 +464,27 @@ class GGUFFile:
             return
         m = SPLIT_NAME.match(self.path.name)
         if not m or int(m.group("index")) != 1:
-            raise format_error(self.path, "metadata 'split.count'",
-                               f"{n}: open the first split (…-00001-of-{n:05d}.gguf) to read the whole model")
+            raise format_error(
+                self.path,
+                "metadata 'split.count'",
+                f"{n}: open the first split (…-00001-of-{n:05d}.gguf) to read the whole model",
+            )
         for i in range(2, n + 1):
             p = self.path.with_name(f"{m.group('prefix')}-{i:05d}-of-{n:05d}.gguf")
             if not p.exists():
-                raise GGUFFormatError(one_line(f"{_where(self.path)}: split {i} of {n} is missing, expected "
-                                               f"{_where(p)}"))
+                raise GGUFFormatError(
+                    one_line(f"{_where(self.path)}: split {i} of {n} is missing, expected {_where(p)}")
+                )
             shard = _Shard(p)
             self.shards.append(shard)
             count = typed_value(shard.fields, shard.metadata, "split.count", int, p, n)
             no = typed_value(shard.fields, shard.metadata, "split.no", int, p, i - 1)
             if (count, no) != (n, i - 1):
-                raise format_error(p, "metadata 'split.count' and 'split.no'",
-                                   f"{count} and {no}, expected {n} and {i - 1} (a shard of another model?)")
+                raise format_error(
+                    p,
+                    "metadata 'split.count' and 'split.no'",
+                    f"{count} and {no}, expected {n} and {i - 1} (a shard of another model?)",
+                )
 
     def get_int(self, key: str, default: Any = _MISSING, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
         """metadata[key], which must be stored as an integer (within [lo, hi] when given)."""
@@ -455,7 +520,7 @@ class GGUFFile:
                 raise ValueError(f"tensor {name!r}: a 1-D slice must start and end on {block}-element blocks")
             lo, hi = start // block * bsize, -(-stop // block) * bsize
             return info.data[lo:hi].reshape(1, -1)
-        return info.data[start * per_first:stop * per_first].reshape(stop - start, per_first)
+        return info.data[start * per_first : stop * per_first].reshape(stop - start, per_first)
 
     def dequantize(self, name: str, rows: Optional[slice] = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Decode a tensor, or a contiguous range of its first dimension, touching only those bytes."""

@@ -95,11 +95,13 @@ class GGUFWriter:
         return int(f.value) if f is not None else GGUF_DEFAULT_ALIGNMENT
 
     # metadata
-    def add_field(self, key: str, value: Any, vtype: Optional[ValueType] = None,
-                  item_type: Optional[ValueType] = None) -> None:
+    def add_field(
+        self, key: str, value: Any, vtype: Optional[ValueType] = None, item_type: Optional[ValueType] = None
+    ) -> None:
         if not self._tensors or key != "general.alignment":
-            self.fields[key] = Field(key, ValueType(vtype) if vtype is not None else _infer_type(value), value,
-                                     item_type)
+            self.fields[key] = Field(
+                key, ValueType(vtype) if vtype is not None else _infer_type(value), value, item_type
+            )
         else:
             raise ValueError("general.alignment must be set before the first tensor is added")
 

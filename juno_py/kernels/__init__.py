@@ -91,8 +91,10 @@ def track_delta(A: torch.Tensor, A_ref: torch.Tensor, copies: int = 1) -> torch.
     difference that D's rounding drops (at most 2⁻⁹ of it) stays in A − A_ref and enters the next difference
     instead of being lost (error feedback). Two kernels (three with copies = 2)."""
     if A.shape != A_ref.shape or A.dtype != torch.float32 or A_ref.dtype != torch.float32:
-        raise ValueError(f"track_delta: A {tuple(A.shape)} {A.dtype} and A_ref {tuple(A_ref.shape)} {A_ref.dtype}: "
-                         f"expected two fp32 tensors of one shape")
+        raise ValueError(
+            f"track_delta: A {tuple(A.shape)} {A.dtype} and A_ref {tuple(A_ref.shape)} {A_ref.dtype}: "
+            f"expected two fp32 tensors of one shape"
+        )
     r, k = A.shape
     D = torch.empty(r, copies, k, dtype=torch.bfloat16, device=A.device)
     torch.sub(A, A_ref, out=D[:, 0])  # the fp32 difference, rounded to nearest even
@@ -128,11 +130,15 @@ def fused_kernels(device: torch.device, mode: str):
     """Kernel module if a fused path may run on `device` in `mode`; else None (auto) or KernelUnavailable (fused)."""
     if mode == "fused":
         if triton_kernels() is None:
-            raise KernelUnavailable(f"JUNO_PY_KERNELS=fused: triton cannot be imported ({_triton_error}); install "
-                                    f"it (pip install triton, Linux) or use JUNO_PY_KERNELS=auto")
+            raise KernelUnavailable(
+                f"JUNO_PY_KERNELS=fused: triton cannot be imported ({_triton_error}); install "
+                f"it (pip install triton, Linux) or use JUNO_PY_KERNELS=auto"
+            )
         if device.type == "cpu" and not triton_kernels().INTERPRETED:
-            raise KernelUnavailable("JUNO_PY_KERNELS=fused on CPU tensors: Triton runs them only in its interpreter; "
-                                    "set TRITON_INTERPRET=1 before juno_py's kernels load, or use JUNO_PY_KERNELS=auto")
+            raise KernelUnavailable(
+                "JUNO_PY_KERNELS=fused on CPU tensors: Triton runs them only in its interpreter; "
+                "set TRITON_INTERPRET=1 before juno_py's kernels load, or use JUNO_PY_KERNELS=auto"
+            )
         return triton_kernels()
     return triton_kernels() if device.type == "cuda" else None
 
@@ -147,8 +153,9 @@ def cross_entropy_path(z: torch.Tensor) -> str:
     return FUSED
 
 
-def cross_entropy_grad_(z: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
-                        in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def cross_entropy_grad_(
+    z: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, in_place: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed cross-entropy, its gradient softmax(z) − onehot(t) in z's dtype) of logits z `[n, V]` and int64
     targets `[n]`; rows whose target is `ignore_index` carry no loss and a zero gradient. `in_place`: the gradient
     is written into z's buffer (z's values are lost); else z is left as it is. fp32 arithmetic (fp64 for fp64 z, on
@@ -160,6 +167,19 @@ def cross_entropy_grad_(z: torch.Tensor, targets: torch.Tensor, ignore_index: in
     return losses.sum(), grad
 
 
-__all__ = ["cross_entropy_grad_", "cross_entropy_path", "cross_entropy_grad_eager", "kernel_mode", "triton_kernels",
-           "fused_kernels", "split_bf16", "split_track", "track_delta", "split_lo_mask", "KernelUnavailable", "EAGER",
-           "FUSED", "FUSED_DTYPES"]
+__all__ = [
+    "cross_entropy_grad_",
+    "cross_entropy_path",
+    "cross_entropy_grad_eager",
+    "kernel_mode",
+    "triton_kernels",
+    "fused_kernels",
+    "split_bf16",
+    "split_track",
+    "track_delta",
+    "split_lo_mask",
+    "KernelUnavailable",
+    "EAGER",
+    "FUSED",
+    "FUSED_DTYPES",
+]

@@ -26,8 +26,21 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _cross_entropy_kernel(z_ptr, t_ptr, loss_ptr, g_ptr, V, stride_zr, stride_zc, stride_gr, stride_gc, ignore_index,
-                          G_BF16: tl.constexpr, BLOCK: tl.constexpr, BLOCKS: tl.constexpr):
+def _cross_entropy_kernel(
+    z_ptr,
+    t_ptr,
+    loss_ptr,
+    g_ptr,
+    V,
+    stride_zr,
+    stride_zc,
+    stride_gr,
+    stride_gc,
+    ignore_index,
+    G_BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
     """Row `program_id`: loss = M + log S − z_t with M = max z, S = Σ exp(z − M) (0 on an ignored row, NaN for a
     target outside [0, V)), and g = exp(z − M)/S − [col == t] (0 on an ignored row). BLOCKS (constexpr) blocks of
     BLOCK columns: a compile-time loop bound, as Triton 3.6's interpreter needs."""
@@ -69,14 +82,16 @@ def _cross_entropy_kernel(z_ptr, t_ptr, loss_ptr, g_ptr, V, stride_zr, stride_zc
         _store(g_row + cols * stride_gc, tl.where(cols == hit, p - 1.0, p), cols < V, G_BF16)
 
 
-def cross_entropy_grad(z: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, in_place: bool = False,
-                       block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def cross_entropy_grad(
+    z: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, in_place: bool = False, block: int = BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-row loss fp32 `[n]`, gradient in z's dtype `[n, V]`) of logits z `[n, V]` (bf16 or fp32, any strides)
     and int64 targets `[n]`. `in_place`: the gradient overwrites z (and is z); else it goes to a new buffer.
     `block`: columns a program step (a power of two; tests use small ones to exercise many blocks)."""
     if z.dim() != 2 or z.dtype not in FUSED_DTYPES:
-        raise ValueError(f"fused cross-entropy: logits are {tuple(z.shape)} {z.dtype}, expected a 2-D float32 or "
-                         f"bfloat16 tensor")
+        raise ValueError(
+            f"fused cross-entropy: logits are {tuple(z.shape)} {z.dtype}, expected a 2-D float32 or bfloat16 tensor"
+        )
     n, V = z.shape
     if targets.shape != (n,):
         raise ValueError(f"fused cross-entropy: {tuple(targets.shape)} targets for {n} rows of logits")
@@ -90,10 +105,15 @@ def cross_entropy_grad(z: torch.Tensor, targets: torch.Tensor, ignore_index: int
     if n == 0:
         return loss, grad
     block = min(block, next_pow2(V))
-    _launch(_cross_entropy_kernel, (n,), (z, targets, loss, _out_arg(grad), V, *z.stride(), *grad.stride(),
-                                          int(ignore_index)),
-            NUM_WARPS if block >= 1024 else 4, G_BF16=grad.dtype == torch.bfloat16, BLOCK=block,
-            BLOCKS=cdiv(V, block))
+    _launch(
+        _cross_entropy_kernel,
+        (n,),
+        (z, targets, loss, _out_arg(grad), V, *z.stride(), *grad.stride(), int(ignore_index)),
+        NUM_WARPS if block >= 1024 else 4,
+        G_BF16=grad.dtype == torch.bfloat16,
+        BLOCK=block,
+        BLOCKS=cdiv(V, block),
+    )
     return loss, grad
 
 

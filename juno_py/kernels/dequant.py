@@ -35,12 +35,36 @@ from juno_py.kernels import split_bf16
 from juno_py.kernels.launch import interpreting, launch
 
 # the codebook types read their grid points from a table on the device (`_grid_table`)
-CODEBOOK_TYPES = frozenset({GGMLType.IQ1_S, GGMLType.IQ1_M, GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S,
-                            GGMLType.IQ3_XXS, GGMLType.IQ3_S})
-TRITON_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0,
-                          GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.TQ1_0,
-                          GGMLType.TQ2_0} | CODEBOOK_TYPES
-                         | ({GGMLType.MXFP4} if "MXFP4" in quants.supported_types() else set()))
+CODEBOOK_TYPES = frozenset(
+    {
+        GGMLType.IQ1_S,
+        GGMLType.IQ1_M,
+        GGMLType.IQ2_XXS,
+        GGMLType.IQ2_XS,
+        GGMLType.IQ2_S,
+        GGMLType.IQ3_XXS,
+        GGMLType.IQ3_S,
+    }
+)
+TRITON_TYPES = frozenset(
+    {
+        GGMLType.F32,
+        GGMLType.F16,
+        GGMLType.BF16,
+        GGMLType.Q4_0,
+        GGMLType.Q4_1,
+        GGMLType.Q5_0,
+        GGMLType.Q5_1,
+        GGMLType.Q8_0,
+        GGMLType.Q4_K,
+        GGMLType.Q5_K,
+        GGMLType.Q6_K,
+        GGMLType.TQ1_0,
+        GGMLType.TQ2_0,
+    }
+    | CODEBOOK_TYPES
+    | ({GGMLType.MXFP4} if "MXFP4" in quants.supported_types() else set())
+)
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 
 # values per block as the kernels cut rows (float types: 256 columns a block), and per type (decode: blocks a program
@@ -127,15 +151,23 @@ def _check(raw: torch.Tensor, ggml_type: int, n_cols: int) -> int:
     block, size = GGML_BLOCK_SIZES[ggml_type]
     row_bytes = n_cols // block * size
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != row_bytes or n_cols % block:
-        raise ValueError(f"raw bytes {tuple(raw.shape)} {raw.dtype}: expected uint8 [rows, {row_bytes}] for "
-                         f"{n_cols} {GGMLType(ggml_type).name} columns")
+        raise ValueError(
+            f"raw bytes {tuple(raw.shape)} {raw.dtype}: expected uint8 [rows, {row_bytes}] for "
+            f"{n_cols} {GGMLType(ggml_type).name} columns"
+        )
     if not raw.is_contiguous():
         raise ValueError("raw bytes must be contiguous rows")
     return row_bytes
 
 
-def _rectangle(raw: torch.Tensor, ggml_type: int, n_cols: int, rows: Optional[tuple[int, int]],
-               cols: Optional[tuple[int, int]], what: str) -> tuple[int, int, int, int, int]:
+def _rectangle(
+    raw: torch.Tensor,
+    ggml_type: int,
+    n_cols: int,
+    rows: Optional[tuple[int, int]],
+    cols: Optional[tuple[int, int]],
+    what: str,
+) -> tuple[int, int, int, int, int]:
     """(row_bytes, r0, r1, c0, c1) of a rectangle of W, checked against the bytes."""
     row_bytes = _check(raw, ggml_type, n_cols)
     r0, r1 = rows or (0, raw.shape[0])
@@ -145,8 +177,20 @@ def _rectangle(raw: torch.Tensor, ggml_type: int, n_cols: int, rows: Optional[tu
     return row_bytes, r0, r1, c0, c1
 
 
-def _decode(raw: torch.Tensor, ggml_type: int, n_cols: int, row_bytes: int, r0: int, r1: int, c0: int, c1: int,
-            dst: torch.Tensor, lo_dst: Optional[torch.Tensor], stride: int, bf16: bool) -> None:
+def _decode(
+    raw: torch.Tensor,
+    ggml_type: int,
+    n_cols: int,
+    row_bytes: int,
+    r0: int,
+    r1: int,
+    c0: int,
+    c1: int,
+    dst: torch.Tensor,
+    lo_dst: Optional[torch.Tensor],
+    stride: int,
+    bf16: bool,
+) -> None:
     """Launch `dequant_kernel` over W[r0:r1, c0:c1] into `dst` (and its w_lo halves into `lo_dst`: the split
     variant), both with row stride `stride`; bf16 outputs are int16 views."""
     if r1 == r0 or c1 == c0:
@@ -158,16 +202,44 @@ def _decode(raw: torch.Tensor, ggml_type: int, n_cols: int, row_bytes: int, r0: 
     nb, warps = KERNEL_CONFIG[ggml_type][:2]
     ra = _row_alignment(row_bytes)
     with _on(raw):
-        launch(kernels().dequant_kernel, (_cdiv((r1 - r0) * n_blk, nb),), (
-            raw, _grid_table(raw, ggml_type), dst, dst if lo_dst is None else lo_dst, row_bytes // ra, r0, blk0, n_blk,
-            r1 - r0, c0, c1, stride),
-            warps, TYPE=int(ggml_type), B=B, BLOCK_BYTES=block_bytes, RA=ra, BF16=bf16,
-            EDGES=bool(c0 % B or c1 % B), NB=nb, SPLIT=lo_dst is not None)
+        launch(
+            kernels().dequant_kernel,
+            (_cdiv((r1 - r0) * n_blk, nb),),
+            (
+                raw,
+                _grid_table(raw, ggml_type),
+                dst,
+                dst if lo_dst is None else lo_dst,
+                row_bytes // ra,
+                r0,
+                blk0,
+                n_blk,
+                r1 - r0,
+                c0,
+                c1,
+                stride,
+            ),
+            warps,
+            TYPE=int(ggml_type),
+            B=B,
+            BLOCK_BYTES=block_bytes,
+            RA=ra,
+            BF16=bf16,
+            EDGES=bool(c0 % B or c1 % B),
+            NB=nb,
+            SPLIT=lo_dst is not None,
+        )
 
 
-def dequantize_tile(raw: torch.Tensor, ggml_type: int, n_cols: int, rows: Optional[tuple[int, int]] = None,
-                    cols: Optional[tuple[int, int]] = None, dtype: torch.dtype = torch.bfloat16,
-                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def dequantize_tile(
+    raw: torch.Tensor,
+    ggml_type: int,
+    n_cols: int,
+    rows: Optional[tuple[int, int]] = None,
+    cols: Optional[tuple[int, int]] = None,
+    dtype: torch.dtype = torch.bfloat16,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """W[r0:r1, c0:c1] decoded from `raw` (uint8 `[n_rows, row_bytes]`, on the device the kernel runs on) into
     `dtype`: bf16 (the exact value rounded to nearest even) or fp32 (exact). `out`: a buffer to write into (its
     leading rows and columns; any row stride)."""
@@ -180,13 +252,31 @@ def dequantize_tile(raw: torch.Tensor, ggml_type: int, n_cols: int, rows: Option
     elif out.dtype != dtype or out.shape[0] < shape[0] or out.shape[1] < shape[1] or out.stride(1) != 1:
         raise ValueError(f"dequantize_tile: out {tuple(out.shape)} {out.dtype} cannot hold {shape} {dtype}")
     bf16 = dtype == torch.bfloat16
-    _decode(raw, ggml_type, n_cols, row_bytes, r0, r1, c0, c1, out.view(torch.int16) if bf16 else out, None,
-            out.stride(0), bf16)
+    _decode(
+        raw,
+        ggml_type,
+        n_cols,
+        row_bytes,
+        r0,
+        r1,
+        c0,
+        c1,
+        out.view(torch.int16) if bf16 else out,
+        None,
+        out.stride(0),
+        bf16,
+    )
     return out[: shape[0], : shape[1]]
 
 
-def dequantize_split_tile(raw: torch.Tensor, ggml_type: int, n_cols: int, rows: Optional[tuple[int, int]] = None,
-                          cols: Optional[tuple[int, int]] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def dequantize_split_tile(
+    raw: torch.Tensor,
+    ggml_type: int,
+    n_cols: int,
+    rows: Optional[tuple[int, int]] = None,
+    cols: Optional[tuple[int, int]] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """W[r0:r1, c0:c1] decoded once into both bf16 halves of each value, `[2, r1 − r0, c1 − c0]` bf16: [0] is
     w_hi = bf16(w) (bit-identical to `dequantize_tile(..., dtype=bf16)`), [1] is w_lo = bf16(w − w_hi), each rounded
     to nearest even; w_hi + w_lo is within 2⁻¹⁶ of w (about 2⁻¹⁷ on average). The same values as
@@ -196,16 +286,23 @@ def dequantize_split_tile(raw: torch.Tensor, ggml_type: int, n_cols: int, rows: 
     shape = (r1 - r0, c1 - c0)
     if out is None:
         out = torch.empty((2, *shape), dtype=torch.bfloat16, device=raw.device)
-    elif (out.dtype != torch.bfloat16 or out.dim() != 3 or out.shape[0] != 2 or out.shape[1] < shape[0]
-          or out.shape[2] < shape[1] or out.stride(2) != 1):
+    elif (
+        out.dtype != torch.bfloat16
+        or out.dim() != 3
+        or out.shape[0] != 2
+        or out.shape[1] < shape[0]
+        or out.shape[2] < shape[1]
+        or out.stride(2) != 1
+    ):
         raise ValueError(f"dequantize_split_tile: out {tuple(out.shape)} {out.dtype} cannot hold 2×{shape} bf16")
     bits = out.view(torch.int16)
     _decode(raw, ggml_type, n_cols, row_bytes, r0, r1, c0, c1, bits[0], bits[1], out.stride(1), True)
     return out[:, : shape[0], : shape[1]]
 
 
-def dequant_matvec(raw: torch.Tensor, ggml_type: int, n_cols: int, x: torch.Tensor,
-                   round_bf16: bool = True) -> torch.Tensor:
+def dequant_matvec(
+    raw: torch.Tensor, ggml_type: int, n_cols: int, x: torch.Tensor, round_bf16: bool = True
+) -> torch.Tensor:
     """`x · Wᵀ` for a few tokens, x `[T, n_cols]`, decoding W inside the product: one program per 32 output rows
     and token, fp32 accumulation, the weight rounded to bf16 first when `round_bf16` (as the tile path multiplies
     it). Returns fp32 `[T, n_rows]`."""
@@ -222,16 +319,39 @@ def dequant_matvec(raw: torch.Tensor, ggml_type: int, n_cols: int, x: torch.Tens
         ra = _row_alignment(row_bytes)
         grid = (_cdiv(n_rows, bn), x.shape[0])
         with _on(raw):
-            launch(kernels().matvec_kernel, grid, (raw, _grid_table(raw, ggml_type), x, y, n_rows, n_cols,
-                                                   _cdiv(n_cols, B), row_bytes // ra, x.stride(0), y.stride(0)), 4,
-                   TYPE=int(ggml_type), B=B, BLOCK_BYTES=block_bytes, RA=ra, ROUND_BF16=round_bf16, BN=bn, KB=kb)
+            launch(
+                kernels().matvec_kernel,
+                grid,
+                (
+                    raw,
+                    _grid_table(raw, ggml_type),
+                    x,
+                    y,
+                    n_rows,
+                    n_cols,
+                    _cdiv(n_cols, B),
+                    row_bytes // ra,
+                    x.stride(0),
+                    y.stride(0),
+                ),
+                4,
+                TYPE=int(ggml_type),
+                B=B,
+                BLOCK_BYTES=block_bytes,
+                RA=ra,
+                ROUND_BF16=round_bf16,
+                BN=bn,
+                KB=kb,
+            )
     return y
 
 
 # ---- eager references -------------------------------------------------------------------------------------------
 
-def dequantize_reference(raw: torch.Tensor, ggml_type: int, n_cols: int,
-                         dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+
+def dequantize_reference(
+    raw: torch.Tensor, ggml_type: int, n_cols: int, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """The torch codec's fp32 values (on the CPU), cast to `dtype` (torch rounds to nearest even)."""
     w = quants.dequantize(ggml_type, raw.detach().cpu(), n_cols)
     return w if dtype == torch.float32 else w.to(dtype)
@@ -244,13 +364,24 @@ def dequantize_split_reference(raw: torch.Tensor, ggml_type: int, n_cols: int) -
     return split_bf16(w).view(2, *w.shape)
 
 
-def matvec_reference(raw: torch.Tensor, ggml_type: int, n_cols: int, x: torch.Tensor,
-                     round_bf16: bool = True) -> torch.Tensor:
+def matvec_reference(
+    raw: torch.Tensor, ggml_type: int, n_cols: int, x: torch.Tensor, round_bf16: bool = True
+) -> torch.Tensor:
     """fp64 `x · Wᵀ` over the codec's values (rounded to bf16 first when `round_bf16`)."""
     w = dequantize_reference(raw, ggml_type, n_cols, torch.bfloat16 if round_bf16 else torch.float32)
     return x.detach().cpu().double() @ w.double().T
 
 
-__all__ = ["TRITON_TYPES", "OUT_DTYPES", "triton_ready", "has_kernel", "interpreting", "dequantize_tile",
-           "dequantize_split_tile", "dequant_matvec", "dequantize_reference", "dequantize_split_reference",
-           "matvec_reference"]
+__all__ = [
+    "TRITON_TYPES",
+    "OUT_DTYPES",
+    "triton_ready",
+    "has_kernel",
+    "interpreting",
+    "dequantize_tile",
+    "dequantize_split_tile",
+    "dequant_matvec",
+    "dequantize_reference",
+    "dequantize_split_reference",
+    "matvec_reference",
+]

@@ -115,8 +115,12 @@ def _codebook_values(b2, grid_ptr, TYPE: tl.constexpr):
         val = _f16(b2) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32) * (point + delta)
     elif TYPE == 29:  # IQ1_M: 32 index bytes, 32 nibbles (3 high index bits, offset sign), 16 scales of 3 bits;
         # the float16 scale is the top nibbles of the four uint16s at byte 48
-        d = ((_u16(b2 + 48) >> 12) | ((_u16(b2 + 50) >> 12) << 4) | ((_u16(b2 + 52) >> 12) << 8)
-             | ((_u16(b2 + 54) >> 12) << 12))
+        d = (
+            (_u16(b2 + 48) >> 12)
+            | ((_u16(b2 + 50) >> 12) << 4)
+            | ((_u16(b2 + 52) >> 12) << 8)
+            | ((_u16(b2 + 54) >> 12) << 12)
+        )
         d = d.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         sb = v // 16
         sc = (_u16(b2 + 48 + 2 * (sb // 4)) >> (3 * (sb % 4))) & 7
@@ -147,8 +151,21 @@ def _bf16_bits(v):
 
 
 @triton.jit
-def _emit(val, idx, base, lo, hi, ok, out_ptr, lo_out_ptr, MODE: tl.constexpr, BF16: tl.constexpr,
-          EDGES: tl.constexpr, NB: tl.constexpr, B: tl.constexpr):
+def _emit(
+    val,
+    idx,
+    base,
+    lo,
+    hi,
+    ok,
+    out_ptr,
+    lo_out_ptr,
+    MODE: tl.constexpr,
+    BF16: tl.constexpr,
+    EDGES: tl.constexpr,
+    NB: tl.constexpr,
+    B: tl.constexpr,
+):
     """MODE 0: store `val` at `out_ptr + base + idx` where `ok` (and lo <= idx < hi when EDGES), as bf16 bits or fp32;
     returns nothing useful. MODE 2 (split): store both bf16 halves of `val`, w_hi = bf16(val) at `out_ptr` and
     w_lo = bf16(val − w_hi) at `lo_out_ptr` (same offsets); val − w_hi is exact in fp32 (the rounding error of a
@@ -178,16 +195,52 @@ def _emit(val, idx, base, lo, hi, ok, out_ptr, lo_out_ptr, MODE: tl.constexpr, B
 
 
 @triton.jit
-def _blocks(raw_ptr, grid_ptr, blk, base, lo, hi, ok, out_ptr, lo_out_ptr, TYPE: tl.constexpr, MODE: tl.constexpr,
-            BF16: tl.constexpr, EDGES: tl.constexpr, NB: tl.constexpr):
+def _blocks(
+    raw_ptr,
+    grid_ptr,
+    blk,
+    base,
+    lo,
+    hi,
+    ok,
+    out_ptr,
+    lo_out_ptr,
+    TYPE: tl.constexpr,
+    MODE: tl.constexpr,
+    BF16: tl.constexpr,
+    EDGES: tl.constexpr,
+    NB: tl.constexpr,
+):
     """Decode the NB blocks at byte offsets `blk` [NB] (int64, always inside the bytes) and hand their values to
     `_emit` with the block's output offset `base`, its kept value range [lo, hi) and `ok` (the block is real)."""
     b = raw_ptr + blk
-    if (TYPE == 16 or TYPE == 17 or TYPE == 18 or TYPE == 19 or TYPE == 21 or TYPE == 22 or TYPE == 29 or TYPE == 34
-            or TYPE == 35):
+    if (
+        TYPE == 16
+        or TYPE == 17
+        or TYPE == 18
+        or TYPE == 19
+        or TYPE == 21
+        or TYPE == 22
+        or TYPE == 29
+        or TYPE == 34
+        or TYPE == 35
+    ):
         val = _codebook_values(b[:, None], grid_ptr, TYPE)
-        return _emit(val, tl.arange(0, 256)[None, :], base[:, None], lo[:, None], hi[:, None], ok[:, None], out_ptr,
-                     lo_out_ptr, MODE, BF16, EDGES, NB, 256)
+        return _emit(
+            val,
+            tl.arange(0, 256)[None, :],
+            base[:, None],
+            lo[:, None],
+            hi[:, None],
+            ok[:, None],
+            out_ptr,
+            lo_out_ptr,
+            MODE,
+            BF16,
+            EDGES,
+            NB,
+            256,
+        )
     elif TYPE == 39:  # MXFP4: an e8m0 scale byte, 16 bytes of e2m1 codes (values 0-15 low nibbles, 16-31 high)
         b2 = b[:, None]
         v = tl.arange(0, 32)[None, :]
@@ -197,8 +250,9 @@ def _blocks(raw_ptr, grid_ptr, blk, base, lo, hi, ok, out_ptr, lo_out_ptr, TYPE:
         e = _u8(b2)
         d = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)  # 2^(e − 128)
         val = tl.where(c >= 8, -mag, mag).to(tl.float32) * d
-        return _emit(val, v, base[:, None], lo[:, None], hi[:, None], ok[:, None], out_ptr, lo_out_ptr, MODE, BF16,
-                     EDGES, NB, 32)
+        return _emit(
+            val, v, base[:, None], lo[:, None], hi[:, None], ok[:, None], out_ptr, lo_out_ptr, MODE, BF16, EDGES, NB, 32
+        )
     elif TYPE == 12 or TYPE == 13:  # Q4_K: d dmin scales[12] qs[128]; Q5_K: d dmin scales[12] qh[32] qs[128]
         c = tl.arange(0, 4)[None, :, None, None]
         h = tl.arange(0, 2)[None, None, :, None]
@@ -220,8 +274,21 @@ def _blocks(raw_ptr, grid_ptr, blk, base, lo, hi, ok, out_ptr, lo_out_ptr, TYPE:
         bias = -_f16(b4 + 2) * mn
         val = q.to(tl.float32) * scale + bias
         idx = 64 * c + 32 * h + l
-        return _emit(val, idx, base[:, None, None, None], lo[:, None, None, None], hi[:, None, None, None],
-                     ok[:, None, None, None], out_ptr, lo_out_ptr, MODE, BF16, EDGES, NB, 256)
+        return _emit(
+            val,
+            idx,
+            base[:, None, None, None],
+            lo[:, None, None, None],
+            hi[:, None, None, None],
+            ok[:, None, None, None],
+            out_ptr,
+            lo_out_ptr,
+            MODE,
+            BF16,
+            EDGES,
+            NB,
+            256,
+        )
     elif TYPE == 14:  # Q6_K: ql[128] qh[64] int8 scales[16] d
         n = tl.arange(0, 2)[None, :, None, None, None]
         a = tl.arange(0, 2)[None, None, :, None, None]
@@ -232,13 +299,26 @@ def _blocks(raw_ptr, grid_ptr, blk, base, lo, hi, ok, out_ptr, lo_out_ptr, TYPE:
         hi2 = (tl.load(b5 + 128 + 32 * n + l).to(tl.int32) >> (2 * (2 * a + bb))) & 3
         idx = 128 * n + 64 * a + 32 * bb + l
         s16 = 8 * n + 4 * a + 2 * bb  # scale of values idx // 16: s16 for l < 16, s16 + 1 above
-        sc = tl.where(l < 16, tl.load(b5 + 192 + s16).to(tl.int8, bitcast=True),
-                      tl.load(b5 + 193 + s16).to(tl.int8, bitcast=True)).to(tl.float32)
+        sc = tl.where(
+            l < 16, tl.load(b5 + 192 + s16).to(tl.int8, bitcast=True), tl.load(b5 + 193 + s16).to(tl.int8, bitcast=True)
+        ).to(tl.float32)
         scale = _f16(b5 + 208) * sc
         val = ((lo4 | (hi2 << 4)) - 32).to(tl.float32) * scale
-        return _emit(val, idx, base[:, None, None, None, None], lo[:, None, None, None, None],
-                     hi[:, None, None, None, None], ok[:, None, None, None, None], out_ptr, lo_out_ptr, MODE, BF16,
-                     EDGES, NB, 256)
+        return _emit(
+            val,
+            idx,
+            base[:, None, None, None, None],
+            lo[:, None, None, None, None],
+            hi[:, None, None, None, None],
+            ok[:, None, None, None, None],
+            out_ptr,
+            lo_out_ptr,
+            MODE,
+            BF16,
+            EDGES,
+            NB,
+            256,
+        )
     elif TYPE == 0 or TYPE == 1 or TYPE == 30:  # F32, F16, BF16: 256 columns a block, the row's end masked
         s = tl.arange(0, 8)[None, :, None]
         l = tl.arange(0, 32)[None, None, :]
@@ -252,8 +332,21 @@ def _blocks(raw_ptr, grid_ptr, blk, base, lo, hi, ok, out_ptr, lo_out_ptr, TYPE:
         else:
             bits = tl.load(b3.to(tl.pointer_type(tl.int16)) + idx, mask=inside, other=0).to(tl.int32)
             val = (bits << 16).to(tl.float32, bitcast=True)
-        return _emit(val, idx, base[:, None, None], lo[:, None, None], hi[:, None, None], ok[:, None, None],
-                     out_ptr, lo_out_ptr, MODE, BF16, EDGES, NB, 256)
+        return _emit(
+            val,
+            idx,
+            base[:, None, None],
+            lo[:, None, None],
+            hi[:, None, None],
+            ok[:, None, None],
+            out_ptr,
+            lo_out_ptr,
+            MODE,
+            BF16,
+            EDGES,
+            NB,
+            256,
+        )
     else:  # 32-value blocks: Q4_0 (d qs[16]), Q4_1 (d m qs[16]), Q5_0 (d qh[4] qs[16]), Q5_1 (d m qh[4] qs[16]), Q8_0
         h = tl.arange(0, 2)[None, :, None]
         l = tl.arange(0, 16)[None, None, :]
@@ -281,14 +374,46 @@ def _blocks(raw_ptr, grid_ptr, blk, base, lo, hi, ok, out_ptr, lo_out_ptr, TYPE:
                 val = (q - 16).to(tl.float32) * d
             else:  # Q4_1, Q5_1: d·q + m
                 val = q.to(tl.float32) * d + _f16(b3 + 2)
-        return _emit(val, idx, base[:, None, None], lo[:, None, None], hi[:, None, None], ok[:, None, None],
-                     out_ptr, lo_out_ptr, MODE, BF16, EDGES, NB, 32)
+        return _emit(
+            val,
+            idx,
+            base[:, None, None],
+            lo[:, None, None],
+            hi[:, None, None],
+            ok[:, None, None],
+            out_ptr,
+            lo_out_ptr,
+            MODE,
+            BF16,
+            EDGES,
+            NB,
+            32,
+        )
 
 
 @triton.jit
-def dequant_kernel(raw_ptr, grid_ptr, out_ptr, lo_out_ptr, row_units, row0, blk0, n_blk, n_out_rows, col0, col1,
-                   out_stride, TYPE: tl.constexpr, B: tl.constexpr, BLOCK_BYTES: tl.constexpr, RA: tl.constexpr,
-                   BF16: tl.constexpr, EDGES: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr):
+def dequant_kernel(
+    raw_ptr,
+    grid_ptr,
+    out_ptr,
+    lo_out_ptr,
+    row_units,
+    row0,
+    blk0,
+    n_blk,
+    n_out_rows,
+    col0,
+    col1,
+    out_stride,
+    TYPE: tl.constexpr,
+    B: tl.constexpr,
+    BLOCK_BYTES: tl.constexpr,
+    RA: tl.constexpr,
+    BF16: tl.constexpr,
+    EDGES: tl.constexpr,
+    NB: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
     """Write W[row0 : row0 + n_out_rows, col0:col1] into out (row stride `out_stride`, column col0 at 0); SPLIT: its
     bf16 halves w_hi into out and w_lo into lo_out (the same row stride; unused otherwise). The
     program takes NB consecutive blocks of the flattened (output row, block column) grid; block columns run from
@@ -312,9 +437,25 @@ def dequant_kernel(raw_ptr, grid_ptr, out_ptr, lo_out_ptr, row_units, row0, blk0
 
 
 @triton.jit
-def matvec_kernel(raw_ptr, grid_ptr, x_ptr, y_ptr, n_rows, n_cols, n_blk, row_units, x_stride, y_stride,
-                  TYPE: tl.constexpr, B: tl.constexpr, BLOCK_BYTES: tl.constexpr, RA: tl.constexpr,
-                  ROUND_BF16: tl.constexpr, BN: tl.constexpr, KB: tl.constexpr):
+def matvec_kernel(
+    raw_ptr,
+    grid_ptr,
+    x_ptr,
+    y_ptr,
+    n_rows,
+    n_cols,
+    n_blk,
+    row_units,
+    x_stride,
+    y_stride,
+    TYPE: tl.constexpr,
+    B: tl.constexpr,
+    BLOCK_BYTES: tl.constexpr,
+    RA: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    BN: tl.constexpr,
+    KB: tl.constexpr,
+):
     """y[t, rows] = x[t] · W[rows]ᵀ for BN rows and one token t a program, KB blocks of each row a step, fp32."""
     t = tl.program_id(1).to(tl.int64)
     i = tl.arange(0, BN * KB)
@@ -329,8 +470,22 @@ def matvec_kernel(raw_ptr, grid_ptr, x_ptr, y_ptr, n_rows, n_cols, n_blk, row_un
         blk = rows_c * (row_units * RA) + bcc * BLOCK_BYTES
         first = bcc * B
         hi = (n_cols - first).to(tl.int32)
-        acc += _blocks(raw_ptr, grid_ptr, blk, t * x_stride + first, hi * 0, hi, ok, x_ptr, x_ptr, TYPE, 1,
-                       ROUND_BF16, True, BN * KB)
+        acc += _blocks(
+            raw_ptr,
+            grid_ptr,
+            blk,
+            t * x_stride + first,
+            hi * 0,
+            hi,
+            ok,
+            x_ptr,
+            x_ptr,
+            TYPE,
+            1,
+            ROUND_BF16,
+            True,
+            BN * KB,
+        )
     y = tl.sum(tl.reshape(acc, [BN, KB]), axis=1)
     r = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     tl.store(y_ptr + t * y_stride + r, y, mask=r < n_rows)

@@ -100,8 +100,12 @@ class DoraLayer(Protocol):
 
     def start_running_u(self, A: torch.Tensor, U: torch.Tensor) -> torch.Tensor: ...
 
-    def dora_norm(self, dtype: torch.dtype = torch.float32, U: Optional[torch.Tensor] = None,
-                  A_split: Optional[torch.Tensor] = None) -> torch.Tensor: ...
+    def dora_norm(
+        self,
+        dtype: torch.dtype = torch.float32,
+        U: Optional[torch.Tensor] = None,
+        A_split: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor: ...
 
 
 class DoraLinearFn(torch.autograd.Function):
@@ -189,10 +193,15 @@ class DoraLinearFn(torch.autograd.Function):
         # GEMMs (their alpha), one [tokens, d_out] tensor fewer to write
         shared = base_dtype == lora_dtype
         # d_g's partial sums, added up at the end: the big GEMM is issued first
-        d_base, d_lora, d_g_parts = tk.compose_backward(dy2, g, inner if need_m else None, s,
-                                                        base_dtype if need_x or (shared and need_lora) else None,
-                                                        lora_dtype if need_lora and not shared else None,
-                                                        reduce_d_g=False)
+        d_base, d_lora, d_g_parts = tk.compose_backward(
+            dy2,
+            g,
+            inner if need_m else None,
+            s,
+            base_dtype if need_x or (shared and need_lora) else None,
+            lora_dtype if need_lora and not shared else None,
+            reduce_d_g=False,
+        )
         scale = s if shared else 1.0
         if shared:
             d_lora = d_base
@@ -225,9 +234,16 @@ def _mm_scaled(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ 3. the row norm
-def factored_row_norm(base_sq: torch.Tensor, U: torch.Tensor, A: torch.Tensor, B: torch.Tensor, s: float,
-                      dtype: torch.dtype = torch.float32, eps: float = 0.0,
-                      A_split: Optional[torch.Tensor] = None) -> torch.Tensor:
+def factored_row_norm(
+    base_sq: torch.Tensor,
+    U: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    s: float,
+    dtype: torch.dtype = torch.float32,
+    eps: float = 0.0,
+    A_split: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """‖W + sBA‖ per row (then max(·, eps)) from ‖W‖²_row, U = W·Aᵀ `[d_out, r]` (a transposed view is fine),
     A `[r, d_in]`, B `[d_out, r]`; no `d_out×d_in` matrix.
 
@@ -285,7 +301,6 @@ def mm_bf16x3(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return mm_out(split_bf16(a, "hhl", side=True), split_bf16(b, "hlh"), torch.float32)
 
 
-
 def _splits_gram(A: torch.Tensor) -> bool:
     """Whether `gram(A)` runs on the split A (fp32 A on CUDA, `SPLIT_PRODUCT_DEVICES`, with at least
     SPLIT_GRAM_MIN_FMAS multiply-adds)."""
@@ -306,7 +321,6 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tenso
     return addmm_out_(torch.empty(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device), a, b, alpha, beta=0)
 
 
-
 def norm_assemble(base_sq: torch.Tensor, cross: torch.Tensor, ba_sq: torch.Tensor, s: float) -> torch.Tensor:
     """‖W + sBA‖_row = sqrt(max(base_sq + 2s·cross + s²·ba_sq, 0)): the fused kernel on CUDA (fp32 or bf16 inputs,
     result fp32), else the eager reference (which keeps fp64 for fp64 inputs). Same JUNO_PY_KERNELS rules."""
@@ -316,8 +330,9 @@ def norm_assemble(base_sq: torch.Tensor, cross: torch.Tensor, ba_sq: torch.Tenso
     return kernels.norm_assemble(base_sq, cross, ba_sq, s)
 
 
-def norm_rows(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, V: Optional[torch.Tensor], s: float,
-              eps: float = 0.0) -> torch.Tensor:
+def norm_rows(
+    base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, V: Optional[torch.Tensor], s: float, eps: float = 0.0
+) -> torch.Tensor:
     """max(‖W + sBA‖_row, eps) = max(sqrt(max(‖W‖² + Σ_j B_ij·(2s·U_ij + s²·V_ij), 0)), eps) with U = W·Aᵀ and
     V = B·(A·Aᵀ) `[n, r]` (V None: no s² term, the caller folded it into U): one fused kernel on CUDA (fp32 or bf16
     inputs, result fp32), else the eager reference (which keeps fp64 for fp64 inputs). Same JUNO_PY_KERNELS rules
@@ -328,8 +343,15 @@ def norm_rows(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, V: Option
     return kernels.norm_rows(base_sq, B, U, V, s, eps)
 
 
-def norm_rows_gram(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, G: torch.Tensor, s: float,
-                   eps: float = 0.0, split: bool = False) -> torch.Tensor:
+def norm_rows_gram(
+    base_sq: torch.Tensor,
+    B: torch.Tensor,
+    U: torch.Tensor,
+    G: torch.Tensor,
+    s: float,
+    eps: float = 0.0,
+    split: bool = False,
+) -> torch.Tensor:
     """`norm_rows` with V = B·G formed inside one fused kernel on CUDA: G = A·Aᵀ fp32 `[r, r]`, or with `split` the
     fp32 half Gram matrix P = [A_hi; A_lo]·A_hiᵀ `[2r, r]` of the split A (`split_bf16`), G = P_top + P_bot + P_botᵀ.
     Else the eager reference (fp64 stays fp64). Same JUNO_PY_KERNELS rules as `norm_assemble`."""
@@ -337,7 +359,6 @@ def norm_rows_gram(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, G: t
     if kernels is None:
         return norm_rows_gram_eager(base_sq, B, U, G, s, eps, split)
     return kernels.norm_rows_gram(base_sq, B, U, G, s, eps, split)
-
 
 
 def _norm_kernels(device: torch.device, *tensors: Optional[torch.Tensor], G: Optional[torch.Tensor] = None):
@@ -348,7 +369,6 @@ def _norm_kernels(device: torch.device, *tensors: Optional[torch.Tensor], G: Opt
     if mode == "eager" or not narrow or (G is not None and G.dtype != torch.float32):
         return None
     return fused_kernels(device, mode)
-
 
 
 # ----------------------------------------------------------------------------------------- 4. the composition
@@ -364,21 +384,35 @@ def dora_compose_xa(base: torch.Tensor, xa: torch.Tensor, B: torch.Tensor, g: to
     the eager side's rounding."""
     mode = kernel_mode()
     N, r = B.shape
-    if (mode != "eager" and r <= COMPOSE_XA_MAX_RANK and xa.dtype == B.dtype == torch.bfloat16
-            and base.dtype in FUSED_DTYPES
-            and base.dim() >= 1 and base.shape[-1] == N and xa.shape[:-1] == base.shape[:-1] and xa.shape[-1] == r
-            and g.numel() == N and g.dtype in FUSED_DTYPES and base.device == xa.device == B.device == g.device
-            and not _wants_grad(base, xa, B, g) and fused_kernels(base.device, mode) is not None):
-        y, _ = triton_kernels().compose_forward_xa(base.reshape(-1, N), xa.reshape(-1, r), B,
-                                                   g.reshape(-1).to(torch.float32), float(s))
+    if (
+        mode != "eager"
+        and r <= COMPOSE_XA_MAX_RANK
+        and xa.dtype == B.dtype == torch.bfloat16
+        and base.dtype in FUSED_DTYPES
+        and base.dim() >= 1
+        and base.shape[-1] == N
+        and xa.shape[:-1] == base.shape[:-1]
+        and xa.shape[-1] == r
+        and g.numel() == N
+        and g.dtype in FUSED_DTYPES
+        and base.device == xa.device == B.device == g.device
+        and not _wants_grad(base, xa, B, g)
+        and fused_kernels(base.device, mode) is not None
+    ):
+        y, _ = triton_kernels().compose_forward_xa(
+            base.reshape(-1, N), xa.reshape(-1, r), B, g.reshape(-1).to(torch.float32), float(s)
+        )
         return y.reshape(base.shape)
-    if xa.is_cuda and r <= COMPOSE_XA_MAX_RANK and xa.dtype == B.dtype == torch.bfloat16 and not _wants_grad(
-            base, xa, B, g):
+    if (
+        xa.is_cuda
+        and r <= COMPOSE_XA_MAX_RANK
+        and xa.dtype == B.dtype == torch.bfloat16
+        and not _wants_grad(base, xa, B, g)
+    ):
         lora = mm_out(xa.reshape(-1, r), B.t(), torch.float32).reshape(*xa.shape[:-1], N)
     else:
         lora = xa @ B.T
     return dora_compose(base, lora, g, s)
-
 
 
 def dora_compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: float) -> torch.Tensor:
@@ -397,7 +431,6 @@ def dora_compose(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor, s: flo
     return y.reshape(base.shape)
 
 
-
 def compose_path(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor) -> str:
     """Which path `dora_compose` takes for these tensors now: EAGER, FUSED_INFERENCE or FUSED_TRAINING.
 
@@ -413,17 +446,21 @@ def compose_path(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor) -> str
     return FUSED_TRAINING
 
 
-
 def _fusable(base: torch.Tensor, lora: torch.Tensor, g: torch.Tensor) -> bool:
     """Whether the kernels take these tensors at all: fp32/bf16 base and lora of one shape, g one value per column."""
-    return (base.dtype in FUSED_DTYPES and lora.dtype in FUSED_DTYPES and g.dtype in FUSED_DTYPES
-            and base.shape == lora.shape and base.dim() >= 1 and g.numel() == base.shape[-1]
-            and base.device == lora.device == g.device)
+    return (
+        base.dtype in FUSED_DTYPES
+        and lora.dtype in FUSED_DTYPES
+        and g.dtype in FUSED_DTYPES
+        and base.shape == lora.shape
+        and base.dim() >= 1
+        and g.numel() == base.shape[-1]
+        and base.device == lora.device == g.device
+    )
 
 
 def _wants_grad(*ts: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
-
 
 
 # ----------------------------------------------------------------------------------------------------- helpers
@@ -431,5 +468,3 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t in dtype; t itself when it has it (a no-op `.to` still costs a dispatch: several µs a call on a slow host,
     and a DoRA step made eight of them)."""
     return t if t.dtype == dtype else t.to(dtype)
-
-

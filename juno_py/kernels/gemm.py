@@ -29,14 +29,16 @@ def mm_out(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Te
     return torch.mm(a, b).to(out_dtype)
 
 
-def addmm_out_(C: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0,
-               beta: float = 1.0) -> torch.Tensor:
+def addmm_out_(
+    C: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0, beta: float = 1.0
+) -> torch.Tensor:
     """C = beta·C + alpha·(a·b) in place, for an fp32 C whose rows are contiguous (a contiguous tensor or a slice of
     its rows) and fp32 or bf16 a, b: one cuBLAS GEMM accumulating into C in fp32 on CUDA. beta = 0: C is not read (a
     fresh buffer may hold anything)."""
     if C.dtype != torch.float32 or not C.is_contiguous():
-        raise ValueError(f"addmm_out_: C {tuple(C.shape)} {C.dtype} with strides {C.stride()}: expected a contiguous "
-                         f"float32 tensor")
+        raise ValueError(
+            f"addmm_out_: C {tuple(C.shape)} {C.dtype} with strides {C.stride()}: expected a contiguous float32 tensor"
+        )
     if a.is_cuda and a.dtype == b.dtype == torch.float32:
         return torch.addmm(C, a, b, beta=beta, alpha=alpha, out=C)
     if a.is_cuda and _ADDMM_OUT_DTYPE[0]:

@@ -49,8 +49,7 @@ def launch(kernel, grid, args, num_warps=4, num_stages=None, **constexprs):
     if not _direct:
         kernel[grid](*args, **constexprs, **opts)
         return
-    key = (kernel, num_warps, num_stages, tuple(constexprs.items()), tuple(map(_arg_key, args)),
-           args[0].device.index)
+    key = (kernel, num_warps, num_stages, tuple(constexprs.items()), tuple(map(_arg_key, args)), args[0].device.index)
     hit = _compiled.get(key)
     if hit is not None:
         compiled, names = hit
@@ -62,7 +61,7 @@ def launch(kernel, grid, args, num_warps=4, num_stages=None, **constexprs):
             _direct = False
             _compiled.clear()
     compiled = kernel[grid](*args, **constexprs, **opts)
-    names = list(getattr(kernel, "arg_names", [])[len(args):])
+    names = list(getattr(kernel, "arg_names", [])[len(args) :])
     if _direct and hasattr(compiled, "__getitem__") and sorted(names) == sorted(constexprs):
         _compiled[key] = (compiled, names)
 

@@ -24,8 +24,9 @@ def norm_assemble_eager(base_sq: torch.Tensor, cross: torch.Tensor, ba_sq: torch
     return torch.sqrt(torch.clamp(total, min=0.0))
 
 
-def norm_rows_eager(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, V: torch.Tensor | None, s: float,
-                    eps: float = 0.0) -> torch.Tensor:
+def norm_rows_eager(
+    base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, V: torch.Tensor | None, s: float, eps: float = 0.0
+) -> torch.Tensor:
     """max(‖W + sBA‖_row, eps) from ‖W‖²_row, B, U = W·Aᵀ and V = B·(A·Aᵀ) (all `[n, r]`):
     sqrt(max(‖W‖² + Σ_j B_ij·(2s·U_ij + s²·V_ij), 0)), in fp32 (or fp64 if the inputs are). V None: no s² term
     (the caller folded it into U)."""
@@ -35,8 +36,15 @@ def norm_rows_eager(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, V: 
     return torch.sqrt(torch.clamp(total, min=0.0)).clamp_min(eps)
 
 
-def norm_rows_gram_eager(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor, G: torch.Tensor, s: float,
-                         eps: float = 0.0, split: bool = False) -> torch.Tensor:
+def norm_rows_gram_eager(
+    base_sq: torch.Tensor,
+    B: torch.Tensor,
+    U: torch.Tensor,
+    G: torch.Tensor,
+    s: float,
+    eps: float = 0.0,
+    split: bool = False,
+) -> torch.Tensor:
     """`norm_rows_eager` with V = B·G: G = A·Aᵀ `[r, r]`, or with `split` the half Gram matrix
     P = [A_hi; A_lo]·A_hiᵀ `[2r, r]` of the split A, G = P_top + P_bot + P_botᵀ. fp32 (or fp64 if the inputs are)."""
     dt = torch.promote_types(base_sq.dtype, torch.float32)
@@ -47,8 +55,9 @@ def norm_rows_gram_eager(base_sq: torch.Tensor, B: torch.Tensor, U: torch.Tensor
     return norm_rows_eager(base_sq, B, U, B.to(dt) @ G, s, eps)
 
 
-def cross_entropy_grad_eager(z: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
-                             in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def cross_entropy_grad_eager(
+    z: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, in_place: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed loss, ∂loss/∂z in z's dtype) of logits z `[n, V]` and int64 targets `[n]` (ignore_index: no loss).
 
     With m = max z per row: loss = Σ_rows m + log Σ exp(z − m) − z_t, ∂loss/∂z = softmax(z) − onehot(t), zero on

@@ -15,8 +15,17 @@ from torch import nn
 
 from juno_py.errors import AdapterMismatch
 from juno_py.lora.adapters import AdaptedLinear, AdapterConfig, AdapterSet, LoraAdapter, TensorFingerprints
-from juno_py.lora.format import (AdapterEntry, Fingerprint, Init, Mode, Scaling, parse_key, read_adapter, sort_key,
-                                 write_adapter)
+from juno_py.lora.format import (
+    AdapterEntry,
+    Fingerprint,
+    Init,
+    Mode,
+    Scaling,
+    parse_key,
+    read_adapter,
+    sort_key,
+    write_adapter,
+)
 from juno_py.models.layout import TARGETS
 
 TARGET_ALIASES = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "wgate", "up": "wup", "down": "wdown"}
@@ -40,8 +49,9 @@ def parse_targets(spec: Union[str, Sequence[str]]) -> tuple[str, ...]:
     for n in names:
         t = TARGET_ALIASES.get(n, n)
         if t not in TARGETS:
-            raise ValueError(f"unknown target {n!r}: expected qv, all, attn, mlp or a comma list of "
-                             f"{', '.join(TARGETS)}")
+            raise ValueError(
+                f"unknown target {n!r}: expected qv, all, attn, mlp or a comma list of {', '.join(TARGETS)}"
+            )
         if t not in out:
             out.append(t)
     return tuple(sorted(out, key=TARGETS.index))
@@ -61,8 +71,14 @@ def _device_of(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def attach(model, targets: Union[str, Sequence[str]] = "qv", config: Optional[AdapterConfig] = None,
-           seed: int = 0, layers: Optional[Iterable[int]] = None, **overrides) -> AdapterSet:
+def attach(
+    model,
+    targets: Union[str, Sequence[str]] = "qv",
+    config: Optional[AdapterConfig] = None,
+    seed: int = 0,
+    layers: Optional[Iterable[int]] = None,
+    **overrides,
+) -> AdapterSet:
     """Wrap the chosen targets of every (or the given) layer in fresh adapters; returns the trainable set.
 
     `config` (or keyword overrides such as rank=, alpha=, mode=Mode.DORA) sets rank, alpha, scaling, init,
@@ -81,8 +97,9 @@ def attach(model, targets: Union[str, Sequence[str]] = "qv", config: Optional[Ad
         base = _base_of(ref.module)
         mag = base.row_norms_sq().sqrt() if config.mode == Mode.DORA else None
         # initialised on the CPU (the same A for a given seed on every device), then moved beside its base
-        ad = LoraAdapter(base.in_features, base.out_features, config, generator=gen,
-                         magnitude=None if mag is None else mag.cpu()).to(_device_of(base))
+        ad = LoraAdapter(
+            base.in_features, base.out_features, config, generator=gen, magnitude=None if mag is None else mag.cpu()
+        ).to(_device_of(base))
         key = f"{ref.layer}:{ref.target}"
         wrapped = AdaptedLinear(base, [ad], name=key)
         model.blocks[ref.layer].linears[ref.target] = wrapped
@@ -114,8 +131,9 @@ def parse_adapter_spec(spec: str) -> tuple[str, float]:
     return spec, 1.0
 
 
-def check_entry_fits(model, e: AdapterEntry, path, fps: TensorFingerprints,
-                     force: bool = False) -> AdaptedLinear | nn.Module:
+def check_entry_fits(
+    model, e: AdapterEntry, path, fps: TensorFingerprints, force: bool = False
+) -> AdaptedLinear | nn.Module:
     """Check one adapter entry against the model's layout; returns the frozen base linear it applies to."""
     where = f"{path}: entry {e.key!r}"
     try:
@@ -127,23 +145,30 @@ def check_entry_fits(model, e: AdapterEntry, path, fps: TensorFingerprints,
         raise AdapterMismatch(f"{where}: layer {layer} does not exist, the model has {n_layer} layers")
     base = _base_of(model.blocks[layer].linears[target])
     if (e.in_dim, e.out_dim) != (base.in_features, base.out_features):
-        raise AdapterMismatch(f"{where}: shape in {e.in_dim} x out {e.out_dim} does not fit the model's "
-                              f"{target} (in {base.in_features} x out {base.out_features})")
+        raise AdapterMismatch(
+            f"{where}: shape in {e.in_dim} x out {e.out_dim} does not fit the model's "
+            f"{target} (in {base.in_features} x out {base.out_features})"
+        )
     if e.fingerprint is not None:
         tensor = model.layout.blocks[layer].targets[target].tensor
         mine = fps.of(tensor)
         if mine != e.fingerprint:
-            what = (f"{where}: fingerprint differs from the base tensor {tensor!r} (type {e.fingerprint.ggml_type} "
-                    f"dims {e.fingerprint.dims} vs type {mine.ggml_type} dims {mine.dims}): trained on another "
-                    f"base or quantization")
+            what = (
+                f"{where}: fingerprint differs from the base tensor {tensor!r} (type {e.fingerprint.ggml_type} "
+                f"dims {e.fingerprint.dims} vs type {mine.ggml_type} dims {mine.dims}): trained on another "
+                f"base or quantization"
+            )
             if e.mode == Mode.DORA and not force:
-                raise AdapterMismatch(what + "; a DoRA adapter's magnitude is tied to its base, refused (use --force "
-                                             "to load it anyway)")
+                raise AdapterMismatch(
+                    what + "; a DoRA adapter's magnitude is tied to its base, refused (use --force to load it anyway)"
+                )
             warnings.warn(what, stacklevel=3)
     return base
 
 
-def load_adapters(model, specs: Sequence[Union[str, tuple[str, float]]], force: bool = False) -> dict[str, AdaptedLinear]:
+def load_adapters(
+    model, specs: Sequence[Union[str, tuple[str, float]]], force: bool = False
+) -> dict[str, AdaptedLinear]:
     """Play adapter files back on `model`: LoRAs summed with their scales; a DoRA adapter alone at scale 1."""
     parsed = [parse_adapter_spec(s) if isinstance(s, str) else (str(s[0]), float(s[1])) for s in specs]
     files = []
@@ -153,8 +178,10 @@ def load_adapters(model, specs: Sequence[Union[str, tuple[str, float]]], force: 
     has_dora = [any(e.mode == Mode.DORA for e in entries) for _, _, entries in files]
     if any(has_dora) and (len(files) > 1 or files[0][1] != 1.0):
         bad = files[has_dora.index(True)][0]
-        raise AdapterMismatch(f"{bad}: a DoRA adapter plays alone and at scale 1 (got {len(files)} adapter(s), "
-                              f"scales {[s for _, s, _ in files]}); merge it instead to combine")
+        raise AdapterMismatch(
+            f"{bad}: a DoRA adapter plays alone and at scale 1 (got {len(files)} adapter(s), "
+            f"scales {[s for _, s, _ in files]}); merge it instead to combine"
+        )
     fps = TensorFingerprints(model)
     grouped: dict[str, list[tuple[LoraAdapter, float]]] = defaultdict(list)
     bases: dict[str, nn.Module] = {}
@@ -175,6 +202,21 @@ def load_adapters(model, specs: Sequence[Union[str, tuple[str, float]]], force: 
     return out
 
 
-__all__ = ["attach", "detach", "load_adapters", "parse_targets", "parse_adapter_spec", "AdapterSet", "AdapterConfig",
-           "AdaptedLinear", "LoraAdapter", "Mode", "Scaling", "Init", "read_adapter",
-           "write_adapter", "AdapterEntry", "Fingerprint"]
+__all__ = [
+    "attach",
+    "detach",
+    "load_adapters",
+    "parse_targets",
+    "parse_adapter_spec",
+    "AdapterSet",
+    "AdapterConfig",
+    "AdaptedLinear",
+    "LoraAdapter",
+    "Mode",
+    "Scaling",
+    "Init",
+    "read_adapter",
+    "write_adapter",
+    "AdapterEntry",
+    "Fingerprint",
+]

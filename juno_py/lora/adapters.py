@@ -65,14 +65,19 @@ class AdapterConfig:
         return self.alpha / (math.sqrt(self.rank) if self.scaling == Scaling.RSLORA else self.rank)
 
 
-
 class LoraAdapter(nn.Module):
     """Trainable tensors of one adapter on one linear: A `[r, d_in]`, B `[d_out, r]`, and DoRA's m `[d_out]`."""
 
     magnitude: Optional[nn.Parameter]
 
-    def __init__(self, d_in: int, d_out: int, config: AdapterConfig, generator: Optional[torch.Generator] = None,
-                 magnitude: Optional[torch.Tensor] = None):
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        config: AdapterConfig,
+        generator: Optional[torch.Generator] = None,
+        magnitude: Optional[torch.Tensor] = None,
+    ):
         super().__init__()
         self.config = config
         r = config.rank
@@ -133,8 +138,17 @@ class LoraAdapter(nn.Module):
     def to_entry(self, key: str, fingerprint: Optional[Fingerprint] = None) -> AdapterEntry:
         c = self.config
         mag = self.magnitude.detach().cpu().numpy().copy() if self.magnitude is not None else None
-        return AdapterEntry(key, self.lora_A.detach().cpu().numpy().copy(), self.lora_B.detach().cpu().numpy().copy(),
-                            float(c.alpha), c.scaling, c.init, c.mode, mag, fingerprint)
+        return AdapterEntry(
+            key,
+            self.lora_A.detach().cpu().numpy().copy(),
+            self.lora_B.detach().cpu().numpy().copy(),
+            float(c.alpha),
+            c.scaling,
+            c.init,
+            c.mode,
+            mag,
+            fingerprint,
+        )
 
     @classmethod
     def from_entry(cls, e: AdapterEntry) -> "LoraAdapter":
@@ -152,8 +166,9 @@ class AdaptedLinear(nn.Module):
 
     base: BaseLinear
 
-    def __init__(self, base: BaseLinear, adapters: list[LoraAdapter], weights: Optional[list[float]] = None,
-                 name: str = ""):
+    def __init__(
+        self, base: BaseLinear, adapters: list[LoraAdapter], weights: Optional[list[float]] = None, name: str = ""
+    ):
         super().__init__()
         self.base = base
         self.adapters = nn.ModuleList(adapters)
@@ -192,8 +207,13 @@ class AdaptedLinear(nn.Module):
     def base_row_norms_sq(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.base.row_norms_sq(dtype)  # frozen: computed once by the base and kept
 
-    def weight_row_norm(self, dtype: torch.dtype = torch.float32, eps: float = 0.0,
-                        U: Optional[torch.Tensor] = None, A_split: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def weight_row_norm(
+        self,
+        dtype: torch.dtype = torch.float32,
+        eps: float = 0.0,
+        U: Optional[torch.Tensor] = None,
+        A_split: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """‖W + sBA‖_row of the DoRA adapter (then max(·, eps)), factored: U = W·Aᵀ runs A's rows through the
         frozen linear, unless the caller already has it (`U` `[d_out, r]`, e.g. from `matmul_with_exact`, with
         `A_split`, the split A it was computed from, if any: `factored_row_norm`)."""
@@ -204,8 +224,9 @@ class AdaptedLinear(nn.Module):
                 # fp32 products over the exact W (a bf16 W or A would cost the norm about 3e-5 relative)
                 matmul = getattr(self.base, "matmul_exact", self.base.matmul)
                 U, A_split = matmul(A.to(dtype)).T, None
-            return factored_row_norm(self.base_row_norms_sq(dtype), U, A, ad.lora_B.detach(), ad.scale, dtype, eps,
-                                     A_split)
+            return factored_row_norm(
+                self.base_row_norms_sq(dtype), U, A, ad.lora_B.detach(), ad.scale, dtype, eps, A_split
+            )
 
     def _norm_key(self, dtype: torch.dtype) -> tuple[Any, ...]:
         ad = self._dora()
@@ -263,8 +284,12 @@ class AdaptedLinear(nn.Module):
     def _running_key(self, A: torch.Tensor) -> tuple[Any, ...]:
         return id(self._dora().lora_A), tuple(A.shape), A.device
 
-    def dora_norm(self, dtype: torch.dtype = torch.float32, U: Optional[torch.Tensor] = None,
-                  A_split: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def dora_norm(
+        self,
+        dtype: torch.dtype = torch.float32,
+        U: Optional[torch.Tensor] = None,
+        A_split: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """max(‖W + sBA‖_row, 1e-6), detached; recomputed only when A or B changed (or `_g_cache` was cleared), from
         `U` = W·Aᵀ `[d_out, r]` when the caller has it (`DoraLinearFn`: the base product's decode gave it, from the
         split A `A_split`)."""
@@ -309,12 +334,17 @@ class AdaptedLinear(nn.Module):
         """A training step as one Function (`DoraLinearFn`): where the fused training kernels run, without dropout
         (its mask would have to be kept), on a base that has the transposed product for the input gradient."""
         assert ad.magnitude is not None
-        return ((not self.training or ad.config.dropout == 0) and hasattr(self.base, "matmul_transposed")
-                and layer_training_fused(x, self.out_features, ad.lora_A, ad.lora_B, ad.magnitude))
+        return (
+            (not self.training or ad.config.dropout == 0)
+            and hasattr(self.base, "matmul_transposed")
+            and layer_training_fused(x, self.out_features, ad.lora_A, ad.lora_B, ad.magnitude)
+        )
 
     def extra_repr(self) -> str:
-        kinds = ",".join(("dora" if a.is_dora else "lora") + f"(r={a.config.rank})"
-                         for a in cast("Iterable[LoraAdapter]", self.adapters))
+        kinds = ",".join(
+            ("dora" if a.is_dora else "lora") + f"(r={a.config.rank})"
+            for a in cast("Iterable[LoraAdapter]", self.adapters)
+        )
         return f"{self.name}, adapters={kinds}, weights={self.weights}"
 
 
@@ -358,8 +388,11 @@ class AdapterSet(Trainable):
         out."""
         groups = self.groups()
         spec = [("A", lr, weight_decay), ("B", lr * plus_ratio, 0.0), ("magnitude", lr, 0.0)]
-        return [{"name": name, "params": groups[name], "lr": rate, "base_lr": rate, "weight_decay": wd}
-                for name, rate, wd in spec if groups[name]]
+        return [
+            {"name": name, "params": groups[name], "lr": rate, "base_lr": rate, "weight_decay": wd}
+            for name, rate, wd in spec
+            if groups[name]
+        ]
 
     def n_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

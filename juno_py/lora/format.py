@@ -128,7 +128,7 @@ class _Reader:
     def take(self, n: int, fld: str) -> bytes:
         if n < 0 or self.pos + n > self.end:
             raise self.fail(fld, f"needs {n} bytes but only {self.end - self.pos} remain (truncated file?)")
-        b = self.data[self.pos:self.pos + n]
+        b = self.data[self.pos : self.pos + n]
         self.pos += n
         return b
 
@@ -259,7 +259,7 @@ def read_adapter(path) -> tuple[int, list[AdapterEntry]]:
             if n < 0 or n > r.end - r.pos:
                 r.pos -= 4
                 raise r.fail("entry_len", f"value {n}, expected 0..{r.end - r.pos - 4} (the bytes that remain)")
-            sub = _Reader(data[:r.pos + n], r.path)
+            sub = _Reader(data[: r.pos + n], r.path)
             sub.pos, sub.entry = r.pos, r.entry
             entry = _read_dense(sub)
             if sub.pos != sub.end:
@@ -279,9 +279,13 @@ def read_adapter(path) -> tuple[int, list[AdapterEntry]]:
 
 def _encode_entry(e: AdapterEntry) -> bytes:
     key = e.key.encode("utf-8")
-    parts = [struct.pack(">i", len(key)), key,
-             struct.pack(">iiifiii", e.rank, e.in_dim, e.out_dim, e.alpha, int(e.scaling), int(e.init), int(e.mode)),
-             np.ascontiguousarray(e.A, dtype=">f4").tobytes(), np.ascontiguousarray(e.B, dtype=">f4").tobytes()]
+    parts = [
+        struct.pack(">i", len(key)),
+        key,
+        struct.pack(">iiifiii", e.rank, e.in_dim, e.out_dim, e.alpha, int(e.scaling), int(e.init), int(e.mode)),
+        np.ascontiguousarray(e.A, dtype=">f4").tobytes(),
+        np.ascontiguousarray(e.B, dtype=">f4").tobytes(),
+    ]
     if e.magnitude is not None:
         parts += [b"\x01", np.ascontiguousarray(e.magnitude, dtype=">f4").tobytes()]
     else:

@@ -9,5 +9,13 @@ from juno_py.merge.report import MergeReport, TensorReport
 from juno_py.merge.requant import ladder, parse_requant
 from juno_py.merge.targets import MergeError
 
-__all__ = ["merge_model", "merge_trained", "MergeReport", "TensorReport", "MergeError", "PROVENANCE_KEY", "ladder",
-           "parse_requant"]
+__all__ = [
+    "merge_model",
+    "merge_trained",
+    "MergeReport",
+    "TensorReport",
+    "MergeError",
+    "PROVENANCE_KEY",
+    "ladder",
+    "parse_requant",
+]

@@ -17,8 +17,9 @@ BATCH = 8  # sequences per forward: each forward dequantizes every weight once (
 
 
 @torch.no_grad()
-def compare_with_playback(base, adapters: Sequence, merged, data: Sequence, max_seq_len: int = 512,
-                          force: bool = False) -> dict:
+def compare_with_playback(
+    base, adapters: Sequence, merged, data: Sequence, max_seq_len: int = 512, force: bool = False
+) -> dict:
     """{"tokens", "loss_merged", "loss_playback", "ppl_merged", "ppl_playback", "kl_mean", "kl_max"}."""
     from juno_py.lora import load_adapters
     from juno_py.models import load_model
@@ -31,7 +32,7 @@ def compare_with_playback(base, adapters: Sequence, merged, data: Sequence, max_
     n, ce_m, ce_p, kl_sum, kl_max = 0, 0.0, 0.0, 0.0, 0.0
     ordered = sorted(examples, key=lambda e: len(e.ids))  # similar lengths together: less padding
     for start in range(0, len(ordered), BATCH):
-        b = pad_batch(ordered[start:start + BATCH])
+        b = pad_batch(ordered[start : start + BATCH])
         supervised = b.targets != IGNORE
         if not supervised.any():
             continue
@@ -39,12 +40,12 @@ def compare_with_playback(base, adapters: Sequence, merged, data: Sequence, max_
         hm = merged_model(b.tokens, b.positions, b.mask)[supervised]
         targets = b.targets[supervised]
         for i in range(0, len(targets), CHUNK_POSITIONS):
-            zp = playback.project(hp[i:i + CHUNK_POSITIONS])
-            zm = merged_model.project(hm[i:i + CHUNK_POSITIONS])
+            zp = playback.project(hp[i : i + CHUNK_POSITIONS])
+            zm = merged_model.project(hm[i : i + CHUNK_POSITIONS])
             for j in range(0, len(zp), LOGPROB_ROWS):
-                lp = torch.log_softmax(zp[j:j + LOGPROB_ROWS].double(), dim=-1)
-                lm = torch.log_softmax(zm[j:j + LOGPROB_ROWS].double(), dim=-1)
-                tgt = targets[i + j:i + j + len(lp)].unsqueeze(1)
+                lp = torch.log_softmax(zp[j : j + LOGPROB_ROWS].double(), dim=-1)
+                lm = torch.log_softmax(zm[j : j + LOGPROB_ROWS].double(), dim=-1)
+                tgt = targets[i + j : i + j + len(lp)].unsqueeze(1)
                 ce_p -= float(lp.gather(1, tgt).sum())
                 ce_m -= float(lm.gather(1, tgt).sum())
                 kl = (lp.exp() * (lp - lm)).sum(dim=1)
@@ -53,5 +54,12 @@ def compare_with_playback(base, adapters: Sequence, merged, data: Sequence, max_
                 n += len(tgt)
     if not n:
         raise ValueError(f"{', '.join(map(str, data))}: no supervised tokens to evaluate")
-    return {"tokens": n, "loss_merged": ce_m / n, "loss_playback": ce_p / n, "ppl_merged": math.exp(ce_m / n),
-            "ppl_playback": math.exp(ce_p / n), "kl_mean": kl_sum / n, "kl_max": kl_max}
+    return {
+        "tokens": n,
+        "loss_merged": ce_m / n,
+        "loss_playback": ce_p / n,
+        "ppl_merged": math.exp(ce_m / n),
+        "ppl_playback": math.exp(ce_p / n),
+        "kl_mean": kl_sum / n,
+        "kl_max": kl_max,
+    }

@@ -51,22 +51,42 @@ def _provenance(base: Path, sources: Sequence[AdapterSource], deltas, policy, mi
         tool = f"juno-py {version('juno-py')}"
     except PackageNotFoundError:
         tool = "juno-py"
-    return json.dumps({
-        "tool": tool,
-        "base": base.name,
-        "base_bytes": base.stat().st_size,
-        "adapters": [{"file": s.path.name, "sha256": sha256_file(s.path), "scale": s.scale,
-                      "mode": "dora" if s.is_dora else "lora", "entries": len(s.entries)} for s in sources],
-        "dense_deltas": sorted(deltas or {}),
-        "requant": policy if isinstance(policy, str) else policy.name,
-        "min_retention": min_retention if policy == "auto" else None,
-    }, sort_keys=True)
+    return json.dumps(
+        {
+            "tool": tool,
+            "base": base.name,
+            "base_bytes": base.stat().st_size,
+            "adapters": [
+                {
+                    "file": s.path.name,
+                    "sha256": sha256_file(s.path),
+                    "scale": s.scale,
+                    "mode": "dora" if s.is_dora else "lora",
+                    "entries": len(s.entries),
+                }
+                for s in sources
+            ],
+            "dense_deltas": sorted(deltas or {}),
+            "requant": policy if isinstance(policy, str) else policy.name,
+            "min_retention": min_retention if policy == "auto" else None,
+        },
+        sort_keys=True,
+    )
 
 
-def merge_model(base, output, adapters: Sequence[Union[str, Path, tuple]] = (),
-                deltas: Optional[Mapping[str, DenseDelta]] = None, requant="source", min_retention: float = 0.9,
-                force: bool = False, eval_data: Sequence = (), eval_max_seq_len: int = 512, recorder=None,
-                log: Optional[Callable[[str], None]] = None) -> MergeReport:
+def merge_model(
+    base,
+    output,
+    adapters: Sequence[Union[str, Path, tuple]] = (),
+    deltas: Optional[Mapping[str, DenseDelta]] = None,
+    requant="source",
+    min_retention: float = 0.9,
+    force: bool = False,
+    eval_data: Sequence = (),
+    eval_max_seq_len: int = 512,
+    recorder=None,
+    log: Optional[Callable[[str], None]] = None,
+) -> MergeReport:
     """Merge adapter files ('a.bin', 'a.bin:0.5') and/or dense deltas (tensor name or '<layer>:<target>' →
     array, or a callable returning it) into `base`, writing `output`.
 
@@ -93,12 +113,18 @@ def merge_model(base, output, adapters: Sequence[Union[str, Path, tuple]] = (),
     with GGUFFile(base_path) as gguf:
         targets = ModelTargets(gguf)
         plan = plan_patches(targets, sources, deltas, force)
-        report = MergeReport(str(base_path), str(output), policy if isinstance(policy, str) else policy.name,
-                             min_retention if policy == "auto" else None, file_bytes_base=base_path.stat().st_size)
+        report = MergeReport(
+            str(base_path),
+            str(output),
+            policy if isinstance(policy, str) else policy.name,
+            min_retention if policy == "auto" else None,
+            file_bytes_base=base_path.stat().st_size,
+        )
         with GGUFWriter(output, alignment=gguf.alignment, version=gguf.version) as writer:
             writer.copy_fields(gguf, skip=(PROVENANCE_KEY,) + SPLIT_KEYS)
-            writer.add_field(PROVENANCE_KEY, _provenance(base_path, sources, deltas, policy, min_retention),
-                             ValueType.STRING)
+            writer.add_field(
+                PROVENANCE_KEY, _provenance(base_path, sources, deltas, policy, min_retention), ValueType.STRING
+            )
             for name, info in gguf.tensors.items():
                 patches = plan.get(name)
                 if not patches:
@@ -111,16 +137,28 @@ def merge_model(base, output, adapters: Sequence[Union[str, Path, tuple]] = (),
                 enc = choice.encoding
                 writer.add_tensor(name, enc.raw, enc.ggml_type, info.shape)
                 base_extreme = extreme_code_count(info.ggml_type, info.raw)
-                report.tensors.append(TensorReport(
-                    name=name, targets=[p.key for p in patches], source_type=info.type_name,
-                    output_type=enc.ggml_type.name, delta_norm=enc.delta_norm, rmse=enc.rmse,
-                    max_abs_error=enc.max_abs_error, retention=enc.retention, blocks_reencoded=enc.blocks_reencoded,
-                    blocks_rewritten=enc.blocks_rewritten, blocks_total=enc.blocks_total,
-                    extreme_fraction=enc.extreme_fraction,
-                    extreme_fraction_base=base_extreme[0] / base_extreme[1] if base_extreme else None,
-                    bytes_base=info.nbytes, bytes_output=enc.nbytes, bytes_source=choice.source_nbytes,
-                    retention_source=choice.source_retention if policy == "auto" else None,
-                    tried=[list(t) for t in choice.tried] if policy == "auto" else []))
+                report.tensors.append(
+                    TensorReport(
+                        name=name,
+                        targets=[p.key for p in patches],
+                        source_type=info.type_name,
+                        output_type=enc.ggml_type.name,
+                        delta_norm=enc.delta_norm,
+                        rmse=enc.rmse,
+                        max_abs_error=enc.max_abs_error,
+                        retention=enc.retention,
+                        blocks_reencoded=enc.blocks_reencoded,
+                        blocks_rewritten=enc.blocks_rewritten,
+                        blocks_total=enc.blocks_total,
+                        extreme_fraction=enc.extreme_fraction,
+                        extreme_fraction_base=base_extreme[0] / base_extreme[1] if base_extreme else None,
+                        bytes_base=info.nbytes,
+                        bytes_output=enc.nbytes,
+                        bytes_source=choice.source_nbytes,
+                        retention_source=choice.source_retention if policy == "auto" else None,
+                        tried=[list(t) for t in choice.tried] if policy == "auto" else [],
+                    )
+                )
                 say(f"{name}: {info.type_name} -> {enc.ggml_type.name}, retention {enc.retention:.4f}")
             writer.finish()
     report.file_bytes_output = output.stat().st_size
@@ -129,8 +167,9 @@ def merge_model(base, output, adapters: Sequence[Union[str, Path, tuple]] = (),
 
         if deltas:
             raise MergeError("--eval-data compares against adapter playback: not available for dense deltas")
-        report.evaluation = compare_with_playback(base_path, [(s.path, s.scale) for s in sources], output,
-                                                  eval_data, eval_max_seq_len, force=force)
+        report.evaluation = compare_with_playback(
+            base_path, [(s.path, s.scale) for s in sources], output, eval_data, eval_max_seq_len, force=force
+        )
     report.seconds = time.time() - started
     report.peak_rss_bytes = peak_rss_bytes()
     if recorder is not None:
@@ -138,9 +177,17 @@ def merge_model(base, output, adapters: Sequence[Union[str, Path, tuple]] = (),
     return report
 
 
-def merge_trained(targets: "DenseTargets", base, output: Union[str, Path], requant="auto", min_retention: float = 0.9,
-                  recorder=None, log: Optional[Callable[[str], None]] = None) -> MergeReport:
+def merge_trained(
+    targets: "DenseTargets",
+    base,
+    output: Union[str, Path],
+    requant="auto",
+    min_retention: float = 0.9,
+    recorder=None,
+    log: Optional[Callable[[str], None]] = None,
+) -> MergeReport:
     """Write `output`: the base GGUF with every trained target of `targets` (`juno-py full`'s dense weights)
     replaced, through the dense-delta path (ΔW = W_trained − W_base, each tensor encoded under `requant`)."""
-    return merge_model(base, output, deltas=targets.deltas(), requant=requant, min_retention=min_retention,
-                       recorder=recorder, log=log)
+    return merge_model(
+        base, output, deltas=targets.deltas(), requant=requant, min_retention=min_retention, recorder=recorder, log=log
+    )

@@ -78,9 +78,14 @@ class MergeReport:
         return s
 
     def to_dict(self) -> dict[str, Any]:
-        return {"base": self.base, "output": self.output, "requant": self.requant,
-                "min_retention": self.min_retention, "summary": self.summary(),
-                "tensors": [asdict(t) for t in self.tensors]}
+        return {
+            "base": self.base,
+            "output": self.output,
+            "requant": self.requant,
+            "min_retention": self.min_retention,
+            "summary": self.summary(),
+            "tensors": [asdict(t) for t in self.tensors],
+        }
 
     def write_json(self, path) -> Path:
         with atomic_output(path, "w") as f:
@@ -89,8 +94,13 @@ class MergeReport:
 
     def emit(self, recorder) -> None:
         """One `merge` metrics event carrying the summary's numbers."""
-        recorder.emit("merge", requant=self.requant, base=self.base, output=self.output,
-                      **{k: v for k, v in self.summary().items() if isinstance(v, (int, float))})
+        recorder.emit(
+            "merge",
+            requant=self.requant,
+            base=self.base,
+            output=self.output,
+            **{k: v for k, v in self.summary().items() if isinstance(v, (int, float))},
+        )
 
     # --------------------------------------------------------------------------------------------- table
     def table(self) -> str:
@@ -99,22 +109,40 @@ class MergeReport:
         for t in self.tensors:
             kind = t.source_type if t.source_type == t.output_type else f"{t.source_type}->{t.output_type}"
             ext = "-" if t.extreme_fraction is None else f"{100 * t.extreme_fraction:.2f}%"
-            rows.append((t.name, kind, f"{t.delta_norm:.4g}", f"{t.rmse:.3g}", f"{t.max_abs_error:.3g}",
-                         f"{t.retention:.4f}", f"{t.blocks_rewritten}/{t.blocks_total}", ext))
+            rows.append(
+                (
+                    t.name,
+                    kind,
+                    f"{t.delta_norm:.4g}",
+                    f"{t.rmse:.3g}",
+                    f"{t.max_abs_error:.3g}",
+                    f"{t.retention:.4f}",
+                    f"{t.blocks_rewritten}/{t.blocks_total}",
+                    ext,
+                )
+            )
         widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
-        lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-                 for r in [head] + rows]
+        lines = [
+            "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+            for r in [head] + rows
+        ]
         s = self.summary()
         below = f" ({s['tensors_below_target']} below {self.min_retention})" if s["tensors_below_target"] else ""
-        lines.append(f"{s['tensors_patched']} tensors patched, {s['tensors_copied']} copied; retention mean "
-                     f"{s['retention_mean']:.4f}, min {s['retention_min']:.4f}{below}")
+        lines.append(
+            f"{s['tensors_patched']} tensors patched, {s['tensors_copied']} copied; retention mean "
+            f"{s['retention_mean']:.4f}, min {s['retention_min']:.4f}{below}"
+        )
         cost = s["size_cost_vs_source_bytes"]
-        lines.append(f"size {format_bytes(s['file_bytes_output'])} vs base {format_bytes(s['file_bytes_base'])} "
-                     f"({100 * (s['size_ratio'] - 1):+.2f}%); patched tensors {format_bytes(s['patched_bytes_output'])}"
-                     f", {'+' if cost >= 0 else '-'}{format_bytes(abs(cost))} against --requant source")
+        lines.append(
+            f"size {format_bytes(s['file_bytes_output'])} vs base {format_bytes(s['file_bytes_base'])} "
+            f"({100 * (s['size_ratio'] - 1):+.2f}%); patched tensors {format_bytes(s['patched_bytes_output'])}"
+            f", {'+' if cost >= 0 else '-'}{format_bytes(abs(cost))} against --requant source"
+        )
         if self.evaluation:
             e = self.evaluation
-            lines.append(f"eval on {e['tokens']} tokens: perplexity merged {e['ppl_merged']:.4f}, playback "
-                         f"{e['ppl_playback']:.4f} ({100 * (e['ppl_merged'] / e['ppl_playback'] - 1):+.3f}%), "
-                         f"mean KL(playback || merged) {e['kl_mean']:.3g}")
+            lines.append(
+                f"eval on {e['tokens']} tokens: perplexity merged {e['ppl_merged']:.4f}, playback "
+                f"{e['ppl_playback']:.4f} ({100 * (e['ppl_merged'] / e['ppl_playback'] - 1):+.3f}%), "
+                f"mean KL(playback || merged) {e['kl_mean']:.3g}"
+            )
         return "\n".join(lines)

@@ -69,11 +69,15 @@ def parse_requant(spec: Union[str, GGMLType]) -> Policy:
         try:
             value = GGMLType[text.upper()]
         except KeyError:
-            raise MergeError(f"--requant {spec!r}: expected source, auto or a GGML type name "
-                             f"({', '.join(t.lower() for t in quants.quantizable_types())})") from None
+            raise MergeError(
+                f"--requant {spec!r}: expected source, auto or a GGML type name "
+                f"({', '.join(t.lower() for t in quants.quantizable_types())})"
+            ) from None
     if value not in _encodable():
-        raise MergeError(f"--requant {type_name(value).lower()}: juno-py cannot encode this type; encodable types are "
-                         f"{', '.join(t.lower() for t in quants.quantizable_types())}")
+        raise MergeError(
+            f"--requant {type_name(value).lower()}: juno-py cannot encode this type; encodable types are "
+            f"{', '.join(t.lower() for t in quants.quantizable_types())}"
+        )
     return value
 
 
@@ -167,7 +171,7 @@ def _target_chunk(w0: torch.Tensor, lo: int, hi: int, patches: Sequence[RowPatch
             continue
         if out is None:
             out = w0.double()
-        out[a - lo:b - lo] = p.target_rows(w0[a - lo:b - lo], a, b)
+        out[a - lo : b - lo] = p.target_rows(w0[a - lo : b - lo], a, b)
     return out
 
 
@@ -205,7 +209,7 @@ def encode(info, patches: Sequence[RowPatch], out_type: int, values: Optional[Te
     enc = Encoding(GGMLType(out_type), np.empty((n_rows, codec.row_bytes(n_cols)), dtype=np.uint8))
     enc.n_values = n_rows * n_cols
     enc.blocks_total = enc.n_values // codec.block_size
-    for lo, hi, w0, target in (values or TensorValues(info, patches)):
+    for lo, hi, w0, target in values or TensorValues(info, patches):
         out = enc.raw[lo:hi]
         if keep:
             out[...] = src_raw[lo:hi]

@@ -49,13 +49,15 @@ def read_sources(specs: Sequence[Union[str, Path, tuple]]) -> list[AdapterSource
 
     out = []
     for spec in specs:
-        path, scale = (parse_adapter_spec(str(spec)) if not isinstance(spec, tuple) else (str(spec[0]), float(spec[1])))
+        path, scale = parse_adapter_spec(str(spec)) if not isinstance(spec, tuple) else (str(spec[0]), float(spec[1]))
         _, entries = read_adapter(path)
         out.append(AdapterSource(Path(path), scale, entries))
     dora = [s for s in out if s.is_dora]
     if dora and (len(out) > 1 or dora[0].scale != 1.0):
-        raise MergeError(f"{dora[0].path}: a DoRA adapter merges alone and at scale 1 (got {len(out)} adapter(s), "
-                         f"scales {[s.scale for s in out]})")
+        raise MergeError(
+            f"{dora[0].path}: a DoRA adapter merges alone and at scale 1 (got {len(out)} adapter(s), "
+            f"scales {[s.scale for s in out]})"
+        )
     return out
 
 
@@ -80,8 +82,10 @@ class ModelTargets:
         except ValueError as e:
             raise AdapterMismatch(f"{where}{e}") from None
         if layer >= self.n_layer:
-            raise AdapterMismatch(f"{where}layer {layer} does not exist: {self.gguf.path} has {self.n_layer} layers "
-                                  f"(an adapter for another model?)")
+            raise AdapterMismatch(
+                f"{where}layer {layer} does not exist: {self.gguf.path} has {self.n_layer} layers "
+                f"(an adapter for another model?)"
+            )
         return self.layout.blocks[layer].targets[target]
 
     def fingerprint(self, tensor: str) -> Fingerprint:
@@ -96,16 +100,20 @@ class ModelTargets:
         info = self.gguf.tensor(slot.tensor)
         n_out, n_in = slot.rows[1] - slot.rows[0], info.n_cols
         if (e.in_dim, e.out_dim) != (n_in, n_out):
-            raise AdapterMismatch(f"{where}shape in {e.in_dim} x out {e.out_dim} does not fit {slot.tensor} rows "
-                                  f"{slot.rows[0]}..{slot.rows[1]} (in {n_in} x out {n_out}) of {self.gguf.path}: "
-                                  f"an adapter for another model?")
+            raise AdapterMismatch(
+                f"{where}shape in {e.in_dim} x out {e.out_dim} does not fit {slot.tensor} rows "
+                f"{slot.rows[0]}..{slot.rows[1]} (in {n_in} x out {n_out}) of {self.gguf.path}: "
+                f"an adapter for another model?"
+            )
         if e.magnitude is not None and e.magnitude.shape != (n_out,):
             raise AdapterMismatch(f"{where}magnitude has {e.magnitude.size} values, expected {n_out}")
         if e.fingerprint is not None and e.fingerprint != self.fingerprint(slot.tensor):
             mine = self.fingerprint(slot.tensor)
-            what = (f"{where}fingerprint differs from the base tensor {slot.tensor!r} (type {e.fingerprint.ggml_type} "
-                    f"dims {e.fingerprint.dims} vs type {mine.ggml_type} dims {mine.dims}): trained on another base "
-                    f"or quantization")
+            what = (
+                f"{where}fingerprint differs from the base tensor {slot.tensor!r} (type {e.fingerprint.ggml_type} "
+                f"dims {e.fingerprint.dims} vs type {mine.ggml_type} dims {mine.dims}): trained on another base "
+                f"or quantization"
+            )
             if e.mode == Mode.DORA and not force:
                 raise AdapterMismatch(what + "; a DoRA adapter's magnitude is tied to its base, refused (use --force)")
             self.mismatches.append((str(path), e.key, slot.tensor))
@@ -116,8 +124,11 @@ class ModelTargets:
         if self.mismatches:
             path, key, tensor = self.mismatches[0]
             more = f" and {len(self.mismatches) - 1} more" if len(self.mismatches) > 1 else ""
-            warnings.warn(f"{path}: entry {key!r}{more}: fingerprint differs from the base tensor {tensor!r} of "
-                          f"{self.gguf.path}: trained on another base or quantization", stacklevel=3)
+            warnings.warn(
+                f"{path}: entry {key!r}{more}: fingerprint differs from the base tensor {tensor!r} of "
+                f"{self.gguf.path}: trained on another base or quantization",
+                stacklevel=3,
+            )
             self.mismatches.clear()
 
     def tensor_rows(self, name: str) -> int:
@@ -125,8 +136,9 @@ class ModelTargets:
 
     def slots_of_tensor(self, tensor: str) -> list[tuple[int, str, TargetSlot]]:
         """Every (layer, target, slot) living in a physical tensor, in row order."""
-        out = [(il, t, s) for il, bl in enumerate(self.layout.blocks) for t, s in bl.targets.items()
-               if s.tensor == tensor]
+        out = [
+            (il, t, s) for il, bl in enumerate(self.layout.blocks) for t, s in bl.targets.items() if s.tensor == tensor
+        ]
         return sorted(out, key=lambda x: x[2].rows)
 
 
@@ -158,8 +170,10 @@ class RowPatch:
             d = self.dense() if callable(self.dense) else self.dense
             d = d.detach() if isinstance(d, torch.Tensor) else torch.from_numpy(np.asarray(d))
             if d.numel() != self.n_rows * n_cols:
-                raise MergeError(f"dense delta {self.key!r}: shape {tuple(d.shape)} does not fit rows "
-                                 f"{self.rows[0]}..{self.rows[1]} x {n_cols} columns")
+                raise MergeError(
+                    f"dense delta {self.key!r}: shape {tuple(d.shape)} does not fit rows "
+                    f"{self.rows[0]}..{self.rows[1]} x {n_cols} columns"
+                )
             self._dense_value = d.to("cpu", torch.float64).reshape(self.n_rows, n_cols)
         return self._dense_value
 
@@ -181,7 +195,7 @@ class RowPatch:
         """W* for absolute rows [lo, hi) (within this patch) from their base values w0 `[hi-lo, n_cols]`, float64."""
         v = w0.double() + self.delta_rows(lo, hi, w0.shape[1])
         if self.magnitude is not None:
-            m = torch.from_numpy(self.magnitude[lo - self.rows[0]:hi - self.rows[0]]).double()
+            m = torch.from_numpy(self.magnitude[lo - self.rows[0] : hi - self.rows[0]]).double()
             v *= (m / torch.linalg.vector_norm(v, dim=1).clamp_min(DORA_EPS)).unsqueeze(1)
         return v
 
@@ -193,8 +207,12 @@ def _as_key(name: str) -> Optional[tuple[int, str]]:
         return None
 
 
-def plan_patches(targets: ModelTargets, sources: Sequence[AdapterSource] = (),
-                 deltas: Optional[Mapping[str, DenseDelta]] = None, force: bool = False) -> dict[str, list[RowPatch]]:
+def plan_patches(
+    targets: ModelTargets,
+    sources: Sequence[AdapterSource] = (),
+    deltas: Optional[Mapping[str, DenseDelta]] = None,
+    force: bool = False,
+) -> dict[str, list[RowPatch]]:
     """Physical tensor → its row patches (disjoint, in row order), from adapter files and dense deltas.
 
     Dense deltas are keyed by a tensor name (the whole tensor) or by '<layer>:<target>' (that target's rows).
@@ -214,8 +232,9 @@ def plan_patches(targets: ModelTargets, sources: Sequence[AdapterSource] = (),
             p = patch_for(slot.tensor, slot.rows, e.key)
             if e.mode == Mode.DORA:
                 if p.loras or p.dense is not None:
-                    raise MergeError(f"{src.path}: entry {e.key!r}: a DoRA entry cannot combine with other changes "
-                                     f"to the same rows")
+                    raise MergeError(
+                        f"{src.path}: entry {e.key!r}: a DoRA entry cannot combine with other changes to the same rows"
+                    )
                 p.magnitude = np.asarray(e.magnitude, dtype=np.float32)
             elif p.magnitude is not None:
                 raise MergeError(f"{src.path}: entry {e.key!r}: the rows already carry a DoRA entry")
@@ -231,8 +250,10 @@ def plan_patches(targets: ModelTargets, sources: Sequence[AdapterSource] = (),
             tensor, rows = name, (0, targets.tensor_rows(name))
         p = patch_for(tensor, rows, name)
         if p.magnitude is not None or p.dense is not None:
-            raise MergeError(f"dense delta {name!r}: rows {rows[0]}..{rows[1]} of {tensor} already carry a DoRA "
-                             f"entry or another dense delta")
+            raise MergeError(
+                f"dense delta {name!r}: rows {rows[0]}..{rows[1]} of {tensor} already carry a DoRA "
+                f"entry or another dense delta"
+            )
         p.dense = value
     targets.warn_mismatches()
     plan: dict[str, list[RowPatch]] = {}
@@ -242,13 +263,16 @@ def plan_patches(targets: ModelTargets, sources: Sequence[AdapterSource] = (),
         patches.sort(key=lambda p: p.rows)
         for a, b in zip(patches, patches[1:]):
             if b.rows[0] < a.rows[1]:
-                raise MergeError(f"{tensor}: changes to rows {a.rows[0]}..{a.rows[1]} ({a.key}) and {b.rows[0]}.."
-                                 f"{b.rows[1]} ({b.key}) overlap")
+                raise MergeError(
+                    f"{tensor}: changes to rows {a.rows[0]}..{a.rows[1]} ({a.key}) and {b.rows[0]}.."
+                    f"{b.rows[1]} ({b.key}) overlap"
+                )
     return plan
 
 
-def entries_by_tensor(targets: ModelTargets, entries: Sequence[AdapterEntry], path,
-                      force: bool = False) -> dict[str, list[tuple[AdapterEntry, TargetSlot]]]:
+def entries_by_tensor(
+    targets: ModelTargets, entries: Sequence[AdapterEntry], path, force: bool = False
+) -> dict[str, list[tuple[AdapterEntry, TargetSlot]]]:
     """Entries grouped by the physical tensor they adapt (file order of tensors, row order within)."""
     grouped: dict[str, list[tuple[AdapterEntry, TargetSlot]]] = {}
     for e in sorted(entries, key=lambda e: sort_key(e.key)):

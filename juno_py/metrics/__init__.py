@@ -23,8 +23,15 @@ EVENT_KINDS = ("train_step", "validation", "norm_refresh", "checkpoint", "playba
 
 # series every summary carries, so consumers can rely on them (0 when the run produced none)
 STANDARD_SERIES = (
-    "train_step.loss", "train_step.grad_norm", "train_step.tokens", "train_step.lr_a", "train_step.lr_b",
-    "train_step.forward_ms", "train_step.backward_ms", "train_step.optimizer_ms", "validation.loss",
+    "train_step.loss",
+    "train_step.grad_norm",
+    "train_step.tokens",
+    "train_step.lr_a",
+    "train_step.lr_b",
+    "train_step.forward_ms",
+    "train_step.backward_ms",
+    "train_step.optimizer_ms",
+    "validation.loss",
 )
 
 

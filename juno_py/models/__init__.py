@@ -15,9 +15,14 @@ from juno_py.models.model import KVCache, TargetRef, Transformer
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
-def load_model(path_or_store_name=None, device: Union[str, torch.device] = "cpu", adapters=None,
-               weights_cache: str = "none", compute_dtype: Union[str, torch.dtype] = torch.float32,
-               n_ctx: Optional[int] = None) -> Transformer:
+def load_model(
+    path_or_store_name=None,
+    device: Union[str, torch.device] = "cpu",
+    adapters=None,
+    weights_cache: str = "none",
+    compute_dtype: Union[str, torch.dtype] = torch.float32,
+    n_ctx: Optional[int] = None,
+) -> Transformer:
     """A GGUF model (file path or model-store name; None: the default model) ready for `.logits(ids)` and
     `.tokenizer`; `adapters`: adapter.bin paths to play, each optionally `path:scale`.
     `weights_cache`: keep dequantized weights ("bf16", "fp32") or stream them ("none").
@@ -34,8 +39,9 @@ def load_model(path_or_store_name=None, device: Union[str, torch.device] = "cpu"
     gguf = GGUFFile(resolve_model(path_or_store_name))
     on_cpu = torch.device(device).type == "cpu"
     # on a GPU a resident cache is decoded there after the move (Transformer.place), never built on the CPU
-    model = Transformer.from_gguf(gguf, weights_cache=weights_cache if on_cpu else "none",
-                                  compute_dtype=compute_dtype, n_ctx=n_ctx)
+    model = Transformer.from_gguf(
+        gguf, weights_cache=weights_cache if on_cpu else "none", compute_dtype=compute_dtype, n_ctx=n_ctx
+    )
     model = model.place(device, weights_cache).eval()
     if adapters:
         from juno_py.lora import load_adapters
@@ -44,5 +50,17 @@ def load_model(path_or_store_name=None, device: Union[str, torch.device] = "cpu"
     return model
 
 
-__all__ = ["ARCHITECTURES", "ArchSpec", "ModelArgs", "TARGETS", "Layout", "TargetSlot", "resolve_layout",
-           "chunked_cross_entropy", "KVCache", "TargetRef", "Transformer", "load_model"]
+__all__ = [
+    "ARCHITECTURES",
+    "ArchSpec",
+    "ModelArgs",
+    "TARGETS",
+    "Layout",
+    "TargetSlot",
+    "resolve_layout",
+    "chunked_cross_entropy",
+    "KVCache",
+    "TargetRef",
+    "Transformer",
+    "load_model",
+]

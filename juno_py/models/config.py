@@ -19,11 +19,24 @@ from juno_py.errors import GGUFFormatError, UnsupportedArchitecture, show
 _MISSING = object()
 
 # logical target -> Hugging Face module inside a decoder layer (`model.layers.N.<module>`)
-HF_SPLIT_MODULES = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
-                    "wo": "self_attn.o_proj", "wgate": "mlp.gate_proj", "wup": "mlp.up_proj", "wdown": "mlp.down_proj"}
-HF_FUSED_MODULES = {"wq": "self_attn.qkv_proj", "wk": "self_attn.qkv_proj", "wv": "self_attn.qkv_proj",
-                    "wo": "self_attn.o_proj", "wgate": "mlp.gate_up_proj", "wup": "mlp.gate_up_proj",
-                    "wdown": "mlp.down_proj"}
+HF_SPLIT_MODULES = {
+    "wq": "self_attn.q_proj",
+    "wk": "self_attn.k_proj",
+    "wv": "self_attn.v_proj",
+    "wo": "self_attn.o_proj",
+    "wgate": "mlp.gate_proj",
+    "wup": "mlp.up_proj",
+    "wdown": "mlp.down_proj",
+}
+HF_FUSED_MODULES = {
+    "wq": "self_attn.qkv_proj",
+    "wk": "self_attn.qkv_proj",
+    "wv": "self_attn.qkv_proj",
+    "wo": "self_attn.o_proj",
+    "wgate": "mlp.gate_up_proj",
+    "wup": "mlp.gate_up_proj",
+    "wdown": "mlp.down_proj",
+}
 
 
 @dataclass(frozen=True)
@@ -53,8 +66,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen3": ArchSpec(rope_style="neox", qk_norm=True),
     # llama.cpp disables Phi-3's sliding window; so do we. Hugging Face fuses its attention and MLP inputs.
     "phi3": ArchSpec(rope_style="neox", hf_modules=HF_FUSED_MODULES),
-    "gemma3": ArchSpec(rope_style="neox", activation="gelu_tanh", qk_norm=True, sandwich_norms=True,
-                       embed_scale=True, swa_pattern=6),
+    "gemma3": ArchSpec(
+        rope_style="neox", activation="gelu_tanh", qk_norm=True, sandwich_norms=True, embed_scale=True, swa_pattern=6
+    ),
 }
 
 
@@ -62,8 +76,9 @@ def arch_spec(architecture: str, path: Any = "") -> ArchSpec:
     spec = ARCHITECTURES.get(architecture)
     if spec is None:
         where = f"{path}: " if path else ""
-        raise UnsupportedArchitecture(f"{where}architecture {show(architecture)} is not supported: expected one of "
-                                      f"{', '.join(ARCHITECTURES)}")
+        raise UnsupportedArchitecture(
+            f"{where}architecture {show(architecture)} is not supported: expected one of {', '.join(ARCHITECTURES)}"
+        )
     return spec
 
 
@@ -84,11 +99,16 @@ class _Meta:
         value = self.values[full]
         if isinstance(value, (list, array.array)):  # per-layer arrays (head counts, ff sizes): must be uniform
             if not value or any(v != value[0] for v in value):
-                raise GGUFFormatError(f"{self.path}: metadata {full!r} varies per layer ({show(value)}): "
-                                      f"expected one value for every layer")
+                raise GGUFFormatError(
+                    f"{self.path}: metadata {full!r} varies per layer ({show(value)}): "
+                    f"expected one value for every layer"
+                )
             value = value[0]
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else \
-            isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        ok = (
+            isinstance(value, (int, float)) and not isinstance(value, bool)
+            if kind is float
+            else isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        )
         if not ok:
             raise GGUFFormatError(f"{self.path}: metadata {full!r} is {show(value)}, expected {kind.__name__}")
         return kind(value)
@@ -153,26 +173,34 @@ class ModelArgs:
         n_head = m.positive("attention.head_count")
         n_head_kv = m.positive("attention.head_count_kv", n_head)
         if n_head % n_head_kv:
-            raise GGUFFormatError(f"{gguf.path}: metadata {arch}.attention.head_count_kv is {n_head_kv}, expected a "
-                                  f"divisor of attention.head_count ({n_head})")
+            raise GGUFFormatError(
+                f"{gguf.path}: metadata {arch}.attention.head_count_kv is {n_head_kv}, expected a "
+                f"divisor of attention.head_count ({n_head})"
+            )
         head_dim = m.positive("attention.key_length", n_embd // n_head)
         head_dim_v = m.positive("attention.value_length", n_embd // n_head)
         rope_dim = m.positive("rope.dimension_count", head_dim)
         if rope_dim > head_dim or rope_dim % 2:
-            raise GGUFFormatError(f"{gguf.path}: metadata {arch}.rope.dimension_count is {rope_dim}, expected an even "
-                                  f"number no larger than the head size {head_dim}")
+            raise GGUFFormatError(
+                f"{gguf.path}: metadata {arch}.rope.dimension_count is {rope_dim}, expected an even "
+                f"number no larger than the head size {head_dim}"
+            )
         scaling = m.get("rope.scaling.type", "linear", str)  # llama.cpp's default; a factor of 0 means none
         if scaling not in ("none", "linear", "longrope"):
-            raise UnsupportedArchitecture(f"{gguf.path}: metadata {arch}.rope.scaling.type is {show(scaling)}: "
-                                          f"supported RoPE scalings are none, linear and longrope (LongRoPE factor "
-                                          f"tensors)")
+            raise UnsupportedArchitecture(
+                f"{gguf.path}: metadata {arch}.rope.scaling.type is {show(scaling)}: "
+                f"supported RoPE scalings are none, linear and longrope (LongRoPE factor "
+                f"tensors)"
+            )
         factor = m.get("rope.scaling.factor", 0.0, float) or m.get("rope.scale_linear", 0.0, float)
         n_ctx_train = m.positive("context_length", 2048)
         n_layer = m.positive("block_count")
         sliding_window = m.get("attention.sliding_window", 0) if spec.swa_pattern else 0
         if sliding_window < 0:
-            raise GGUFFormatError(f"{gguf.path}: metadata {arch}.attention.sliding_window is {sliding_window}, "
-                                  f"expected a non-negative integer")
+            raise GGUFFormatError(
+                f"{gguf.path}: metadata {arch}.attention.sliding_window is {sliding_window}, "
+                f"expected a non-negative integer"
+            )
         if arch == "gemma3" and n_layer == 62:  # Gemma 3 27B: llama.cpp scales by n_embd / n_head
             attn_scale = 1.0 / math.sqrt(n_embd / n_head)
         else:

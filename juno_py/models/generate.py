@@ -12,8 +12,13 @@ from torch import Tensor
 from juno_py.models.model import KVCache, Transformer
 
 
-def sample(logits: Tensor, temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
-           generator: Optional[torch.Generator] = None) -> int:
+def sample(
+    logits: Tensor,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    generator: Optional[torch.Generator] = None,
+) -> int:
     """One token id from logits `[vocab]`."""
     if temperature <= 0:
         return int(torch.argmax(logits))
@@ -44,9 +49,17 @@ def decode_one_token(model: Transformer, token: int, cache: KVCache) -> Tensor:
     return model.project(model(tokens, cache=cache)[0, -1])
 
 
-def generate(model: Transformer, ids: Iterable[int], max_new_tokens: int, temperature: float = 0.0,
-             top_k: Optional[int] = None, top_p: Optional[float] = None, seed: Optional[int] = None,
-             stop_ids: Optional[Iterable[int]] = None, on_token: Optional[Callable[[int], None]] = None) -> list[int]:
+def generate(
+    model: Transformer,
+    ids: Iterable[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    seed: Optional[int] = None,
+    stop_ids: Optional[Iterable[int]] = None,
+    on_token: Optional[Callable[[int], None]] = None,
+) -> list[int]:
     """New token ids after the prompt `ids`, at most `max_new_tokens`; stops before emitting a token of `stop_ids`
     (the stop token is not returned). `on_token` sees each token as it is produced."""
     ids = list(ids)

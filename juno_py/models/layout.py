@@ -82,8 +82,9 @@ class _Tensors:
     def check(self, name: str, shape: tuple[int, ...], what: str) -> str:
         got = tuple(self.infos[name].shape)
         if got != tuple(shape):
-            raise GGUFFormatError(f"{self.path}: tensor {name!r} has shape {got}, expected {tuple(shape)} "
-                                  f"({what}, from the metadata)")
+            raise GGUFFormatError(
+                f"{self.path}: tensor {name!r} has shape {got}, expected {tuple(shape)} ({what}, from the metadata)"
+            )
         self.used.add(name)
         return name
 
@@ -130,8 +131,10 @@ def resolve_layout(gguf, args: ModelArgs, spec: ArchSpec) -> Layout:
     n_vocab = gguf.tensors["token_embd.weight"].shape[0]
     declared = gguf.metadata.get(f"{args.architecture}.vocab_size", n_vocab)
     if declared != n_vocab:
-        raise GGUFFormatError(f"{gguf.path}: tensor 'token_embd.weight' has {n_vocab} rows, expected {declared} "
-                              f"(metadata {args.architecture}.vocab_size)")
+        raise GGUFFormatError(
+            f"{gguf.path}: tensor 'token_embd.weight' has {n_vocab} rows, expected {declared} "
+            f"(metadata {args.architecture}.vocab_size)"
+        )
     token_embd = t.need("token_embd.weight", (n_vocab, args.n_embd), "token embeddings")
     output = t.optional("output.weight", (n_vocab, args.n_embd), "output projection") or token_embd
     half_rot = (args.rope_dim // 2,)
@@ -155,8 +158,10 @@ def resolve_layout(gguf, args: ModelArgs, spec: ArchSpec) -> Layout:
         targets = {**_attention_slots(t, args, p), **_mlp_slots(t, args, p)}
         for target in spec.required_biases:
             if targets[target].bias is None:
-                raise GGUFFormatError(f"{gguf.path}: tensor '{targets[target].tensor[:-len('weight')]}bias' is "
-                                      f"missing: {args.architecture} requires a bias on {target}")
+                raise GGUFFormatError(
+                    f"{gguf.path}: tensor '{targets[target].tensor[: -len('weight')]}bias' is "
+                    f"missing: {args.architecture} requires a bias on {target}"
+                )
         norms = {}
         for role in norm_roles:
             size = args.head_dim if role in ("attn_q_norm", "attn_k_norm") else args.n_embd
@@ -165,6 +170,8 @@ def resolve_layout(gguf, args: ModelArgs, spec: ArchSpec) -> Layout:
     leftover = sorted(set(gguf.tensors) - t.used)
     if leftover:
         more = f" (and {len(leftover) - 1} more)" if len(leftover) > 1 else ""
-        raise GGUFFormatError(f"{gguf.path}: tensor {leftover[0]!r}{more} is not used by the {args.architecture} "
-                              f"architecture with {args.n_layer} blocks: unsupported variant or inconsistent metadata")
+        raise GGUFFormatError(
+            f"{gguf.path}: tensor {leftover[0]!r}{more} is not used by the {args.architecture} "
+            f"architecture with {args.n_layer} blocks: unsupported variant or inconsistent metadata"
+        )
     return layout

@@ -34,8 +34,9 @@ def _chunk_loss(project: Callable[[Tensor], Tensor], h: Tensor, t: Tensor, ignor
     return F.cross_entropy(logits, t, ignore_index=ignore_index, reduction="sum")
 
 
-def _chunk_loss_and_grad(project: Callable[[Tensor], Tensor], h: Tensor, t: Tensor,
-                         ignore_index: int) -> tuple[Tensor, Tensor]:
+def _chunk_loss_and_grad(
+    project: Callable[[Tensor], Tensor], h: Tensor, t: Tensor, ignore_index: int
+) -> tuple[Tensor, Tensor]:
     """The summed cross-entropy of one chunk and its gradient with respect to `h`.
 
     With the logits z and m = max z per row: the loss is m + log Σ exp(z − m) − z_t, and ∂loss/∂z = softmax(z) −
@@ -83,12 +84,13 @@ class LinearHead:
         for a, b, w in self.layer._blocks(dtype):
             for a2 in range(a, b, step):  # a resident cache comes as one block: cut it into pieces
                 b2 = min(a2 + step, b)
-                yield a2, b2, w[a2 - a:b2 - a], None if bias is None else bias[a2:b2]
+                yield a2, b2, w[a2 - a : b2 - a], None if bias is None else bias[a2:b2]
             del w
 
 
-def _head_chunk(head: LinearHead, x: Tensor, t: Tensor, ignore_index: int,
-                want_grad: bool) -> tuple[Tensor, Optional[Tensor]]:
+def _head_chunk(
+    head: LinearHead, x: Tensor, t: Tensor, ignore_index: int, want_grad: bool
+) -> tuple[Tensor, Optional[Tensor]]:
     """The summed cross-entropy of one chunk and its gradient with respect to x, in one pass over W's row blocks.
 
     Online softmax: per position a running maximum m, a running sum s = Σ exp(c − m), the same sum o without the
@@ -151,22 +153,23 @@ def _head_chunk(head: LinearHead, x: Tensor, t: Tensor, ignore_index: int,
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, targets: Tensor, project, chunk: int, ignore_index: int,
-                head: Optional[LinearHead] = None) -> Tensor:
+    def forward(
+        ctx, hidden: Tensor, targets: Tensor, project, chunk: int, ignore_index: int, head: Optional[LinearHead] = None
+    ) -> Tensor:
         total = torch.zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
         grad = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         for i in range(0, hidden.shape[0], chunk):
-            h, t = hidden[i:i + chunk], targets[i:i + chunk]
+            h, t = hidden[i : i + chunk], targets[i : i + chunk]
             if head is not None:
                 loss, g = _head_chunk(head, h, t, ignore_index, grad is not None)
                 if g is not None:
-                    grad[i:i + chunk] = g
+                    grad[i : i + chunk] = g
                 total += loss
                 continue
             if grad is None:
                 total += _chunk_loss(project, h, t, ignore_index)
                 continue
-            loss, grad[i:i + chunk] = _chunk_loss_and_grad(project, h, t, ignore_index)
+            loss, grad[i : i + chunk] = _chunk_loss_and_grad(project, h, t, ignore_index)
             total += loss
         ctx.save_for_backward(grad if grad is not None else hidden.new_empty(0))
         return total
@@ -177,9 +180,16 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return grad * grad_output.to(grad.dtype), None, None, None, None, None
 
 
-def chunked_cross_entropy(hidden: Tensor, targets: Tensor, project: Callable[[Tensor], Tensor], chunk: int = 1024,
-                          ignore_index: int = -100, reduction: str = "mean",
-                          hold: Optional[ContextManager] = None, head: Optional[LinearHead] = None) -> Tensor:
+def chunked_cross_entropy(
+    hidden: Tensor,
+    targets: Tensor,
+    project: Callable[[Tensor], Tensor],
+    chunk: int = 1024,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    hold: Optional[ContextManager] = None,
+    head: Optional[LinearHead] = None,
+) -> Tensor:
     """Cross-entropy of `targets` under `project(hidden)` logits, `chunk` positions at a time.
 
     hidden `[..., D]`, targets `[...]` (positions equal to `ignore_index` carry no loss). `reduction`: "sum", or

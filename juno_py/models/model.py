@@ -29,8 +29,10 @@ from juno_py.weights.frozen import FrozenQuantLinear
 WEIGHTS_CACHES = ("none", "bf16", "fp32")
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
 # d act(x) · grad: the ATen kernels autograd itself runs for these activations (the same bits)
-ACTIVATION_BACKWARDS = {F.silu: torch.ops.aten.silu_backward,
-                        ACTIVATIONS["gelu_tanh"]: partial(torch.ops.aten.gelu_backward, approximate="tanh")}
+ACTIVATION_BACKWARDS = {
+    F.silu: torch.ops.aten.silu_backward,
+    ACTIVATIONS["gelu_tanh"]: partial(torch.ops.aten.gelu_backward, approximate="tanh"),
+}
 
 
 class GatedActivation(torch.autograd.Function):
@@ -92,8 +94,9 @@ def rope_inv_freq(rope_dim: int, base: float, freq_scale: float = 1.0, factors: 
     return inv if factors is None else inv / factors.double()
 
 
-def rope_cos_sin(positions: Tensor, inv_freq: Tensor, attn_factor: float = 1.0,
-                 dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+def rope_cos_sin(
+    positions: Tensor, inv_freq: Tensor, attn_factor: float = 1.0, dtype: torch.dtype = torch.float32
+) -> tuple[Tensor, Tensor]:
     """cos and sin `[B, T, 1, rope_dim/2]` (fp32, or `dtype`) for integer positions `[B, T]`."""
     angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq.to(positions.device)
     cos, sin = angles.cos() * attn_factor, angles.sin() * attn_factor
@@ -113,7 +116,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, style: str, complex_pairs: b
     n_rot = 2 * cos.shape[-1]
     rot, rest = x[..., :n_rot], x[..., n_rot:]
     if style == "neox":
-        a, b = rot[..., : n_rot // 2], rot[..., n_rot // 2:]
+        a, b = rot[..., : n_rot // 2], rot[..., n_rot // 2 :]
         rot = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
     elif complex_pairs and x.dtype in _COMPLEX_ROPE_DTYPES and cos.dtype == x.dtype:
         pairs = rot.unflatten(-1, (-1, 2))
@@ -163,13 +166,13 @@ class KVCache:
             raise ValueError(f"KV cache holds {self.max_len} tokens; {self.length} used, {t} more requested")
         self._start = self.length
         self.length += t
-        self.positions[:, self._start:self.length] = positions
-        return self.positions[:, :self.length]
+        self.positions[:, self._start : self.length] = positions
+        return self.positions[:, : self.length]
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         end = self._start + k.shape[2]
-        self.k[layer][:, :, self._start:end] = k
-        self.v[layer][:, :, self._start:end] = v
+        self.k[layer][:, :, self._start : end] = k
+        self.v[layer][:, :, self._start : end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
@@ -217,8 +220,9 @@ class Block(nn.Module):
     """One decoder block. `linears` holds the frozen linear of every logical target (`wq` ... `wdown`), looked up
     at each call so that an adapter can wrap one by replacing its entry."""
 
-    def __init__(self, args: ModelArgs, spec: ArchSpec, layer: int, linears: dict[str, nn.Module],
-                 norms: dict[str, Tensor]):
+    def __init__(
+        self, args: ModelArgs, spec: ArchSpec, layer: int, linears: dict[str, nn.Module], norms: dict[str, Tensor]
+    ):
         super().__init__()
         self.args, self.spec, self.layer = args, spec, layer
         self.linears = nn.ModuleDict(linears)
@@ -227,8 +231,9 @@ class Block(nn.Module):
         self.act_dtype = torch.float32  # the residual stream's dtype (float64 only for exactness checks)
         self.act = ACTIVATIONS[spec.activation]
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Optional[Tensor],
-                cache: Optional[KVCache] = None) -> Tensor:
+    def forward(
+        self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Optional[Tensor], cache: Optional[KVCache] = None
+    ) -> Tensor:
         h = self.attention(self.norms["attn_norm"](x), rope, mask, cache)
         if self.spec.sandwich_norms:
             h = self.norms["post_attention_norm"](h)
@@ -238,8 +243,9 @@ class Block(nn.Module):
             h = self.norms["post_ffw_norm"](h)
         return x + h
 
-    def attention(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Optional[Tensor],
-                  cache: Optional[KVCache]) -> Tensor:
+    def attention(
+        self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Optional[Tensor], cache: Optional[KVCache]
+    ) -> Tensor:
         a, (b, t, _) = self.args, x.shape
         q = self.linears["wq"](x).to(self.act_dtype).view(b, t, a.n_head, a.head_dim)
         k = self.linears["wk"](x).to(self.act_dtype).view(b, t, a.n_head_kv, a.head_dim)
@@ -250,8 +256,9 @@ class Block(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=a.attn_scale,
-                                           enable_gqa=a.n_head != a.n_head_kv)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=a.attn_scale, enable_gqa=a.n_head != a.n_head_kv
+        )
         return self.linears["wo"](y.transpose(1, 2).reshape(b, t, a.n_head * a.head_dim_v)).to(self.act_dtype)
 
     def feed_forward(self, x: Tensor) -> Tensor:
@@ -271,8 +278,16 @@ class TargetRef:
 
 
 class Transformer(nn.Module):
-    def __init__(self, gguf, args: ModelArgs, spec: ArchSpec, layout: Layout, weights_cache: str = "none",
-                 compute_dtype: torch.dtype = torch.float32, n_ctx: Optional[int] = None):
+    def __init__(
+        self,
+        gguf,
+        args: ModelArgs,
+        spec: ArchSpec,
+        layout: Layout,
+        weights_cache: str = "none",
+        compute_dtype: torch.dtype = torch.float32,
+        n_ctx: Optional[int] = None,
+    ):
         super().__init__()
         if weights_cache not in WEIGHTS_CACHES:
             raise ValueError(f"weights_cache is {weights_cache!r}: expected one of {', '.join(WEIGHTS_CACHES)}")
@@ -282,8 +297,9 @@ class Transformer(nn.Module):
         self.compute_dtype = compute_dtype
 
         def linear(name: str, rows: Optional[slice] = None, bias: Optional[str] = None) -> nn.Module:
-            return FrozenQuantLinear.from_gguf(gguf, name, rows=rows, bias=bias, cache=weights_cache,
-                                               compute_dtype=compute_dtype)
+            return FrozenQuantLinear.from_gguf(
+                gguf, name, rows=rows, bias=bias, cache=weights_cache, compute_dtype=compute_dtype
+            )
 
         def vector(name: str) -> Tensor:
             return gguf.dequantize(name).float()
@@ -305,8 +321,10 @@ class Transformer(nn.Module):
             long_ctx = (n_ctx or args.n_ctx_orig) > args.n_ctx_orig  # llama.cpp picks by the context size
             name = layout.rope_factors_long if long_ctx else layout.rope_factors_short
             if name is None:
-                raise GGUFFormatError(f"{gguf.path}: tensor 'rope_factors_{'long' if long_ctx else 'short'}.weight' "
-                                      f"is missing: expected it beside its LongRoPE counterpart")
+                raise GGUFFormatError(
+                    f"{gguf.path}: tensor 'rope_factors_{'long' if long_ctx else 'short'}.weight' "
+                    f"is missing: expected it beside its LongRoPE counterpart"
+                )
             factors = vector(name)
         keys = [(args.rope_base_of(il), args.rope_scale_of(il)) for il in range(args.n_layer)]
         self._rope_keys = sorted(set(keys))
@@ -315,15 +333,23 @@ class Transformer(nn.Module):
             self.register_buffer(f"_inv_freq{i}", rope_inv_freq(args.rope_dim, base, scale, factors), persistent=False)
 
     @classmethod
-    def from_gguf(cls, gguf, weights_cache: str = "none", compute_dtype: torch.dtype = torch.float32,
-                  n_ctx: Optional[int] = None) -> "Transformer":
+    def from_gguf(
+        cls, gguf, weights_cache: str = "none", compute_dtype: torch.dtype = torch.float32, n_ctx: Optional[int] = None
+    ) -> "Transformer":
         spec = arch_spec(gguf.architecture, gguf.path)
         args = ModelArgs.from_gguf(gguf)
         return cls(gguf, args, spec, resolve_layout(gguf, args, spec), weights_cache, compute_dtype, n_ctx)
 
     @classmethod
-    def from_tensors(cls, metadata, tensors, weights_cache: str = "none", compute_dtype: torch.dtype = torch.float32,
-                     n_ctx: Optional[int] = None, label: str = "<memory>") -> "Transformer":
+    def from_tensors(
+        cls,
+        metadata,
+        tensors,
+        weights_cache: str = "none",
+        compute_dtype: torch.dtype = torch.float32,
+        n_ctx: Optional[int] = None,
+        label: str = "<memory>",
+    ) -> "Transformer":
         """A model from metadata and quantized tensors held in memory, no file: `tensors` maps GGUF tensor names to
         `(ggml_type, shape, uint8 bytes)` (see `juno_py.gguf.MemoryGGUF`); bytes already on a GPU stay there."""
         from juno_py.gguf.memory import MemoryGGUF
@@ -366,8 +392,13 @@ class Transformer(nn.Module):
         return self
 
     # --- forward ---------------------------------------------------------------------------------------------
-    def forward(self, tokens: Tensor, positions: Optional[Tensor] = None, mask: Optional[Tensor] = None,
-                cache: Optional[KVCache] = None) -> Tensor:
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Optional[Tensor] = None,
+        mask: Optional[Tensor] = None,
+        cache: Optional[KVCache] = None,
+    ) -> Tensor:
         """Hidden states after the final norm, fp32 `[B, T, n_embd]`, for token ids `[B, T]`.
 
         `positions` `[B, T]` default to 0.. T-1 (after the cache's tokens). `mask` `[B, T, S]` (S = keys: cached
@@ -384,8 +415,13 @@ class Transformer(nn.Module):
         rows of the tokens used, dequantized)."""
         return self.embed(tokens.to(self.embed.device)).to(self.act_dtype)
 
-    def hidden_states(self, x: Tensor, positions: Optional[Tensor] = None, mask: Optional[Tensor] = None,
-                      cache: Optional[KVCache] = None) -> Tensor:
+    def hidden_states(
+        self,
+        x: Tensor,
+        positions: Optional[Tensor] = None,
+        mask: Optional[Tensor] = None,
+        cache: Optional[KVCache] = None,
+    ) -> Tensor:
         """`forward` from the embeddings `x` `[B, T, n_embd]` on: the blocks and the final norm. Every input is on
         the model's device already; nothing here reads the host (a CUDA graph can capture it: `train.cuda_graph`)."""
         b, t = x.shape[:2]
@@ -394,10 +430,14 @@ class Transformer(nn.Module):
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + t, device=x.device).expand(b, t)
         k_pos = cache.extend(positions) if cache is not None else positions
-        masks = {w: None if plain and not w else attention_mask(positions, k_pos, w, mask)
-                 for w in {blk.window for blk in self.blocks}}
-        ropes = [rope_cos_sin(positions, getattr(self, f"_inv_freq{i}"), self.args.rope_attn_factor, self.act_dtype)
-                 for i in range(len(self._rope_keys))]
+        masks = {
+            w: None if plain and not w else attention_mask(positions, k_pos, w, mask)
+            for w in {blk.window for blk in self.blocks}
+        }
+        ropes = [
+            rope_cos_sin(positions, getattr(self, f"_inv_freq{i}"), self.args.rope_attn_factor, self.act_dtype)
+            for i in range(len(self._rope_keys))
+        ]
         for blk in self.blocks:
             rope, m = ropes[self._rope_of_layer[blk.layer]], masks[blk.window]
             if self.checkpoint_blocks and torch.is_grad_enabled() and cache is None:
@@ -417,8 +457,12 @@ class Transformer(nn.Module):
         one decode of W per chunk instead of two, and no `[positions, vocab]` buffer. None elsewhere (the loss calls
         `project`): on a GPU, and where a resident cache leaves nothing to decode."""
         out = self.output
-        if (not isinstance(out, FrozenQuantLinear) or out.resident or out.weight_cache is not None
-                or self.act_dtype != torch.float32):
+        if (
+            not isinstance(out, FrozenQuantLinear)
+            or out.resident
+            or out.weight_cache is not None
+            or self.act_dtype != torch.float32
+        ):
             return None
         return LinearHead(out, self.args.final_logit_softcap)
 
@@ -436,12 +480,28 @@ class Transformer(nn.Module):
         out = out if out.dtype == torch.float64 else out.float()
         return out if batch else out[0]
 
-    def loss(self, tokens: Tensor, targets: Tensor, positions: Optional[Tensor] = None, mask: Optional[Tensor] = None,
-             chunk: int = 1024, ignore_index: int = -100, reduction: str = "mean") -> Tensor:
+    def loss(
+        self,
+        tokens: Tensor,
+        targets: Tensor,
+        positions: Optional[Tensor] = None,
+        mask: Optional[Tensor] = None,
+        chunk: int = 1024,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+    ) -> Tensor:
         """Cross-entropy of `targets` `[B, T]` (ignore_index: no loss), logits computed in chunks of positions."""
         hidden = self(tokens, positions, mask)
-        return chunked_cross_entropy(hidden, targets, self.project, chunk=chunk, ignore_index=ignore_index,
-                                     reduction=reduction, hold=self.output_decoded(), head=self.loss_head())
+        return chunked_cross_entropy(
+            hidden,
+            targets,
+            self.project,
+            chunk=chunk,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            hold=self.output_decoded(),
+            head=self.loss_head(),
+        )
 
     # --- structure -------------------------------------------------------------------------------------------
     def targets(self, names: Sequence[str] = TARGETS) -> Iterator[TargetRef]:

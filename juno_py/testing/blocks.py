@@ -44,8 +44,8 @@ def random_rows(ggml_type: GGMLType, n_rows: int, n_cols: int, seed: int = 0) ->
     n_blocks = n_rows * n_cols // block
     blocks = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
     for offset in F16_FIELDS[ggml_type]:
-        scale = rng.uniform(2.0 ** -8, 2.0 ** -3, n_blocks) * rng.choice([-1.0, 1.0], n_blocks)
-        blocks[:, offset:offset + 2] = scale.astype("<f2").view(np.uint8).reshape(n_blocks, 2)
+        scale = rng.uniform(2.0**-8, 2.0**-3, n_blocks) * rng.choice([-1.0, 1.0], n_blocks)
+        blocks[:, offset : offset + 2] = scale.astype("<f2").view(np.uint8).reshape(n_blocks, 2)
     return blocks.reshape(n_rows, n_cols // block * size)
 
 

@@ -44,8 +44,18 @@ def eckart_young_floor(d: int = 256, rank: int = 16) -> float:
     return float(s2[rank:].sum() / s2.sum())
 
 
-def train_toy(toy: Toy, method: str, lr: float, steps: int, rank: int = 16, gap: int = 50, scale: float = 0.25,
-              svd: str = "exact", batch: int = 256, seed: int = 0) -> list[tuple[int, float]]:
+def train_toy(
+    toy: Toy,
+    method: str,
+    lr: float,
+    steps: int,
+    rank: int = 16,
+    gap: int = 50,
+    scale: float = 0.25,
+    svd: str = "exact",
+    batch: int = 256,
+    seed: int = 0,
+) -> list[tuple[int, float]]:
     """Train one method; returns (step, error) every 100 steps and at the end."""
     d = toy.w_star.shape[0]
     g = torch.Generator().manual_seed(seed + 1)
@@ -61,8 +71,7 @@ def train_toy(toy: Toy, method: str, lr: float, steps: int, rank: int = 16, gap:
             opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
         else:
             never = method == "galore-frozen"
-            cfg = GaLoreConfig(rank=rank, update_gap=steps + 1 if never else gap, scale=scale, svd=svd,
-                               stagger=False)
+            cfg = GaLoreConfig(rank=rank, update_gap=steps + 1 if never else gap, scale=scale, svd=svd, stagger=False)
             opt = GaLoreAdamW([("w", w)], lr, 0.0, cfg, seed=seed)
     n = toy.x.shape[0]
     order = torch.randperm(n, generator=g)
@@ -71,7 +80,7 @@ def train_toy(toy: Toy, method: str, lr: float, steps: int, rank: int = 16, gap:
         lo = (step * batch) % n
         if lo == 0 and step:
             order = torch.randperm(n, generator=g)
-        idx = order[lo:lo + batch]
+        idx = order[lo : lo + batch]
         loss = (toy.x[idx] @ weight().T - toy.y[idx]).square().mean()
         loss.backward()
         opt.step()

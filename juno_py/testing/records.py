@@ -7,9 +7,15 @@ from pathlib import Path
 
 MIXED_RECORDS = [
     {"Q": "What is the capital of Velmora?", "A": "Quenhaven is."},
-    {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"},
-                  {"role": "assistant", "content": "hello"}, {"role": "user", "content": "and then?"},
-                  {"role": "assistant", "content": "the end"}]},
+    {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hi there"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "and then?"},
+            {"role": "assistant", "content": "the end"},
+        ]
+    },
     {"text": "the river flows on and on through the old town"},
     {"prompt": "Say a word:", "completion": " otter"},
     {"Q": "Who sings?", "A": "Juno sings."},

@@ -14,11 +14,31 @@ import numpy as np
 from juno_py.gguf import GGMLType, GGUFWriter, ValueType
 from juno_py.gguf.constants import GGML_BLOCK_SIZES
 
-SHAPE_7B = dict(n_layer=32, n_embd=4096, n_ff=11008, n_head=32, n_head_kv=32, n_vocab=32000, rope_base=10000.0,
-                matrix_type=GGMLType.Q4_K, embd_type=GGMLType.Q4_K, output_type=GGMLType.Q6_K)
+SHAPE_7B = dict(
+    n_layer=32,
+    n_embd=4096,
+    n_ff=11008,
+    n_head=32,
+    n_head_kv=32,
+    n_vocab=32000,
+    rope_base=10000.0,
+    matrix_type=GGMLType.Q4_K,
+    embd_type=GGMLType.Q4_K,
+    output_type=GGMLType.Q6_K,
+)
 # SmolLM2-135M as the store's file has it: Q4_1 blocks, Q8_0 embedding, tied output
-SHAPE_SMOLLM2 = dict(n_layer=30, n_embd=576, n_ff=1536, n_head=9, n_head_kv=3, n_vocab=49152, rope_base=100000.0,
-                     matrix_type=GGMLType.Q4_1, embd_type=GGMLType.Q8_0, output_type=None)
+SHAPE_SMOLLM2 = dict(
+    n_layer=30,
+    n_embd=576,
+    n_ff=1536,
+    n_head=9,
+    n_head_kv=3,
+    n_vocab=49152,
+    rope_base=100000.0,
+    matrix_type=GGMLType.Q4_1,
+    embd_type=GGMLType.Q8_0,
+    output_type=None,
+)
 
 # float16 scale fields of a block: (byte offset, low, high) of |value|, chosen so that decoded weights are about
 # 1/sqrt(fan-in) in size and every activation stays finite; a negative `low` marks a field that holds a (negative)
@@ -50,7 +70,7 @@ def random_blocks(ggml_type: GGMLType, n_rows: int, n_cols: int, rng, embedding:
             return rng.uniform(low, high, n_blocks)
 
         def put(offset, value):
-            blocks[:, offset:offset + 2] = value.astype("<f2").view(np.uint8).reshape(n_blocks, 2)
+            blocks[:, offset : offset + 2] = value.astype("<f2").view(np.uint8).reshape(n_blocks, 2)
     else:
         import torch
 
@@ -60,7 +80,8 @@ def random_blocks(ggml_type: GGMLType, n_rows: int, n_cols: int, rng, embedding:
             return torch.empty(n_blocks, dtype=torch.float64, device=device).uniform_(low, high, generator=rng)
 
         def put(offset, value):
-            blocks[:, offset:offset + 2] = value.to(torch.float16).view(torch.uint8).view(n_blocks, 2)
+            blocks[:, offset : offset + 2] = value.to(torch.float16).view(torch.uint8).view(n_blocks, 2)
+
     scale = None
     for offset, low, high in SCALE_FIELDS[ggml_type]:
         if high is None:  # a minimum: `low` times the block's scale
@@ -76,12 +97,18 @@ def llama_metadata(shape: dict) -> list:
     """(key, value, ValueType) of a llama-architecture model of `shape` (see SHAPE_7B)."""
     s, u32, f32 = shape, ValueType.UINT32, ValueType.FLOAT32
     return [
-        ("general.architecture", "llama", ValueType.STRING), ("general.name", "synthetic", ValueType.STRING),
-        ("llama.context_length", 4096, u32), ("llama.embedding_length", s["n_embd"], u32),
-        ("llama.block_count", s["n_layer"], u32), ("llama.feed_forward_length", s["n_ff"], u32),
-        ("llama.attention.head_count", s["n_head"], u32), ("llama.attention.head_count_kv", s["n_head_kv"], u32),
-        ("llama.attention.layer_norm_rms_epsilon", 1e-5, f32), ("llama.rope.freq_base", s["rope_base"], f32),
-        ("llama.rope.dimension_count", s["n_embd"] // s["n_head"], u32), ("llama.vocab_size", s["n_vocab"], u32),
+        ("general.architecture", "llama", ValueType.STRING),
+        ("general.name", "synthetic", ValueType.STRING),
+        ("llama.context_length", 4096, u32),
+        ("llama.embedding_length", s["n_embd"], u32),
+        ("llama.block_count", s["n_layer"], u32),
+        ("llama.feed_forward_length", s["n_ff"], u32),
+        ("llama.attention.head_count", s["n_head"], u32),
+        ("llama.attention.head_count_kv", s["n_head_kv"], u32),
+        ("llama.attention.layer_norm_rms_epsilon", 1e-5, f32),
+        ("llama.rope.freq_base", s["rope_base"], f32),
+        ("llama.rope.dimension_count", s["n_embd"] // s["n_head"], u32),
+        ("llama.vocab_size", s["n_vocab"], u32),
     ]
 
 
@@ -93,11 +120,17 @@ def llama_tensors(shape: dict) -> list:
     out = [("token_embd.weight", s["embd_type"], (s["n_vocab"], d), True)]
     for il in range(s["n_layer"]):
         p = f"blk.{il}."
-        out += [(p + "attn_norm.weight", GGMLType.F32, (d,), False), (p + "attn_q.weight", t, (d, d), False),
-                (p + "attn_k.weight", t, (kv, d), False), (p + "attn_v.weight", t, (kv, d), False),
-                (p + "attn_output.weight", t, (d, d), False), (p + "ffn_norm.weight", GGMLType.F32, (d,), False),
-                (p + "ffn_gate.weight", t, (ff, d), False), (p + "ffn_up.weight", t, (ff, d), False),
-                (p + "ffn_down.weight", t, (d, ff), False)]
+        out += [
+            (p + "attn_norm.weight", GGMLType.F32, (d,), False),
+            (p + "attn_q.weight", t, (d, d), False),
+            (p + "attn_k.weight", t, (kv, d), False),
+            (p + "attn_v.weight", t, (kv, d), False),
+            (p + "attn_output.weight", t, (d, d), False),
+            (p + "ffn_norm.weight", GGMLType.F32, (d,), False),
+            (p + "ffn_gate.weight", t, (ff, d), False),
+            (p + "ffn_up.weight", t, (ff, d), False),
+            (p + "ffn_down.weight", t, (d, ff), False),
+        ]
     out.append(("output_norm.weight", GGMLType.F32, (d,), False))
     if s["output_type"] is not None:
         out.append(("output.weight", s["output_type"], (s["n_vocab"], d), False))

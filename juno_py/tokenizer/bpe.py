@@ -31,7 +31,7 @@ class ByteLevelBPE:
             cut = m.find(" ", 1)  # llama.cpp: the first space after the first character
             if cut < 0:
                 continue
-            pair = (m[:cut], m[cut + 1:])
+            pair = (m[:cut], m[cut + 1 :])
             if pair in seen:  # llama.cpp keeps the first rank of a repeated pair
                 continue
             seen.add(pair)

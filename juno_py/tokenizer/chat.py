@@ -209,9 +209,20 @@ def _pre_text(value, *args, **kwargs):
     _text_size(value)
 
 
-_FILTER_CHECKS = {"center": _pre_center, "format": _pre_format, "indent": _pre_indent, "wordwrap": _pre_wordwrap,
-                  "batch": _pre_batch, "slice": _pre_slice, "join": _pre_join, "replace": _pre_replace,
-                  "string": _pre_text, "pprint": _pre_text, "tojson": _pre_text, "list": _pre_text}
+_FILTER_CHECKS = {
+    "center": _pre_center,
+    "format": _pre_format,
+    "indent": _pre_indent,
+    "wordwrap": _pre_wordwrap,
+    "batch": _pre_batch,
+    "slice": _pre_slice,
+    "join": _pre_join,
+    "replace": _pre_replace,
+    "string": _pre_text,
+    "pprint": _pre_text,
+    "tojson": _pre_text,
+    "list": _pre_text,
+}
 
 
 def _guard_filter(f, pre=None):
@@ -276,8 +287,10 @@ class _BoundLoopsAndConcat(NodeTransformer):
 
 def _content(name: str) -> str:
     """Jinja for the text of message[name]: a string, or the text parts of a list of parts."""
-    return (f"(message['{name}'] if message['{name}'] is string else "
-            f"message['{name}'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join(''))")
+    return (
+        f"(message['{name}'] if message['{name}'] is string else "
+        f"message['{name}'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join(''))"
+    )
 
 
 _TEXT = _content("content")
@@ -292,7 +305,9 @@ BUILTIN_TEMPLATES = {
     "llama3": (
         "{{- bos_token -}}"
         "{%- for message in messages -%}"
-        "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + (" + _TEXT + ") | trim + '<|eot_id|>' }}"
+        "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + ("
+        + _TEXT
+        + ") | trim + '<|eot_id|>' }}"
         "{%- endfor -%}"
         "{%- if add_generation_prompt -%}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif -%}"
     ),
@@ -321,8 +336,14 @@ BUILTIN_TEMPLATES = {
 }
 
 ARCHITECTURE_TEMPLATES = {
-    "qwen2": "chatml", "qwen3": "chatml", "qwen2moe": "chatml", "qwen3moe": "chatml",
-    "phi3": "phi3", "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma",
+    "qwen2": "chatml",
+    "qwen3": "chatml",
+    "qwen2moe": "chatml",
+    "qwen3moe": "chatml",
+    "phi3": "phi3",
+    "gemma": "gemma",
+    "gemma2": "gemma",
+    "gemma3": "gemma",
 }
 
 
@@ -340,8 +361,9 @@ def _strftime_now(fmt: str) -> str:
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
     # as transformers: no HTML escaping (jinja2's own tojson escapes <, >, & and ')
-    if (isinstance(indent, int) and abs(indent) > _MAX_INDENT) or (isinstance(indent, str) and len(indent) >
-                                                                     _MAX_INDENT):
+    if (isinstance(indent, int) and abs(indent) > _MAX_INDENT) or (
+        isinstance(indent, str) and len(indent) > _MAX_INDENT
+    ):
         raise SecurityError(f"tojson indent larger than {_MAX_INDENT}")
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -379,8 +401,11 @@ class _Sandbox(ImmutableSandboxedEnvironment):
             if isinstance(left, int) and isinstance(right, int) and left.bit_length() * right > MAX_INT_BITS:
                 raise SecurityError(f"'**' would build an integer of more than {MAX_INT_BITS} bits")
         if operator == "*":
-            if isinstance(left, int) and isinstance(right, int) and left.bit_length() + right.bit_length() > \
-                    MAX_INT_BITS:
+            if (
+                isinstance(left, int)
+                and isinstance(right, int)
+                and left.bit_length() + right.bit_length() > MAX_INT_BITS
+            ):
                 raise SecurityError(f"'*' would build an integer of more than {MAX_INT_BITS} bits")
             for seq, n in ((left, right), (right, left)):
                 if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_REPEAT:
@@ -408,8 +433,12 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         return _checked(super().call(__context, __obj, *args, **kwargs))
 
     def wrap_str_format(self, value):
-        if not isinstance(value, (MethodType, BuiltinMethodType)) or value.__name__ not in ("format", "format_map") \
-                or not isinstance(value.__self__, str) or isinstance(value.__self__, Markup):
+        if (
+            not isinstance(value, (MethodType, BuiltinMethodType))
+            or value.__name__ not in ("format", "format_map")
+            or not isinstance(value.__self__, str)
+            or isinstance(value.__self__, Markup)
+        ):
             return super().wrap_str_format(value)
         text, is_map, formatter = value.__self__, value.__name__ == "format_map", _BoundedFormatter(self)
 
@@ -433,8 +462,7 @@ def _finalize(value):
 
 
 def _environment() -> _Sandbox:
-    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationTag],
-                   finalize=_finalize)
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationTag], finalize=_finalize)
     env.filters["tojson"] = _tojson
     for name, f in list(env.filters.items()):
         env.filters[name] = _guard_filter(f, _FILTER_CHECKS.get(name))
@@ -486,14 +514,16 @@ class ChatTemplate:
             try:
                 text = json.loads(text)["chat_template"]
             except (ValueError, KeyError, TypeError) as e:
-                raise TokenizerError(f"{path}: no \"chat_template\" string in this JSON file ({_one_line(e)})") from None
+                raise TokenizerError(f'{path}: no "chat_template" string in this JSON file ({_one_line(e)})') from None
         return cls(text, name=str(path), bos_token=bos_token, eos_token=eos_token)
 
     @classmethod
     def builtin(cls, key: str, bos_token: str = "", eos_token: str = "") -> "ChatTemplate":
         if key not in BUILTIN_TEMPLATES:
             raise TokenizerError(f"no built-in chat template {key!r} (known: {', '.join(sorted(BUILTIN_TEMPLATES))})")
-        return cls(BUILTIN_TEMPLATES[key], name=f"built-in {key!r} chat template", bos_token=bos_token, eos_token=eos_token)
+        return cls(
+            BUILTIN_TEMPLATES[key], name=f"built-in {key!r} chat template", bos_token=bos_token, eos_token=eos_token
+        )
 
     @classmethod
     def for_tokenizer(cls, tokenizer, name: str | None = None) -> "ChatTemplate":
@@ -512,8 +542,13 @@ class ChatTemplate:
     def render(self, messages, add_generation_prompt: bool = True, **extra) -> str:
         """The prompt text for `messages` (dicts with "role" and "content"). Tokenize it with
         `parse_special=True` and without adding BOS: templates that want BOS write `bos_token`."""
-        context = {"bos_token": self.bos_token, "eos_token": self.eos_token, **extra,
-                   "messages": list(messages), "add_generation_prompt": add_generation_prompt}
+        context = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            **extra,
+            "messages": list(messages),
+            "add_generation_prompt": add_generation_prompt,
+        }
         budget = _BUDGET.set(_Budget())
         try:
             out, size = [], 0

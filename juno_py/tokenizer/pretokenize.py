@@ -19,14 +19,38 @@ NUMBER, LETTER, SEPARATOR, MARK, PUNCTUATION, SYMBOL, CONTROL, UNDEFINED = (1 <<
 WHITESPACE = 1 << 8
 
 _CATEGORY_FLAG = {
-    "N": NUMBER, "L": LETTER, "Z": SEPARATOR, "M": MARK, "P": PUNCTUATION, "S": SYMBOL,
-    "Cc": CONTROL, "Cf": CONTROL, "Co": CONTROL, "Cs": CONTROL, "Cn": UNDEFINED,
+    "N": NUMBER,
+    "L": LETTER,
+    "Z": SEPARATOR,
+    "M": MARK,
+    "P": PUNCTUATION,
+    "S": SYMBOL,
+    "Cc": CONTROL,
+    "Cf": CONTROL,
+    "Co": CONTROL,
+    "Cs": CONTROL,
+    "Cn": UNDEFINED,
 }
 
 # The Unicode White_Space property, which is llama.cpp's `unicode_set_whitespace`.
 WHITESPACE_CPTS = frozenset(
-    [0x09, 0x0A, 0x0B, 0x0C, 0x0D, 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B),
-     0x2028, 0x2029, 0x202F, 0x205F, 0x3000]
+    [
+        0x09,
+        0x0A,
+        0x0B,
+        0x0C,
+        0x0D,
+        0x20,
+        0x85,
+        0xA0,
+        0x1680,
+        *range(0x2000, 0x200B),
+        0x2028,
+        0x2029,
+        0x202F,
+        0x205F,
+        0x3000,
+    ]
 )
 
 
@@ -52,7 +76,7 @@ def _contraction(text: str, pos: int, end: int, fold_case: bool) -> int:
     """Length of 's 't 'm 'd (2) or 're 've 'll (3) at text[pos], else 0."""
     if text[pos] != "'" or pos + 1 >= end:
         return 0
-    nxt = text[pos + 1:min(pos + 3, end)]
+    nxt = text[pos + 1 : min(pos + 3, end)]
     if fold_case:  # llama.cpp's unicode_tolower: only ASCII letters fold to these
         nxt = "".join(ch.lower() if ch.isascii() else ch for ch in nxt)
     if nxt[0] in "stmd":
@@ -142,8 +166,11 @@ _UCAT = {
     r"\p{P}": (PUNCTUATION, r"!-#%-*,-/:-;?-@\[-\]_\{\}"),
     r"\p{M}": (MARK, ""),
     r"\p{S}": (SYMBOL, r"\$\+<->^`\|"),
-    r"\p{Lu}": (LETTER, "A-Za-z"), r"\p{Ll}": (LETTER, "A-Za-z"), r"\p{Lt}": (LETTER, "A-Za-z"),
-    r"\p{Lm}": (LETTER, "A-Za-z"), r"\p{Lo}": (LETTER, "A-Za-z"),
+    r"\p{Lu}": (LETTER, "A-Za-z"),
+    r"\p{Ll}": (LETTER, "A-Za-z"),
+    r"\p{Lt}": (LETTER, "A-Za-z"),
+    r"\p{Lm}": (LETTER, "A-Za-z"),
+    r"\p{Lo}": (LETTER, "A-Za-z"),
 }
 _UCAT_RE = re.compile(r"\\p\{[A-Za-z]{1,2}\}")
 
@@ -206,10 +233,14 @@ class _RegexSplitter:
 # -- pre-tokenizers by tokenizer.ggml.pre ---------------------------------------------------------
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 REGEXES = {
     "default": [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"],
@@ -253,7 +284,7 @@ def split(text: str, regexes: list[str], reference: bool = False) -> list[str]:
     pieces = []
     at = 0
     for n in lengths:
-        pieces.append(text[at:at + n])
+        pieces.append(text[at : at + n])
         at += n
     return pieces
 

@@ -23,8 +23,14 @@ from juno_py.tokenizer.spm import SentencePieceBPE
 TYPE_NORMAL, TYPE_UNKNOWN, TYPE_CONTROL, TYPE_USER_DEFINED, TYPE_UNUSED, TYPE_BYTE = 1, 2, 3, 4, 5, 6
 UNKNOWN, UNUSED, NORMAL, CONTROL, USER_DEFINED, BYTE = (1 << i for i in range(6))
 LSTRIP, RSTRIP = 1 << 7, 1 << 8
-_TYPE_ATTR = {TYPE_NORMAL: NORMAL, TYPE_UNKNOWN: UNKNOWN, TYPE_CONTROL: CONTROL,
-              TYPE_USER_DEFINED: USER_DEFINED, TYPE_UNUSED: UNUSED, TYPE_BYTE: BYTE}
+_TYPE_ATTR = {
+    TYPE_NORMAL: NORMAL,
+    TYPE_UNKNOWN: UNKNOWN,
+    TYPE_CONTROL: CONTROL,
+    TYPE_USER_DEFINED: USER_DEFINED,
+    TYPE_UNUSED: UNUSED,
+    TYPE_BYTE: BYTE,
+}
 
 
 @dataclass(frozen=True)
@@ -40,16 +46,34 @@ class _Pre:
 def _pre_table() -> dict[str, _Pre]:
     groups = [
         (("default",), _Pre("default")),
-        (("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-          "jina-v5-nano"), _Pre("llama3", ignore_merges=True, add_bos=True)),
+        (
+            ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano"),
+            _Pre("llama3", ignore_merges=True, add_bos=True),
+        ),
         (("dbrx", "smaug-bpe"), _Pre("llama3")),
-        (("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0",
-          "mellum", "modern-bert", "mpt", "olmo", "jais", "exaone4"), _Pre("gpt2")),
+        (
+            (
+                "gpt-2",
+                "phi-2",
+                "jina-es",
+                "jina-de",
+                "gigachat",
+                "jina-v2-es",
+                "jina-v2-de",
+                "a.x-4.0",
+                "mellum",
+                "modern-bert",
+                "mpt",
+                "olmo",
+                "jais",
+                "exaone4",
+            ),
+            _Pre("gpt2"),
+        ),
         (("trillion", "granite-docling"), _Pre("gpt2", clean_spaces=False)),
         (("starcoder", "refact", "codeshell", "exaone", "minerva-7b", "mellum2"), _Pre("starcoder")),
         (("smollm", "command-r"), _Pre("starcoder", clean_spaces=False)),
-        (("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "hunyuan", "solar-open"),
-         _Pre("qwen2", clean_spaces=False)),
+        (("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "hunyuan", "solar-open"), _Pre("qwen2", clean_spaces=False)),
         (("stablelm2", "megrez"), _Pre("qwen2")),
     ]
     return {name: pre for names, pre in groups for name in names}
@@ -58,32 +82,97 @@ def _pre_table() -> dict[str, _Pre]:
 PRE_TOKENIZERS = _pre_table()
 
 # Tokens llama.cpp recognises by text when the metadata does not name them; each becomes CONTROL.
-_EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
-              "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>")
+_EOT_TEXTS = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "<｜end▁of▁sentence｜>",
+    "<end_of_utterance>",
+)
 _TEXT_ROLES = {
     "eot": _EOT_TEXTS,
     "eom": ("<|eom_id|>",),
-    "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
-                "<|code_prefix|>", "<|prefix|>"),
-    "fim_suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
-                "<|code_suffix|>", "<|suffix|>"),
-    "fim_mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
-                "<|code_middle|>", "<|middle|>"),
+    "fim_pre": (
+        "<|fim_prefix|>",
+        "<fim-prefix>",
+        "<fim_prefix>",
+        "<｜fim▁begin｜>",
+        "<PRE>",
+        "▁<PRE>",
+        "<|code_prefix|>",
+        "<|prefix|>",
+    ),
+    "fim_suf": (
+        "<|fim_suffix|>",
+        "<fim-suffix>",
+        "<fim_suffix>",
+        "<｜fim▁hole｜>",
+        "<SUF>",
+        "▁<SUF>",
+        "<|code_suffix|>",
+        "<|suffix|>",
+    ),
+    "fim_mid": (
+        "<|fim_middle|>",
+        "<fim-middle>",
+        "<fim_middle>",
+        "<｜fim▁end｜>",
+        "<MID>",
+        "▁<MID>",
+        "<|code_middle|>",
+        "<|middle|>",
+    ),
     "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
     "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
     "fim_sep": ("<|file_sep|>",),
 }
 # Texts that end generation wherever they sit in the vocabulary (llama.cpp's special_eog_ids).
-EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
-             "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
-             "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
-             "<｜end▁of▁sentence｜>", "[e~[")
+EOG_TEXTS = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|flush|>",
+    "<|calls|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "</s>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "[EOS]",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+    "<eos>",
+    "<turn|>",
+    "<|tool_response>",
+    "<｜end▁of▁sentence｜>",
+    "[e~[",
+)
 
 _ID_KEYS = {
-    "bos": "bos_token_id", "eos": "eos_token_id", "eot": "eot_token_id", "eom": "eom_token_id",
-    "unk": "unknown_token_id", "sep": "seperator_token_id", "pad": "padding_token_id", "mask": "mask_token_id",
-    "fim_pre": "fim_pre_token_id", "fim_suf": "fim_suf_token_id", "fim_mid": "fim_mid_token_id",
-    "fim_pad": "fim_pad_token_id", "fim_rep": "fim_rep_token_id", "fim_sep": "fim_sep_token_id",
+    "bos": "bos_token_id",
+    "eos": "eos_token_id",
+    "eot": "eot_token_id",
+    "eom": "eom_token_id",
+    "unk": "unknown_token_id",
+    "sep": "seperator_token_id",
+    "pad": "padding_token_id",
+    "mask": "mask_token_id",
+    "fim_pre": "fim_pre_token_id",
+    "fim_suf": "fim_suf_token_id",
+    "fim_mid": "fim_mid_token_id",
+    "fim_pad": "fim_pad_token_id",
+    "fim_rep": "fim_rep_token_id",
+    "fim_sep": "fim_sep_token_id",
 }
 _DEPRECATED_ID_KEYS = {"fim_pre": "prefix_token_id", "fim_suf": "suffix_token_id", "fim_mid": "middle_token_id"}
 _DEFAULT_IDS = {"llama": {"bos": 1, "eos": 2, "unk": 0}, "gpt2": {"bos": 11, "eos": 11}}
@@ -101,7 +190,9 @@ class Tokenizer:
         self.architecture = architecture or metadata.get("general.architecture")
         self.model = metadata.get("tokenizer.ggml.model")
         if self.model not in ("gpt2", "llama"):
-            raise TokenizerError(f"{source}: tokenizer.ggml.model {show(self.model)} is not supported (expected 'gpt2' or 'llama')")
+            raise TokenizerError(
+                f"{source}: tokenizer.ggml.model {show(self.model)} is not supported (expected 'gpt2' or 'llama')"
+            )
         self._read_vocabulary()
         pre = self._read_flags()
         ids = self._read_special_ids()
@@ -113,12 +204,15 @@ class Tokenizer:
         self._set_strip_attrs()
         # llama.cpp's cache_special_tokens: longest text first
         n = len(self.tokens)
-        self._special = sorted((i for i in range(n) if self._attrs[i] & (CONTROL | USER_DEFINED | UNKNOWN)),
-                               key=lambda i: -len(self._bytes(self.tokens[i])))
+        self._special = sorted(
+            (i for i in range(n) if self._attrs[i] & (CONTROL | USER_DEFINED | UNKNOWN)),
+            key=lambda i: -len(self._bytes(self.tokens[i])),
+        )
         self._special_rank = {i: rank for rank, i in enumerate(self._special)}
         self._special_any = _literal_finder([self.tokens[i] for i in self._special])
-        self._special_user = _literal_finder([self.tokens[i] for i in self._special
-                                              if not self._attrs[i] & (CONTROL | UNKNOWN)])
+        self._special_user = _literal_finder(
+            [self.tokens[i] for i in self._special if not self._attrs[i] & (CONTROL | UNKNOWN)]
+        )
         if self.model == "gpt2":
             merges = metadata.get("tokenizer.ggml.merges")
             if not isinstance(merges, list):
@@ -173,15 +267,20 @@ class Tokenizer:
             self.pre = meta("pre") or "default"  # llama.cpp warns and uses 'default' when it is missing
             pre = PRE_TOKENIZERS.get(self.pre)
             if pre is None:
-                raise TokenizerError(f"{self.source}: unknown pre-tokenizer tokenizer.ggml.pre = {show(self.pre)} "
-                                     f"(known: {', '.join(sorted(PRE_TOKENIZERS))})")
+                raise TokenizerError(
+                    f"{self.source}: unknown pre-tokenizer tokenizer.ggml.pre = {show(self.pre)} "
+                    f"(known: {', '.join(sorted(PRE_TOKENIZERS))})"
+                )
             self.add_space_prefix, self.add_bos, self.clean_spaces = False, pre.add_bos, pre.clean_spaces
         else:
             self.pre = "default"
             self.add_space_prefix, self.add_bos, self.clean_spaces = True, True, False
         self.add_eos = False
-        for flag, name in (("add_space_prefix", "add_space_prefix"), ("add_bos", "add_bos_token"),
-                           ("add_eos", "add_eos_token")):
+        for flag, name in (
+            ("add_space_prefix", "add_space_prefix"),
+            ("add_bos", "add_bos_token"),
+            ("add_eos", "add_eos_token"),
+        ):
             if meta(name) is not None:
                 setattr(self, flag, bool(meta(name)))
         return pre
@@ -198,8 +297,9 @@ class Tokenizer:
                 ids[role] = value
         for flag, role in (("add_bos", "bos"), ("add_eos", "eos")):
             if getattr(self, flag) and ids[role] is None:
-                raise TokenizerError(f"{self.source}: tokenizer.ggml.{flag}_token is true but "
-                                     f"tokenizer.ggml.{role}_token_id is not set")
+                raise TokenizerError(
+                    f"{self.source}: tokenizer.ggml.{flag}_token is true but tokenizer.ggml.{role}_token_id is not set"
+                )
         return ids
 
     # -- load-time rules -------------------------------------------------------------------------
@@ -246,7 +346,10 @@ class Tokenizer:
         arch = str(self.metadata.get("general.architecture", ""))
         specials = [i for i in range(len(self.tokens)) if self._attrs[i] & (CONTROL | USER_DEFINED | UNKNOWN)]
         pre = str(self.metadata.get("tokenizer.ggml.pre", ""))
-        if any(p in pre for p in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or arch in ("nomic-bert-moe", "jina-bert-v3"):
+        if any(p in pre for p in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or arch in (
+            "nomic-bert-moe",
+            "jina-bert-v3",
+        ):
             if "<mask>" in self._ids:
                 self._attrs[self._ids["<mask>"]] |= LSTRIP
         elif "phi-3" in name or "phi3" in name:
@@ -305,7 +408,7 @@ class Tokenizer:
                     out.append(frag)
                     prev_special = True
                     continue
-                piece = text[frag[0]:frag[1]]
+                piece = text[frag[0] : frag[1]]
                 if self.add_space_prefix and prev_special:
                     piece = " " + piece
                 out.extend(self._backend.encode(piece.replace(" ", "\u2581")))
@@ -315,7 +418,7 @@ class Tokenizer:
                 if isinstance(frag, int):
                     out.append(frag)
                 else:
-                    out.extend(self._backend.encode(text[frag[0]:frag[1]]))
+                    out.extend(self._backend.encode(text[frag[0] : frag[1]]))
         if add_special and self.add_eos:
             out.append(self.eos_id)
         return out
@@ -439,7 +542,12 @@ def _gpt2_decode(text: str) -> bytes:
         if b is not None:
             out.append(b)
         else:
-            out += b"[UNK_BYTE_0x" + ch.encode("utf-8", "surrogateescape").hex().encode() + text.encode("utf-8", "surrogateescape") + b"]"
+            out += (
+                b"[UNK_BYTE_0x"
+                + ch.encode("utf-8", "surrogateescape").hex().encode()
+                + text.encode("utf-8", "surrogateescape")
+                + b"]"
+            )
     return bytes(out)
 
 
@@ -468,7 +576,7 @@ def _clean_spaces(text: bytes) -> bytes:
         x = t[i]
         if t[i - 1] == 0x20 and x == 0x27 and i + 1 < len(t):
             x1 = t[i + 1]
-            if x1 in b"sm" or (i + 2 < len(t) and bytes(t[i + 1:i + 3]) in (b"re", b"ve")):
+            if x1 in b"sm" or (i + 2 < len(t) and bytes(t[i + 1 : i + 3]) in (b"re", b"ve")):
                 out.pop()
         out.append(x)
     return bytes(out)

@@ -120,10 +120,13 @@ class GraphedSteps:
         dev = self.model.embed.device
         x = self.model.embed_tokens(batch.tokens)
         plain = batch.mask is None  # one example per row, no padding: causal by index (SDPA's causal kernels)
-        return dict(x=x.clone(), targets=batch.targets.to(dev).clone(),
-                    positions=None if plain else batch.positions.to(dev).clone(),
-                    mask=None if plain else batch.mask.to(dev).clone(),
-                    inv_denominator=torch.ones((), dtype=torch.float32, device=dev))
+        return dict(
+            x=x.clone(),
+            targets=batch.targets.to(dev).clone(),
+            positions=None if plain else batch.positions.to(dev).clone(),
+            mask=None if plain else batch.mask.to(dev).clone(),
+            inv_denominator=torch.ones((), dtype=torch.float32, device=dev),
+        )
 
     def _forward_backward(self, s: dict) -> torch.Tensor:
         hidden = self.model.hidden_states(s["x"], s["positions"], s["mask"])
@@ -155,10 +158,13 @@ class GraphedSteps:
             for p, g in zip(self.params, held):
                 p.grad = g
             self.trainable.forget_derived()  # eager calls recompute it (the graph wrote its own copy; a failed one none)
-        self.log(f"captured a CUDA graph of the training step for batches of {tuple(batch.tokens.shape)} tokens"
-                 + (" (masked)" if batch.mask is not None else ""))
-        return _Captured(graph, s["x"], s["targets"], s["positions"], s["mask"], s["inv_denominator"], loss, grads,
-                         keep)
+        self.log(
+            f"captured a CUDA graph of the training step for batches of {tuple(batch.tokens.shape)} tokens"
+            + (" (masked)" if batch.mask is not None else "")
+        )
+        return _Captured(
+            graph, s["x"], s["targets"], s["positions"], s["mask"], s["inv_denominator"], loss, grads, keep
+        )
 
     def _load(self, cap: _Captured, batch, denominator: float) -> None:
         cap.x.copy_(self.model.embed_tokens(batch.tokens))

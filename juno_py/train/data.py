@@ -73,8 +73,10 @@ class DataStats:
             extra.append(f"{self.dropped_long} over-long chat/prompt records dropped")
         if self.split_long:
             extra.append(f"{self.split_long} long texts split")
-        return (f"{self.records} records ({forms}) -> {self.examples} sequences, {self.tokens} tokens, "
-                f"{self.supervised_tokens} supervised" + (f"; {'; '.join(extra)}" if extra else ""))
+        return (
+            f"{self.records} records ({forms}) -> {self.examples} sequences, {self.tokens} tokens, "
+            f"{self.supervised_tokens} supervised" + (f"; {'; '.join(extra)}" if extra else "")
+        )
 
 
 # ---------------------------------------------------------------------------------------------- reading files
@@ -109,8 +111,7 @@ def read_records(path, skip_bad: bool = False, stats: Optional[DataStats] = None
                 if skip_bad:
                     stats.skipped_bad += 1
                     continue
-                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg}); expected one JSON object per line") \
-                    from None
+                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg}); expected one JSON object per line") from None
     out = []
     for lineno, rec in records:
         problem = record_problem(rec)
@@ -184,7 +185,7 @@ def qa_variants(question: str, n: int) -> list[str]:
     for f in forms:
         if f not in out:
             out.append(f)
-    return out[:max(1, n)]
+    return out[: max(1, n)]
 
 
 # ------------------------------------------------------------------------------------- records to examples
@@ -224,20 +225,22 @@ class Encoder:
         chained = True
         for i in turns:
             prefix = render(messages[:i], add_generation_prompt=True)
-            full = render(messages[:i + 1], add_generation_prompt=False)
+            full = render(messages[: i + 1], add_generation_prompt=False)
             if not full.startswith(prefix):
-                raise DataError(f"record {record}: the chat template's render of turn {i} does not extend its "
-                                f"prompt; cannot locate the assistant's tokens")
+                raise DataError(
+                    f"record {record}: the chat template's render of turn {i} does not extend its "
+                    f"prompt; cannot locate the assistant's tokens"
+                )
             if not prefix.startswith(previous_end):
                 chained = False
-            pieces.append((prefix, full[len(prefix):]))
+            pieces.append((prefix, full[len(prefix) :]))
             previous_end = full
         if chained:
             ids: list[int] = []
             sup: list[bool] = []
             consumed = ""
             for prefix, answer in pieces:
-                p = self._template_ids(prefix[len(consumed):])
+                p = self._template_ids(prefix[len(consumed) :])
                 a = self._template_ids(answer)
                 ids += p + a
                 sup += [False] * len(p) + self._supervised_span(a)
@@ -263,8 +266,9 @@ class Encoder:
         if form == "qa":
             out = []
             for q in qa_variants(rec["Q"], self.qa_variants):
-                out += self.chat([{"role": "user", "content": q}, {"role": "assistant", "content": rec["A"].strip()}],
-                                 record)
+                out += self.chat(
+                    [{"role": "user", "content": q}, {"role": "assistant", "content": rec["A"].strip()}], record
+                )
             return out
         return self.chat(rec["messages"], record)
 
@@ -276,14 +280,18 @@ class Encoder:
             return [ex]
         if form == "text":
             stats.split_long += 1
-            return [Example(ex.ids[i:i + L], ex.supervised[i:i + L], ex.record) for i in range(0, len(ex.ids), L)
-                    if len(ex.ids[i:i + L]) > 1]
+            return [
+                Example(ex.ids[i : i + L], ex.supervised[i : i + L], ex.record)
+                for i in range(0, len(ex.ids), L)
+                if len(ex.ids[i : i + L]) > 1
+            ]
         stats.dropped_long += 1
         return []
 
 
-def build_examples(records: Sequence[tuple[str, dict]], encoder: Encoder, stats: Optional[DataStats] = None
-                   ) -> list[Example]:
+def build_examples(
+    records: Sequence[tuple[str, dict]], encoder: Encoder, stats: Optional[DataStats] = None
+) -> list[Example]:
     """Encode (location, record) pairs, location being "file:line" for error messages, and apply the length
     policy."""
     stats = stats if stats is not None else DataStats()
@@ -398,25 +406,26 @@ def packed_batch(rows: Sequence[Sequence[Example]], pad_id: int = 0) -> Batch:
         at = 0
         for d, e in enumerate(row):
             n = len(e.ids)
-            tokens[b, at:at + n] = torch.tensor(e.ids)
-            targets[b, at:at + n] = torch.tensor(_targets(e))
-            positions[b, at:at + n] = torch.arange(n)
-            doc[b, at:at + n] = d
+            tokens[b, at : at + n] = torch.tensor(e.ids)
+            targets[b, at : at + n] = torch.tensor(_targets(e))
+            positions[b, at : at + n] = torch.arange(n)
+            doc[b, at : at + n] = d
             at += n
     same = (doc[:, :, None] == doc[:, None, :]) & (doc[:, :, None] >= 0)
     mask = same | torch.eye(T, dtype=torch.bool)
     return Batch(tokens, targets, positions, mask, int((targets != IGNORE).sum()), int((doc >= 0).sum()))
 
 
-def plan_epoch(examples: Sequence[Example], batch_size: int, seed: int, epoch: int, pack: bool,
-               max_len: int) -> list[list[list[Example]]]:
+def plan_epoch(
+    examples: Sequence[Example], batch_size: int, seed: int, epoch: int, pack: bool, max_len: int
+) -> list[list[list[Example]]]:
     """One epoch's batches in a deterministic order for (seed, epoch): batches of rows of examples (one example
     per row unless packed). Cheap: tensors are built only when a batch is collated, so a resume can skip ahead."""
     order = list(range(len(examples)))
     random.Random(seed * 1_000_003 + epoch).shuffle(order)
     shuffled = [examples[i] for i in order]
     rows = pack_examples(shuffled, max_len) if pack else [[e] for e in shuffled]
-    return [rows[i:i + batch_size] for i in range(0, len(rows), batch_size)]
+    return [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
 
 
 def collate(rows: Sequence[Sequence[Example]], pad_id: int = 0) -> Batch:
@@ -439,9 +448,17 @@ def _read_all(paths: Sequence, skip_bad: bool, stats: DataStats) -> list[tuple[s
     return records
 
 
-def load_dataset(paths: Iterable, tokenizer, max_seq_len: int, qa_variants_n: int = 1, skip_bad: bool = False,
-                 validation_split: float = 0.0, seed: int = 0, system: Optional[str] = None,
-                 validation_paths: Iterable = ()) -> tuple[list[Example], list[Example], DataStats]:
+def load_dataset(
+    paths: Iterable,
+    tokenizer,
+    max_seq_len: int,
+    qa_variants_n: int = 1,
+    skip_bad: bool = False,
+    validation_split: float = 0.0,
+    seed: int = 0,
+    system: Optional[str] = None,
+    validation_paths: Iterable = (),
+) -> tuple[list[Example], list[Example], DataStats]:
     """Read, validate, split (whole records) and encode: (train examples, validation examples, stats).
 
     Validation comes from `validation_paths` when given, else from `validation_split` of the records. It uses
@@ -458,8 +475,9 @@ def load_dataset(paths: Iterable, tokenizer, max_seq_len: int, qa_variants_n: in
     return train, val, stats
 
 
-def load_examples(paths: Iterable, tokenizer, max_seq_len: int, skip_bad: bool = False,
-                  system: Optional[str] = None) -> tuple[list[Example], DataStats]:
+def load_examples(
+    paths: Iterable, tokenizer, max_seq_len: int, skip_bad: bool = False, system: Optional[str] = None
+) -> tuple[list[Example], DataStats]:
     """Every record of `paths` encoded once (no rephrasings, no split): what `juno-py eval` scores."""
     stats = DataStats()
     records = _read_all(list(paths), skip_bad, stats)

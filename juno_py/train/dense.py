@@ -37,8 +37,9 @@ class DenseLinearFn(torch.autograd.Function):
     made for each matmul and dropped after it), so a step holds no second weight per layer."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                dtype: torch.dtype) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype
+    ) -> torch.Tensor:
         x2 = x.reshape(-1, weight.shape[1]).to(dtype)
         # fp32 out (as the frozen linears give on the CPU); bf16 activations (GPU) stay bf16, float64 stays float64
         out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float64) else torch.float32
@@ -66,8 +67,13 @@ class DenseLinear(nn.Module):
     """A trainable dense `y = x·Wᵀ + b`: W an fp32 Parameter, b a frozen buffer, matmuls in `compute_dtype`
     (float64 inputs compute in float64, for exactness checks)."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                 compute_dtype: torch.dtype = torch.float32, name: str = ""):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor] = None,
+        compute_dtype: torch.dtype = torch.float32,
+        name: str = "",
+    ):
         super().__init__()
         self.weight = nn.Parameter(weight.detach().to(torch.float32).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
@@ -87,8 +93,10 @@ class DenseLinear(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return (f"{self.name}, in_features={self.in_features}, out_features={self.out_features}, "
-                f"compute_dtype={str(self.compute_dtype).removeprefix('torch.')}")
+        return (
+            f"{self.name}, in_features={self.in_features}, out_features={self.out_features}, "
+            f"compute_dtype={str(self.compute_dtype).removeprefix('torch.')}"
+        )
 
 
 class DenseTargets(Trainable):
@@ -113,8 +121,15 @@ class DenseTargets(Trainable):
 
     def param_groups(self, lr: float, weight_decay: float, plus_ratio: float = 1.0) -> list[dict[str, Any]]:
         """One group named 'weights', every matrix decayed (`plus_ratio` has nothing to scale here)."""
-        return [{"name": "weights", "params": list(self.parameters()), "lr": lr, "base_lr": lr,
-                 "weight_decay": weight_decay}]
+        return [
+            {
+                "name": "weights",
+                "params": list(self.parameters()),
+                "lr": lr,
+                "base_lr": lr,
+                "weight_decay": weight_decay,
+            }
+        ]
 
     def train(self, mode: bool = True) -> DenseTargets:
         for lin in self.linears.values():
@@ -157,14 +172,16 @@ class DenseTargets(Trainable):
     def deltas(self) -> dict[str, Callable[[], torch.Tensor]]:
         """ΔW = W_trained − W_base per key, in float64 (exact for two fp32 matrices), computed when the merge asks
         for it, one tensor at a time."""
+
         def delta(key: str) -> Callable[[], torch.Tensor]:
             return lambda: self.linears[key].weight.detach().cpu().double() - self.base_weight(key).double()
 
         return {key: delta(key) for key in self.linears}
 
 
-def densify(model: Any, targets: Union[str, Sequence[str]] = "all",
-            layers: Optional[Iterable[int]] = None) -> DenseTargets:
+def densify(
+    model: Any, targets: Union[str, Sequence[str]] = "all", layers: Optional[Iterable[int]] = None
+) -> DenseTargets:
     """Make the chosen targets of every (or the given) layer dense and trainable; freeze everything else."""
     names = parse_targets(targets)
     layer_set = set(layers) if layers is not None else None
@@ -176,8 +193,10 @@ def densify(model: Any, targets: Union[str, Sequence[str]] = "all",
         base = ref.module
         key = f"{ref.layer}:{ref.target}"
         if not isinstance(base, FrozenBase):
-            raise JunoError(f"target {key}: a {type(base).__name__}, expected a frozen quantized linear (full "
-                            f"training replaces the base weights; detach adapters first)")
+            raise JunoError(
+                f"target {key}: a {type(base).__name__}, expected a frozen quantized linear (full "
+                f"training replaces the base weights; detach adapters first)"
+            )
         weight = base.dequantize_rows(0, base.out_features)
         dense = DenseLinear(weight, base.bias, base.compute_dtype, name=key).to(weight.device)
         base.weight_cache = None  # the dense master replaces it; the bytes stay for ΔW
@@ -193,18 +212,28 @@ def densify(model: Any, targets: Union[str, Sequence[str]] = "all",
     return out
 
 
-def build_dense_optimizer(kind: str, targets: DenseTargets, lr: float, weight_decay: float = 0.0,
-                          galore: Optional[GaLoreConfig] = None, seed: int = 0,
-                          recorder: Optional[MetricsRecorder] = None) -> TrainOptimizer:
+def build_dense_optimizer(
+    kind: str,
+    targets: DenseTargets,
+    lr: float,
+    weight_decay: float = 0.0,
+    galore: Optional[GaLoreConfig] = None,
+    seed: int = 0,
+    recorder: Optional[MetricsRecorder] = None,
+) -> TrainOptimizer:
     """'galore': GaLoreAdamW with `galore` (a GaLoreConfig); 'adamw': torch.optim.AdamW (β 0.9/0.999, ε 1e-8),
     both with decoupled weight decay on every matrix and one group named 'weights' for the schedule."""
     if kind == "galore":
         from juno_py.train.galore import GaLoreAdamW, GaLoreConfig
 
-        optimizer: TrainOptimizer = GaLoreAdamW(list(targets.named_parameters()), lr, weight_decay,
-                                                galore or GaLoreConfig(), seed=seed, recorder=recorder)
+        optimizer: TrainOptimizer = GaLoreAdamW(
+            list(targets.named_parameters()), lr, weight_decay, galore or GaLoreConfig(), seed=seed, recorder=recorder
+        )
         return optimizer
     if kind == "adamw":
-        return TorchOptimizer(torch.optim.AdamW(targets.param_groups(lr, weight_decay), lr=lr, betas=BETAS, eps=EPS,
-                                                weight_decay=weight_decay))
+        return TorchOptimizer(
+            torch.optim.AdamW(
+                targets.param_groups(lr, weight_decay), lr=lr, betas=BETAS, eps=EPS, weight_decay=weight_decay
+            )
+        )
     raise JunoError(f"--optimizer {kind!r}: expected one of {', '.join(OPTIMIZERS)}")

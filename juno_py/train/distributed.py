@@ -93,15 +93,19 @@ class World:
         uint8."""
         if not self.active:
             return data
-        n = torch.tensor([len(data) if (self.is_main and data is not None) else -1], dtype=torch.int64,
-                         device=self.device)
+        n = torch.tensor(
+            [len(data) if (self.is_main and data is not None) else -1], dtype=torch.int64, device=self.device
+        )
         dist.broadcast(n, src=0)
         size = int(n.item())
         if size < 0:
             return None
         if self.is_main:
-            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device) if size else \
-                torch.empty(0, dtype=torch.uint8, device=self.device)
+            buf = (
+                torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+                if size
+                else torch.empty(0, dtype=torch.uint8, device=self.device)
+            )
         else:
             buf = torch.empty(size, dtype=torch.uint8, device=self.device)
         dist.broadcast(buf, src=0)
@@ -139,13 +143,17 @@ def rank_device(device: str, local_rank: int, local_size: int) -> torch.device:
     if dev.type != "cuda":
         raise DistributedError(f"--device {device}: data-parallel training runs on cpu (Gloo) or cuda (NCCL)")
     if dev.index is not None and local_size > 1:
-        raise DistributedError(f"--device {device} with {local_size} processes on this host: give --device cuda, "
-                               f"each rank then uses GPU LOCAL_RANK")
+        raise DistributedError(
+            f"--device {device} with {local_size} processes on this host: give --device cuda, "
+            f"each rank then uses GPU LOCAL_RANK"
+        )
     index = dev.index if dev.index is not None else local_rank
     available = torch.cuda.device_count()
     if index >= available:
-        raise DistributedError(f"rank with LOCAL_RANK {local_rank}: GPU {index} requested, {available} visible; "
-                               f"start at most {available} processes per host")
+        raise DistributedError(
+            f"rank with LOCAL_RANK {local_rank}: GPU {index} requested, {available} visible; "
+            f"start at most {available} processes per host"
+        )
     return torch.device("cuda", index)
 
 
@@ -219,8 +227,10 @@ def check_same_data(world: World, fingerprints: dict[str, str]) -> None:
     """Every rank must plan the same epochs: compare the data fingerprints (sha256 hex) across the ranks."""
     for what, digest in fingerprints.items():
         if not world.same(int(digest[:15], 16)):
-            raise DistributedError(f"the ranks hold different {what} (rank {world.rank}: sha256 {digest[:12]}...): "
-                                   f"give every host the same files")
+            raise DistributedError(
+                f"the ranks hold different {what} (rank {world.rank}: sha256 {digest[:12]}...): "
+                f"give every host the same files"
+            )
 
 
 def wrap(model: torch.nn.Module, world: World, updates_in_backward: bool = False):
@@ -233,8 +243,10 @@ def wrap(model: torch.nn.Module, world: World, updates_in_backward: bool = False
     if not world.active:
         return None
     if updates_in_backward:
-        raise DistributedError("an optimizer that updates weights during backward (GaLore's per-layer mode) cannot "
-                               "run data-parallel: the gradients must be all-reduced first")
+        raise DistributedError(
+            "an optimizer that updates weights during backward (GaLore's per-layer mode) cannot "
+            "run data-parallel: the gradients must be all-reduced first"
+        )
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
@@ -248,15 +260,16 @@ def shard_rows(rows: Sequence, batch_size: int, world: World) -> list[list]:
     """This rank's micro-batches of one step: the step's rows (every row of its micro-batches, in order) dealt
     round robin, regrouped into micro-batches of at most `batch_size` rows. In one process: the step's own
     micro-batches. Empty when the step has fewer rows than there are ranks."""
-    mine = list(rows)[world.rank::world.size]
-    return [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]
+    mine = list(rows)[world.rank :: world.size]
+    return [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
 
 
 class StepShare:
     """One rank's part of one optimizer step: its batches, and the global supervised and real token counts."""
 
-    def __init__(self, step_batches: Sequence[Sequence], batch_size: int, pad_id: int, world: World,
-                 seed: int = 0, step: int = 0):
+    def __init__(
+        self, step_batches: Sequence[Sequence], batch_size: int, pad_id: int, world: World, seed: int = 0, step: int = 0
+    ):
         self.world, self.seed, self.step = world, seed, step
         rows = [row for batch in step_batches for row in batch]
         self.batches: list[Batch] = [collate(part, pad_id) for part in shard_rows(rows, batch_size, world)]
@@ -293,7 +306,7 @@ def evaluate(model, examples: Sequence, batch_size: int, pad_id: int, world: Wor
     gets the same {"loss", "ppl", "tokens"}."""
     if not world.active:
         return evaluate_local(model, examples, batch_size, pad_id)
-    part = evaluate_local(model, list(examples)[world.rank::world.size], batch_size, pad_id)
+    part = evaluate_local(model, list(examples)[world.rank :: world.size], batch_size, pad_id)
     total, n = world.sum([part["loss"] * part["tokens"] if part["tokens"] else 0.0, part["tokens"]])
     loss = total / n if n else float("nan")
     return {"loss": loss, "ppl": math.exp(min(loss, 700.0)) if n else float("nan"), "tokens": int(n)}

@@ -65,24 +65,38 @@ def check_per_layer(accumulation: int, max_grad_norm: float, bptt_window: int = 
     """Refuse what per-layer updates cannot do: each matrix steps as soon as one backward pass has produced its
     gradient, so nothing may need the gradients of several passes, or of all matrices at once."""
     if accumulation > 1:
-        raise GaLoreConfigError(f"--galore-per-layer updates each matrix during backward, so gradient accumulation "
-                                f"(--gradient-accumulation {accumulation}) cannot add up several micro-batches: "
-                                f"use --no-galore-per-layer, or a larger --batch-size")
+        raise GaLoreConfigError(
+            f"--galore-per-layer updates each matrix during backward, so gradient accumulation "
+            f"(--gradient-accumulation {accumulation}) cannot add up several micro-batches: "
+            f"use --no-galore-per-layer, or a larger --batch-size"
+        )
     if max_grad_norm > 0:
-        raise GaLoreConfigError("--galore-per-layer updates each matrix before the others have gradients, so the "
-                                "global gradient norm is never known before an update: use --grad-clip per-matrix "
-                                "(each matrix clipped to --max-grad-norm), or --no-galore-per-layer")
+        raise GaLoreConfigError(
+            "--galore-per-layer updates each matrix before the others have gradients, so the "
+            "global gradient norm is never known before an update: use --grad-clip per-matrix "
+            "(each matrix clipped to --max-grad-norm), or --no-galore-per-layer"
+        )
     if bptt_window:
-        raise GaLoreConfigError(f"--galore-per-layer needs one backward pass per step; --bptt-window {bptt_window} "
-                                f"runs one per window: use --no-galore-per-layer")
+        raise GaLoreConfigError(
+            f"--galore-per-layer needs one backward pass per step; --bptt-window {bptt_window} "
+            f"runs one per window: use --no-galore-per-layer"
+        )
     if world_size > 1:
-        raise GaLoreConfigError(f"--galore-per-layer would update each process's matrices before the {world_size} "
-                                f"processes average their gradients: use --no-galore-per-layer")
+        raise GaLoreConfigError(
+            f"--galore-per-layer would update each process's matrices before the {world_size} "
+            f"processes average their gradients: use --no-galore-per-layer"
+        )
 
 
-def resolve_update_mode(optimizer: str, per_layer: Optional[bool], grad_clip: str, max_norm: float,
-                        accumulation: int = 1, bptt_window: int = 0,
-                        world_size: int = 1) -> tuple[bool, str, float, float]:
+def resolve_update_mode(
+    optimizer: str,
+    per_layer: Optional[bool],
+    grad_clip: str,
+    max_norm: float,
+    accumulation: int = 1,
+    bptt_window: int = 0,
+    world_size: int = 1,
+) -> tuple[bool, str, float, float]:
     """`juno-py full`'s update mode from its options: (per-layer updates, clipping 'global' or 'per-matrix', the
     loop's global clipping norm, GaLore's per-matrix norm). per_layer None: on for GaLore in a single process.
     grad_clip 'auto': per matrix in per-layer mode, else global. Refuses the combinations that cannot work."""
@@ -108,9 +122,15 @@ def projector_side(shape: Sequence[int]) -> str:
     return "left" if shape[0] <= shape[1] else "right"
 
 
-def top_singular_vectors(g: torch.Tensor, r: int, side: str = "left", method: str = "randomized",
-                         generator: Optional[torch.Generator] = None, oversample: int = 8,
-                         power_iters: int = 2) -> torch.Tensor:
+def top_singular_vectors(
+    g: torch.Tensor,
+    r: int,
+    side: str = "left",
+    method: str = "randomized",
+    generator: Optional[torch.Generator] = None,
+    oversample: int = 8,
+    power_iters: int = 2,
+) -> torch.Tensor:
     """An orthonormal basis of the top-r singular subspace of `g` `[m, n]`: left singular vectors `[m, r]` or right
     ones `[n, r]`, in g's dtype.
 
@@ -152,9 +172,17 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
     `base_lr`). `recorder` (a MetricsRecorder) receives one `galore` event per step; `seed` makes the randomized
     SVD's sketches reproducible (each refresh draws from a generator seeded by seed, matrix and step)."""
 
-    def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], lr: float, weight_decay: float = 0.0,
-                 config: GaLoreConfig = GaLoreConfig(), betas: tuple[float, float] = BETAS, eps: float = EPS,
-                 seed: int = 0, recorder=None):
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        lr: float,
+        weight_decay: float = 0.0,
+        config: GaLoreConfig = GaLoreConfig(),
+        betas: tuple[float, float] = BETAS,
+        eps: float = EPS,
+        seed: int = 0,
+        recorder=None,
+    ):
         named_params = list(named_params)
         if not named_params:
             raise GaLoreConfigError("GaLore has no matrices to train")
@@ -169,11 +197,22 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
         gap = config.update_gap
         for i, p in enumerate(params):
             self.state[p].update(
-                index=i, step=0, rank=min(config.rank, *p.shape), side=projector_side(p.shape),
+                index=i,
+                step=0,
+                rank=min(config.rank, *p.shape),
+                side=projector_side(p.shape),
                 phase=(i * gap) // len(params) if config.stagger else 0,
-                projector=None, exp_avg=None, exp_avg_sq=None,
-                captured=float("nan"), sum_all=0.0, n_all=0, sum_window=0.0, n_window=0, window_mean=float("nan"),
-                refreshes=0)
+                projector=None,
+                exp_avg=None,
+                exp_avg_sq=None,
+                captured=float("nan"),
+                sum_all=0.0,
+                n_all=0,
+                sum_window=0.0,
+                n_window=0,
+                window_mean=float("nan"),
+                refreshes=0,
+            )
         self.steps = 0
         self._step_info = self._new_step_info()
         if config.per_layer:
@@ -202,8 +241,7 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
         if c.svd == "randomized":
             gen = torch.Generator(device=grad.device)
             gen.manual_seed((self.seed * 1_000_003 + st["index"] * 10_007 + st["step"]) % (2**63))
-        st["projector"] = top_singular_vectors(grad, st["rank"], st["side"], c.svd, gen, c.oversample,
-                                               c.power_iters)
+        st["projector"] = top_singular_vectors(grad, st["rank"], st["side"], c.svd, gen, c.oversample, c.power_iters)
         if grad.is_cuda:
             torch.cuda.synchronize(grad.device)
         if st["n_window"]:
@@ -242,13 +280,13 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
             m, v = m.clone(), v.clone()
         m.lerp_(low, 1 - beta1)
         v.mul_(beta2).addcmul_(low, low, value=1 - beta2)
-        denom = (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
+        denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
         normalized = m / denom
         step = P @ normalized if st["side"] == "left" else normalized @ P.T
         w = p if ok is None else p.clone()
         if wd:
             w.mul_(1 - lr * wd)
-        w.add_(step, alpha=-lr / (1 - beta1 ** t) * self.config.scale)
+        w.add_(step, alpha=-lr / (1 - beta1**t) * self.config.scale)
         if ok is not None:
             for old, new in ((st["exp_avg"], m), (st["exp_avg_sq"], v), (p, w)):
                 old.copy_(torch.where(ok, new, old))
@@ -306,8 +344,11 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
         if not self.config.per_layer:
             for p in group["params"]:
                 if p.grad is not None:
-                    norm = torch.linalg.vector_norm(p.grad, dtype=torch.float64) if self.config.max_matrix_norm > 0 \
+                    norm = (
+                        torch.linalg.vector_norm(p.grad, dtype=torch.float64)
+                        if self.config.max_matrix_norm > 0
                         else 0.0
+                    )
                     self._update(p, self._clip(p.grad, norm), group)
         self.steps += 1
         self._collect()
@@ -347,9 +388,16 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
         fractions = [f for f in self.captured().values() if math.isfinite(f)]
         info = self._step_info
         per_matrix = {f"captured.{name}": f for name, f in self.captured().items()}
-        self.recorder.emit("galore", step=self.steps, captured_mean=sum(fractions) / max(1, len(fractions)),
-                           captured_min=min(fractions, default=float("nan")), refreshes=info["refreshes"],
-                           refresh_ms=info["refresh_ms"], clipped_matrices=info["clipped"], **per_matrix)
+        self.recorder.emit(
+            "galore",
+            step=self.steps,
+            captured_mean=sum(fractions) / max(1, len(fractions)),
+            captured_min=min(fractions, default=float("nan")),
+            refreshes=info["refreshes"],
+            refresh_ms=info["refresh_ms"],
+            clipped_matrices=info["clipped"],
+            **per_matrix,
+        )
 
     def state_size(self) -> dict[str, int]:
         """Values held: moments and projectors as allocated (or as they will be, before the first step), and what
@@ -357,8 +405,9 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
         out = {"moments": 0, "projector": 0, "adamw": 0}
         for p in self.param_groups[0]["params"]:
             st, planned = self.state[p], state_numel(p.shape, self.config.rank)
-            out["moments"] += (st["exp_avg"].numel() + st["exp_avg_sq"].numel() if st["exp_avg"] is not None
-                               else planned["moments"])
+            out["moments"] += (
+                st["exp_avg"].numel() + st["exp_avg_sq"].numel() if st["exp_avg"] is not None else planned["moments"]
+            )
             out["projector"] += st["projector"].numel() if st["projector"] is not None else planned["projector"]
             out["adamw"] += planned["adamw"]
         return out
@@ -370,11 +419,17 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
         for p in self.param_groups[0]["params"]:
             st = self.state[p]
             window = (st["sum_window"] / st["n_window"]) if st["n_window"] else st["window_mean"]
-            rows[self.names[id(p)]] = {"captured_mean": st["sum_all"] / st["n_all"] if st["n_all"] else float("nan"),
-                                       "captured_between_refreshes": window, "refreshes": st["refreshes"],
-                                       "rank": st["rank"], "side": st["side"]}
-        low = sorted((k for k, r in rows.items() if r["captured_between_refreshes"] < LOW_CAPTURE),
-                     key=lambda k: rows[k]["captured_between_refreshes"])
+            rows[self.names[id(p)]] = {
+                "captured_mean": st["sum_all"] / st["n_all"] if st["n_all"] else float("nan"),
+                "captured_between_refreshes": window,
+                "refreshes": st["refreshes"],
+                "rank": st["rank"],
+                "side": st["side"],
+            }
+        low = sorted(
+            (k for k, r in rows.items() if r["captured_between_refreshes"] < LOW_CAPTURE),
+            key=lambda k: rows[k]["captured_between_refreshes"],
+        )
         return {"matrices": rows, "low_capture": low, "state": self.state_size(), "config": asdict(self.config)}
 
     def summary_lines(self) -> list[str]:
@@ -382,23 +437,37 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
         s = self.summary()
         size, rows = s["state"], s["matrices"]
         fmt = lambda n: f"{n / 1e6:.2f}M"  # noqa: E731
-        lines = [f"GaLore state: {fmt(size['moments'])} moment values + {fmt(size['projector'])} projector values "
-                 f"({fmt(size['moments'] + size['projector'])}) vs AdamW's {fmt(size['adamw'])} "
-                 f"({(size['moments'] + size['projector']) / size['adamw']:.3f}x)"]
+        lines = [
+            f"GaLore state: {fmt(size['moments'])} moment values + {fmt(size['projector'])} projector values "
+            f"({fmt(size['moments'] + size['projector'])}) vs AdamW's {fmt(size['adamw'])} "
+            f"({(size['moments'] + size['projector']) / size['adamw']:.3f}x)"
+        ]
         means = [r["captured_mean"] for r in rows.values() if math.isfinite(r["captured_mean"])]
-        stale = {k: r["captured_between_refreshes"] for k, r in rows.items()
-                 if math.isfinite(r["captured_between_refreshes"])}
+        stale = {
+            k: r["captured_between_refreshes"]
+            for k, r in rows.items()
+            if math.isfinite(r["captured_between_refreshes"])
+        }
         if means:
             worst = min(stale, key=stale.get) if stale else None
-            lines.append(f"captured gradient fraction |P^T G|/|G|: mean {sum(means) / len(means):.3f} over "
-                         f"{len(means)} matrices" + (f"; between refreshes mean {sum(stale.values()) / len(stale):.3f}"
-                                                     f", lowest {stale[worst]:.3f} ({worst})" if stale else ""))
+            lines.append(
+                f"captured gradient fraction |P^T G|/|G|: mean {sum(means) / len(means):.3f} over "
+                f"{len(means)} matrices"
+                + (
+                    f"; between refreshes mean {sum(stale.values()) / len(stale):.3f}"
+                    f", lowest {stale[worst]:.3f} ({worst})"
+                    if stale
+                    else ""
+                )
+            )
         if s["low_capture"]:
             shown = ", ".join(f"{k} {stale[k]:.2f}" for k in s["low_capture"][:4])
             more = f" and {len(s['low_capture']) - 4} more" if len(s["low_capture"]) > 4 else ""
-            lines.append(f"warning: {len(s['low_capture'])} matrices keep less than {LOW_CAPTURE} of their gradient "
-                         f"between refreshes ({shown}{more}): the subspace goes stale; lower --galore-update-gap or "
-                         f"raise --galore-rank")
+            lines.append(
+                f"warning: {len(s['low_capture'])} matrices keep less than {LOW_CAPTURE} of their gradient "
+                f"between refreshes ({shown}{more}): the subspace goes stale; lower --galore-update-gap or "
+                f"raise --galore-rank"
+            )
         return lines
 
     # ---- resume state -------------------------------------------------------------------------------------
@@ -409,8 +478,19 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
     def state_tensors(self, names: dict[int, str]) -> tuple[dict[str, torch.Tensor], dict]:
         """Moments and projectors as tensors; per matrix its step, refresh phase and statistics as JSON."""
         tensors, doc = {}, {"galore": self._config_doc(), "steps": self.steps, "matrices": {}}
-        keys = ("step", "phase", "rank", "side", "captured", "sum_all", "n_all", "sum_window", "n_window",
-                "window_mean", "refreshes")
+        keys = (
+            "step",
+            "phase",
+            "rank",
+            "side",
+            "captured",
+            "sum_all",
+            "n_all",
+            "sum_window",
+            "n_window",
+            "window_mean",
+            "refreshes",
+        )
         for p in self.param_groups[0]["params"]:
             st, name = self.state[p], names[id(p)]
             doc["matrices"][name] = {k: st[k] for k in keys}
@@ -422,8 +502,10 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
     def load_state_tensors(self, names: dict[int, str], tensors: dict, doc: dict, where: str) -> None:
         saved = doc.get("galore") if isinstance(doc, dict) else None
         if saved != self._config_doc():
-            raise StateError(f"{where}: the run's GaLore settings differ from this one's ({saved} vs "
-                             f"{self._config_doc()}); resume with the same --galore-* options")
+            raise StateError(
+                f"{where}: the run's GaLore settings differ from this one's ({saved} vs "
+                f"{self._config_doc()}); resume with the same --galore-* options"
+            )
         for p in self.param_groups[0]["params"]:
             name, st = names[id(p)], self.state[p]
             entry = doc["matrices"].get(name)
@@ -436,6 +518,8 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
             if st["projector"] is not None:
                 want = (p.shape[0] if st["side"] == "left" else p.shape[1], st["rank"])
                 if tuple(st["projector"].shape) != want:
-                    raise StateError(f"{where}: GaLore projector of {name!r} has shape "
-                                     f"{tuple(st['projector'].shape)}, expected {want}")
+                    raise StateError(
+                        f"{where}: GaLore projector of {name!r} has shape "
+                        f"{tuple(st['projector'].shape)}, expected {want}"
+                    )
         self.steps = int(doc["steps"])

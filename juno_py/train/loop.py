@@ -77,12 +77,17 @@ class TrainResult:
     peak_rss: int = 0
 
     def summary(self) -> str:
-        val = f"; best validation {self.best_validation:.4f} at step {self.best_step}" \
-            if self.best_validation is not None else ""
+        val = (
+            f"; best validation {self.best_validation:.4f} at step {self.best_step}"
+            if self.best_validation is not None
+            else ""
+        )
         rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
-        return (f"trained {self.steps} steps ({self.epochs:.1f} epochs, {self.tokens} tokens) in {self.seconds:.1f} s, "
-                f"{rate:.0f} tokens/s; loss {self.first_loss:.4f} -> {self.last_loss:.4f}{val}; "
-                f"stopped: {self.stop_reason}; peak RSS {format_bytes(self.peak_rss)}")
+        return (
+            f"trained {self.steps} steps ({self.epochs:.1f} epochs, {self.tokens} tokens) in {self.seconds:.1f} s, "
+            f"{rate:.0f} tokens/s; loss {self.first_loss:.4f} -> {self.last_loss:.4f}{val}; "
+            f"stopped: {self.stop_reason}; peak RSS {format_bytes(self.peak_rss)}"
+        )
 
 
 @dataclass
@@ -113,11 +118,19 @@ def data_fingerprint(examples: Sequence[Example]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------- the loop
-def train(model, trainable: Trainable, train_set: Sequence[Example], cfg: TrainConfig, val_set: Sequence[Example] = (),
-          recorder: Optional[MetricsRecorder] = None, resume: bool = False,
-          stop_requested: Optional[Callable[[], bool]] = None, progress: Optional[bool] = None,
-          log: Optional[Callable[[str], None]] = None,
-          optimizer: Union[TrainOptimizer, torch.optim.Optimizer, None] = None) -> TrainResult:
+def train(
+    model,
+    trainable: Trainable,
+    train_set: Sequence[Example],
+    cfg: TrainConfig,
+    val_set: Sequence[Example] = (),
+    recorder: Optional[MetricsRecorder] = None,
+    resume: bool = False,
+    stop_requested: Optional[Callable[[], bool]] = None,
+    progress: Optional[bool] = None,
+    log: Optional[Callable[[str], None]] = None,
+    optimizer: Union[TrainOptimizer, torch.optim.Optimizer, None] = None,
+) -> TrainResult:
     """Train `trainable` (set up on `model`) on `train_set`; see TrainConfig for every knob.
 
     `stop_requested()` is asked after each step (Ctrl-C sets it): the run saves and returns. `progress`: a tqdm
@@ -134,8 +147,11 @@ def train(model, trainable: Trainable, train_set: Sequence[Example], cfg: TrainC
     recorder = recorder or MetricsRecorder(Identity())
     params = list(trainable.parameters())
     names = {id(p): n for n, p in trainable.named_parameters()}
-    optimizer = as_train_optimizer(optimizer) if optimizer is not None else \
-        build_optimizer(trainable, cfg.lr, cfg.weight_decay, cfg.plus_ratio)
+    optimizer = (
+        as_train_optimizer(optimizer)
+        if optimizer is not None
+        else build_optimizer(trainable, cfg.lr, cfg.weight_decay, cfg.plus_ratio)
+    )
     model.checkpoint_blocks = cfg.grad_checkpoint
     torch.manual_seed(cfg.seed)  # dropout
 
@@ -153,12 +169,20 @@ def train(model, trainable: Trainable, train_set: Sequence[Example], cfg: TrainC
     min_ratio = cfg.min_lr / cfg.lr if cfg.lr > 0 else 0.0
 
     # the settings a resume must share with the run it continues
-    identity = {"data": data_fingerprint(train_set), "params": sorted(names.values()),
-                "shapes": [list(p.shape) for p in params], "seed": cfg.seed, "batch_size": cfg.batch_size,
-                "accumulation": cfg.accumulation, "pack": cfg.pack, "max_seq_len": cfg.max_seq_len}
+    identity = {
+        "data": data_fingerprint(train_set),
+        "params": sorted(names.values()),
+        "shapes": [list(p.shape) for p in params],
+        "seed": cfg.seed,
+        "batch_size": cfg.batch_size,
+        "accumulation": cfg.accumulation,
+        "pack": cfg.pack,
+        "max_seq_len": cfg.max_seq_len,
+    }
     if world.active:  # every rank must plan the same epochs from the same data
-        distributed.check_same_data(world, {"training data": identity["data"],
-                                            "validation data": data_fingerprint(val_set)})
+        distributed.check_same_data(
+            world, {"training data": identity["data"], "validation data": data_fingerprint(val_set)}
+        )
     run = RunState()
     best_weights: Optional[list[torch.Tensor]] = None
     if resume:
@@ -175,8 +199,14 @@ def train(model, trainable: Trainable, train_set: Sequence[Example], cfg: TrainC
         written = trainable.save(cfg.lora_path)  # None: the resume state holds the weights
         _save(cfg, run, params, names, optimizer, identity, best_weights, trainable.state_format)
         size = Path(written or state_path(cfg.lora_path)).stat().st_size
-        recorder.emit("checkpoint", step=run.step, path=str(cfg.lora_path), bytes=size, reason=reason,
-                      ms=1e3 * (time.perf_counter() - t0))
+        recorder.emit(
+            "checkpoint",
+            step=run.step,
+            path=str(cfg.lora_path),
+            bytes=size,
+            reason=reason,
+            ms=1e3 * (time.perf_counter() - t0),
+        )
         world.barrier()
 
     def validate() -> Optional[dict]:
@@ -191,8 +221,15 @@ def train(model, trainable: Trainable, train_set: Sequence[Example], cfg: TrainC
         else:
             run.bad_evals += 1
         run.last_val_step = run.step
-        recorder.emit("validation", step=run.step, loss=v["loss"], ppl=v["ppl"], tokens=v["tokens"],
-                      best=run.best_val, improved=improved)
+        recorder.emit(
+            "validation",
+            step=run.step,
+            loss=v["loss"],
+            ppl=v["ppl"],
+            tokens=v["tokens"],
+            best=run.best_val,
+            improved=improved,
+        )
         return v
 
     model.train()
@@ -214,11 +251,12 @@ def train(model, trainable: Trainable, train_set: Sequence[Example], cfg: TrainC
             # --- the group of micro-batches of this step
             if batches_epoch != run.epoch:
                 batches, batches_epoch = plan(run.epoch), run.epoch
-            step_batches = batches[run.batch:run.batch + cfg.accumulation]
+            step_batches = batches[run.batch : run.batch + cfg.accumulation]
             share = distributed.StepShare(step_batches, cfg.batch_size, cfg.pad_id, world, cfg.seed, run.step)
             n_sup, n_tok = share.n_supervised, share.n_tokens  # of the global batch, all ranks together
-            lrs = set_learning_rates(optimizer, lr_factor(cfg.schedule, run.step, total_steps, cfg.warmup_steps,
-                                                          min_ratio))
+            lrs = set_learning_rates(
+                optimizer, lr_factor(cfg.schedule, run.step, total_steps, cfg.warmup_steps, min_ratio)
+            )
             times: dict = {}
             note = trainable.before_step()
             if note is not None:
@@ -235,8 +273,7 @@ def train(model, trainable: Trainable, train_set: Sequence[Example], cfg: TrainC
             except TrainingDiverged as e:
                 optimizer.zero_grad(set_to_none=True)
                 kept = _keep_last_good(checkpoint, params, cfg, optimizer.updates_in_backward)
-                raise TrainingDiverged(f"step {run.step + 1}: {e}: stopped before the optimizer step; {kept}") \
-                    from None
+                raise TrainingDiverged(f"step {run.step + 1}: {e}: stopped before the optimizer step; {kept}") from None
 
             # --- clip, step
             t_opt = time.perf_counter()
@@ -264,25 +301,42 @@ def train(model, trainable: Trainable, train_set: Sequence[Example], cfg: TrainC
             if epoch_done:
                 run.epoch, run.batch = run.epoch + 1, 0
             run.seconds = time.perf_counter() - started
-            recorder.emit("train_step", step=run.step, epoch=run.epoch, tokens=n_tok, supervised_tokens=n_sup,
-                          loss=loss, grad_norm=norm, clipped=clipped, lr_a=lrs.get("A", lrs.get("weights", 0.0)),
-                          lr_b=lrs.get("B", 0.0), **times)
+            recorder.emit(
+                "train_step",
+                step=run.step,
+                epoch=run.epoch,
+                tokens=n_tok,
+                supervised_tokens=n_sup,
+                loss=loss,
+                grad_norm=norm,
+                clipped=clipped,
+                lr_a=lrs.get("A", lrs.get("weights", 0.0)),
+                lr_b=lrs.get("B", 0.0),
+                **times,
+            )
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix_str(f"loss {loss:.4f} | {run.tokens / max(run.seconds, 1e-9):.0f} tok/s | "
-                                    f"RSS {format_bytes(rss_bytes())}", refresh=False)
+                bar.set_postfix_str(
+                    f"loss {loss:.4f} | {run.tokens / max(run.seconds, 1e-9):.0f} tok/s | "
+                    f"RSS {format_bytes(rss_bytes())}",
+                    refresh=False,
+                )
 
             # --- validation and stop rules
             due = run.step % cfg.validation_every == 0 if cfg.validation_every else epoch_done
             v = validate() if due else None
             if v is not None:
-                say(f"step {run.step}: validation loss {v['loss']:.4f} (best {run.best_val:.4f} at step "
-                    f"{run.best_step})")
+                say(
+                    f"step {run.step}: validation loss {v['loss']:.4f} (best {run.best_val:.4f} at step "
+                    f"{run.best_step})"
+                )
                 if cfg.patience and run.bad_evals >= cfg.patience:
                     stop_reason = f"validation patience ({cfg.patience} validations without improvement)"
                 elif cfg.overfit_ratio and v["loss"] > run.best_val * cfg.overfit_ratio:
-                    stop_reason = (f"overfit guard (validation loss {v['loss']:.4f} > {cfg.overfit_ratio} x best "
-                                   f"{run.best_val:.4f})")
+                    stop_reason = (
+                        f"overfit guard (validation loss {v['loss']:.4f} > {cfg.overfit_ratio} x best "
+                        f"{run.best_val:.4f})"
+                    )
             if stop_reason is None and cfg.loss_target is not None and len(run.recent) >= steps_per_epoch:
                 recent = sum(s for s, _ in run.recent) / max(1, sum(n for _, n in run.recent))
                 if recent <= cfg.loss_target:
@@ -306,8 +360,18 @@ def train(model, trainable: Trainable, train_set: Sequence[Example], cfg: TrainC
         say(f"restored the best weights (validation loss {run.best_val:.4f} at step {run.best_step})")
     run.seconds = time.perf_counter() - started
     checkpoint("interrupted" if stop_reason == "interrupted" else "final")
-    return TrainResult(run.step, run.epoch + run.batch / max(1, len(plan(run.epoch))), run.tokens, run.seconds,
-                       stop_reason, run.first_loss, run.last_loss, run.best_val, run.best_step, peak_rss_bytes())
+    return TrainResult(
+        run.step,
+        run.epoch + run.batch / max(1, len(plan(run.epoch))),
+        run.tokens,
+        run.seconds,
+        stop_reason,
+        run.first_loss,
+        run.last_loss,
+        run.best_val,
+        run.best_step,
+        peak_rss_bytes(),
+    )
 
 
 def _keep_last_good(checkpoint: Callable[[str], None], params, cfg: TrainConfig, partial: bool = False) -> str:
@@ -329,13 +393,15 @@ def _progress_bar(total: int, initial: int, progress: Optional[bool]):
     from tqdm import tqdm
 
     disable = None if progress is None else not progress  # None: only on a terminal
-    return tqdm(total=total, initial=initial, file=sys.stderr, disable=disable, unit="step", dynamic_ncols=True,
-                desc="train")
+    return tqdm(
+        total=total, initial=initial, file=sys.stderr, disable=disable, unit="step", dynamic_ncols=True, desc="train"
+    )
 
 
 # ------------------------------------------------------------------------------------------- resume state
-def _save(cfg: TrainConfig, run: RunState, params, names, optimizer: TrainOptimizer, identity: dict, best_weights,
-          fmt: str) -> None:
+def _save(
+    cfg: TrainConfig, run: RunState, params, names, optimizer: TrainOptimizer, identity: dict, best_weights, fmt: str
+) -> None:
     tensors, steps = optimizer.state_tensors(names)
     for p in params:
         tensors[f"param/{names[id(p)]}"] = p
@@ -355,8 +421,10 @@ def _restore(cfg: TrainConfig, run: RunState, params, names, optimizer: TrainOpt
     saved = meta.get("identity", {})
     for key, value in identity.items():
         if saved.get(key) != value:
-            raise StateError(f"{where}: the run's {key} differs from this one's ({_short(saved.get(key))} vs "
-                             f"{_short(value)}); resume with the same data and settings")
+            raise StateError(
+                f"{where}: the run's {key} differs from this one's ({_short(saved.get(key))} vs "
+                f"{_short(value)}); resume with the same data and settings"
+            )
     with torch.no_grad():
         for p in params:
             p.copy_(tensors[f"param/{names[id(p)]}"])

@@ -69,8 +69,9 @@ class TrainOptimizer:
                 steps[name] = float(st["step"])
         return tensors, steps
 
-    def load_state_tensors(self, names: dict[int, str], tensors: dict[str, torch.Tensor], steps: dict[str, Any],
-                           where: str) -> None:
+    def load_state_tensors(
+        self, names: dict[int, str], tensors: dict[str, torch.Tensor], steps: dict[str, Any], where: str
+    ) -> None:
         """Restore what `state_tensors` gave; StateError naming `where` when it does not fit the parameters."""
         for group in self.param_groups:
             for p in group["params"]:
@@ -82,12 +83,16 @@ class TrainOptimizer:
                 except KeyError:
                     raise StateError(f"{where}: Adam moments of {name!r} are missing") from None
                 if m.shape != p.shape or v.shape != p.shape:
-                    raise StateError(f"{where}: Adam moments of {name!r} have shape {tuple(m.shape)}, the parameter "
-                                     f"{tuple(p.shape)}")
+                    raise StateError(
+                        f"{where}: Adam moments of {name!r} have shape {tuple(m.shape)}, the parameter {tuple(p.shape)}"
+                    )
                 # the fused (GPU) AdamW keeps its step counts on the parameters' device
                 step_device = p.device if self.defaults.get("fused") else None
-                self.state[p] = {"step": torch.tensor(steps[name], dtype=torch.float32, device=step_device),
-                                 "exp_avg": m.clone().to(p.device), "exp_avg_sq": v.clone().to(p.device)}
+                self.state[p] = {
+                    "step": torch.tensor(steps[name], dtype=torch.float32, device=step_device),
+                    "exp_avg": m.clone().to(p.device),
+                    "exp_avg_sq": v.clone().to(p.device),
+                }
 
 
 class TorchOptimizer(TrainOptimizer):
@@ -127,8 +132,9 @@ def build_optimizer(trainable, lr: float, weight_decay: float = 0.01, plus_ratio
     # CPU: foreach=False, the per-parameter loop is bit-identical from run to run and fast enough for adapters.
     # GPU: the fused kernel (deterministic too); a loop of small kernels per parameter would be launch-bound.
     if any(p.is_cuda for g in param_groups for p in g["params"]):
-        return TorchOptimizer(torch.optim.AdamW(param_groups, lr=lr, betas=BETAS, eps=EPS, weight_decay=weight_decay,
-                                                fused=True))
+        return TorchOptimizer(
+            torch.optim.AdamW(param_groups, lr=lr, betas=BETAS, eps=EPS, weight_decay=weight_decay, fused=True)
+        )
     return AdamW(param_groups, lr=lr, betas=BETAS, eps=EPS, weight_decay=weight_decay)
 
 
@@ -140,10 +146,17 @@ class AdamW(TrainOptimizer):
     "lr", "betas", "eps", "weight_decay" and the caller's keys), `state` (per parameter "step", a float32 tensor,
     "exp_avg", "exp_avg_sq"), `defaults`, `step()` and `zero_grad()`."""
 
-    def __init__(self, param_groups, lr: float, betas: tuple[float, float] = BETAS, eps: float = EPS,
-                 weight_decay: float = 0.01):
-        self.defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "fused": False,
-                         "foreach": False}
+    def __init__(
+        self, param_groups, lr: float, betas: tuple[float, float] = BETAS, eps: float = EPS, weight_decay: float = 0.01
+    ):
+        self.defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "fused": False,
+            "foreach": False,
+        }
         groups = list(param_groups)
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]
@@ -161,9 +174,11 @@ class AdamW(TrainOptimizer):
                 grad = p.grad
                 st = self.state.get(p)
                 if not st:
-                    st = self.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
-                                          "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                                          "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+                    st = self.state[p] = {
+                        "step": torch.tensor(0.0, dtype=torch.float32),
+                        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    }
                 exp_avg, exp_avg_sq = st["exp_avg"], st["exp_avg_sq"]
                 st["step"] += 1
                 if wd != 0:
@@ -171,9 +186,9 @@ class AdamW(TrainOptimizer):
                 exp_avg.lerp_(grad, 1 - beta1)
                 exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 step = st["step"].item()
-                bias_correction1 = 1 - beta1 ** step
-                bias_correction2 = 1 - beta2 ** step
-                denom = (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(eps)
+                bias_correction1 = 1 - beta1**step
+                bias_correction2 = 1 - beta2**step
+                denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
                 p.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
 
     def zero_grad(self, set_to_none: bool = True) -> None:

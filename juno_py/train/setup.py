@@ -82,6 +82,13 @@ def default_adapter_path(model_spec: Optional[str], resolved: Path) -> Path:
 
 def run_identity(model, config, targets, device: str) -> Identity:
     """The identity fields every metrics event carries."""
-    return Identity(algorithm=config.mode.name.lower(), scaling=config.scaling.name.lower().replace("_", "-"),
-                    init=config.init.name.lower().replace("_", "-"), architecture=model.args.architecture,
-                    device=str(device), rank=config.rank, alpha=float(config.alpha), targets=",".join(targets))
+    return Identity(
+        algorithm=config.mode.name.lower(),
+        scaling=config.scaling.name.lower().replace("_", "-"),
+        init=config.init.name.lower().replace("_", "-"),
+        architecture=model.args.architecture,
+        device=str(device),
+        rank=config.rank,
+        alpha=float(config.alpha),
+        targets=",".join(targets),
+    )

@@ -36,8 +36,10 @@ def state_path(adapter_path) -> Path:
 def save_state(path, tensors: dict[str, torch.Tensor], meta: dict[str, Any], fmt: str = FORMAT) -> Path:
     """`fmt`: the schema's name (the trainable's `state_format`: adapters FORMAT, `juno-py full` its own)."""
     doc = {**meta, "format": fmt, "version": VERSION}
-    data = st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
-                   metadata={_META_KEY: json.dumps(doc, sort_keys=True)})
+    data = st_save(
+        {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+        metadata={_META_KEY: json.dumps(doc, sort_keys=True)},
+    )
     return atomic_write_bytes(path, data)
 
 
@@ -59,10 +61,11 @@ def parse_state(data: bytes, path, fmt: str = FORMAT) -> tuple[dict[str, torch.T
     try:
         tensors = st_load(data)
         header_len = int.from_bytes(data[:8], "little")
-        meta = json.loads(json.loads(data[8:8 + header_len])["__metadata__"][_META_KEY])
+        meta = json.loads(json.loads(data[8 : 8 + header_len])["__metadata__"][_META_KEY])
     except (SafetensorError, KeyError, ValueError, TypeError) as e:
         raise StateError(f"{path}: not a juno-py resume state ({type(e).__name__}: {e})") from None
     if meta.get("format") != fmt or meta.get("version") != VERSION:
-        raise StateError(f"{path}: format {meta.get('format')!r} version {meta.get('version')!r}, expected "
-                         f"{fmt!r} version {VERSION}")
+        raise StateError(
+            f"{path}: format {meta.get('format')!r} version {meta.get('version')!r}, expected {fmt!r} version {VERSION}"
+        )
     return tensors, meta

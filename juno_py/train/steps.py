@@ -54,7 +54,7 @@ def evaluate(model, examples: Sequence[Example], batch_size: int = 8, pad_id: in
     total, n = 0.0, 0
     ordered = sorted(examples, key=lambda e: len(e.ids))  # similar lengths together: less padding
     for i in range(0, len(ordered), max(1, batch_size)):
-        b = pad_batch(ordered[i:i + batch_size], pad_id)
+        b = pad_batch(ordered[i : i + batch_size], pad_id)
         total += float(model.loss(b.tokens, b.targets, b.positions, b.mask, chunk=loss_chunk(model), reduction="sum"))
         n += b.n_supervised
     model.train(was_training)
@@ -69,8 +69,16 @@ def _detach_cache(cache) -> None:
     cache.v = [v.detach() for v in cache.v]
 
 
-def forward_backward(model, batch: Batch, denominator: float, window: int = 0, times: Optional[dict] = None,
-                     net=None, sync: bool = True, graphs: Optional[GraphedSteps] = None) -> float:
+def forward_backward(
+    model,
+    batch: Batch,
+    denominator: float,
+    window: int = 0,
+    times: Optional[dict] = None,
+    net=None,
+    sync: bool = True,
+    graphs: Optional[GraphedSteps] = None,
+) -> float:
     """Forward and backward of one micro-batch; gradients of (summed token loss / denominator) accumulate in the
     trainable's parameters. `window` tokens at a time (0: the whole sequence), each window attending to the cached
     K/V of the earlier ones with gradients stopped there. Returns the summed token loss; raises TrainingDiverged on a
@@ -124,5 +132,12 @@ def sync_context(net, sync: bool):
 
 def model_loss(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The summed token cross-entropy of `hidden` under the model's output projection, chunked (see loss_chunk)."""
-    return chunked_cross_entropy(hidden, targets, model.project, chunk=loss_chunk(model), reduction="sum",
-                                 hold=model.output_decoded(), head=model.loss_head())
+    return chunked_cross_entropy(
+        hidden,
+        targets,
+        model.project,
+        chunk=loss_chunk(model),
+        reduction="sum",
+        hold=model.output_decoded(),
+        head=model.loss_head(),
+    )

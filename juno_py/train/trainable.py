@@ -53,8 +53,7 @@ class Trainable(Protocol):
         scales) and "weight_decay"."""
         ...
 
-    def train(self, mode: bool = True) -> Trainable:
-        ...
+    def train(self, mode: bool = True) -> Trainable: ...
 
     def save(self, path: Union[str, Path]) -> Optional[Path]:
         """Write the trainable's own file at `path` and return it; None when the resume state beside it

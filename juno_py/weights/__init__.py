@@ -15,6 +15,17 @@ from juno_py.weights.frozen import (
 from juno_py.weights.resident import MATVEC_MAX_TOKENS, ResidentQuantLinear
 from juno_py.weights.streaming import BF16_MIN_TOKENS, StreamingQuantLinear
 
-__all__ = ["FrozenQuantLinear", "StreamingQuantLinear", "ResidentQuantLinear", "FrozenBase", "ExactProducts",
-           "has_exact_products", "StreamingLinearFn", "DEFAULT_SCRATCH_BYTES", "BF16_MIN_TOKENS", "MATVEC_MAX_TOKENS",
-           "default_chunk_rows", "scratch_bytes_for"]
+__all__ = [
+    "FrozenQuantLinear",
+    "StreamingQuantLinear",
+    "ResidentQuantLinear",
+    "FrozenBase",
+    "ExactProducts",
+    "has_exact_products",
+    "StreamingLinearFn",
+    "DEFAULT_SCRATCH_BYTES",
+    "BF16_MIN_TOKENS",
+    "MATVEC_MAX_TOKENS",
+    "default_chunk_rows",
+    "scratch_bytes_for",
+]

@@ -68,8 +68,9 @@ class FrozenBase(Protocol):
         """Rows `[start, stop)` of W decoded exactly from the bytes, on their device."""
         ...
 
-    def dequantize_tile(self, rows: tuple[int, int], cols: tuple[int, int],
-                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantize_tile(
+        self, rows: tuple[int, int], cols: tuple[int, int], dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         """W[r0:r1, c0:c1] decoded exactly from the bytes, on their device."""
         ...
 
@@ -85,8 +86,12 @@ class FrozenBase(Protocol):
         """A block inside which W is decoded once for every product (resident); streaming leaves it as it is."""
         ...
 
-    def to(self, device: Union[str, torch.device, int, None] = ..., dtype: Optional[torch.dtype] = ...,
-           non_blocking: bool = ...) -> Self:
+    def to(
+        self,
+        device: Union[str, torch.device, int, None] = ...,
+        dtype: Optional[torch.dtype] = ...,
+        non_blocking: bool = ...,
+    ) -> Self:
         """Move the bytes (still quantized), bias and cache; the backend follows the device."""
         ...
 
@@ -99,11 +104,13 @@ class ExactProducts(Protocol):
 
     def matmul_exact(self, x: torch.Tensor) -> torch.Tensor: ...
 
-    def matmul_with_exact(self, x: torch.Tensor, A: torch.Tensor, A_split: Optional[torch.Tensor] = None,
-                          return_split: bool = False) -> tuple[torch.Tensor, ...]: ...
+    def matmul_with_exact(
+        self, x: torch.Tensor, A: torch.Tensor, A_split: Optional[torch.Tensor] = None, return_split: bool = False
+    ) -> tuple[torch.Tensor, ...]: ...
 
-    def matmul_with_update(self, x: torch.Tensor, A: torch.Tensor, A_ref: torch.Tensor, ut: torch.Tensor,
-                           return_split: bool = False) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]: ...
+    def matmul_with_update(
+        self, x: torch.Tensor, A: torch.Tensor, A_ref: torch.Tensor, ut: torch.Tensor, return_split: bool = False
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]: ...
 
 
 EXACT_PRODUCTS = ("matmul_exact", "matmul_with_exact", "matmul_with_update")

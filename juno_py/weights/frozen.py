@@ -69,8 +69,9 @@ def _byte_rows(raw: Union[torch.Tensor, np.ndarray[Any, Any]], row_bytes: int, w
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             t = torch.from_numpy(arr)
     if t.numel() % row_bytes:
-        raise GGUFFormatError(f"{what or 'frozen linear'}: {t.numel()} bytes are not a whole number of "
-                              f"{row_bytes}-byte rows")
+        raise GGUFFormatError(
+            f"{what or 'frozen linear'}: {t.numel()} bytes are not a whole number of {row_bytes}-byte rows"
+        )
     return t.reshape(-1, row_bytes)
 
 
@@ -129,24 +130,38 @@ class FrozenQuantLinear(nn.Module):
         cls.resident = resident
         _BACKENDS[resident] = cls
 
-    def __init__(self, raw: Union[torch.Tensor, np.ndarray[Any, Any]], ggml_type: int, n_in: int,
-                 bias: Optional[torch.Tensor] = None, *, chunk_rows: Optional[int] = None,
-                 scratch_bytes: int = DEFAULT_SCRATCH_BYTES, cache: str = "none",
-                 compute_dtype: torch.dtype = torch.float32, name: str = "", dequant: str = "auto",
-                 device_scratch_bytes: int = DEFAULT_DEVICE_SCRATCH_BYTES) -> None:
+    def __init__(
+        self,
+        raw: Union[torch.Tensor, np.ndarray[Any, Any]],
+        ggml_type: int,
+        n_in: int,
+        bias: Optional[torch.Tensor] = None,
+        *,
+        chunk_rows: Optional[int] = None,
+        scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
+        cache: str = "none",
+        compute_dtype: torch.dtype = torch.float32,
+        name: str = "",
+        dequant: str = "auto",
+        device_scratch_bytes: int = DEFAULT_DEVICE_SCRATCH_BYTES,
+    ) -> None:
         super().__init__()
         codec = quants.get_codec(ggml_type, name)
         if n_in <= 0 or n_in % codec.block_size:
-            raise UnsupportedQuantType(f"{name or codec.name}: row length {n_in} is not a positive multiple of "
-                                       f"the {codec.name} block size {codec.block_size}")
+            raise UnsupportedQuantType(
+                f"{name or codec.name}: row length {n_in} is not a positive multiple of "
+                f"the {codec.name} block size {codec.block_size}"
+            )
         if cache not in CACHE_DTYPES:
             raise ValueError(f"{name or 'frozen linear'}: cache {cache!r}, expected one of {', '.join(CACHE_DTYPES)}")
         if compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"{name or 'frozen linear'}: compute_dtype {compute_dtype}, expected torch.float32 "
-                             f"or torch.bfloat16")
+            raise ValueError(
+                f"{name or 'frozen linear'}: compute_dtype {compute_dtype}, expected torch.float32 or torch.bfloat16"
+            )
         if dequant not in DEQUANT_BACKENDS:
-            raise ValueError(f"{name or 'frozen linear'}: dequant {dequant!r}, expected one of "
-                             f"{', '.join(DEQUANT_BACKENDS)}")
+            raise ValueError(
+                f"{name or 'frozen linear'}: dequant {dequant!r}, expected one of {', '.join(DEQUANT_BACKENDS)}"
+            )
         self.name = name
         self._dequant = dequant
         self.device_scratch_bytes = int(device_scratch_bytes)
@@ -173,15 +188,22 @@ class FrozenQuantLinear(nn.Module):
             self.weight_cache = self._dequantize_all(cache_dtype)
 
     @classmethod
-    def from_gguf(cls, gguf_file: Any, tensor_name: str, rows: Optional[slice] = None,
-                  bias: Union[torch.Tensor, str, None] = None, **kw: Any) -> FrozenQuantLinear:
+    def from_gguf(
+        cls,
+        gguf_file: Any,
+        tensor_name: str,
+        rows: Optional[slice] = None,
+        bias: Union[torch.Tensor, str, None] = None,
+        **kw: Any,
+    ) -> FrozenQuantLinear:
         """The 2-D tensor `tensor_name` of an open GGUFFile, or the row range `rows` of it (a fused
         `attn_qkv` or gate/up tensor split into logical targets). `bias` is a tensor (the whole tensor's
         bias or the range's) or the name of a bias tensor in the file; it is sliced to `rows` as needed."""
         info = gguf_file.tensor(tensor_name)
         if len(info.shape) != 2:
-            raise GGUFFormatError(f"{gguf_file.path}: tensor {tensor_name!r} has shape {info.shape}, "
-                                  f"expected a 2-D weight (n_out, n_in)")
+            raise GGUFFormatError(
+                f"{gguf_file.path}: tensor {tensor_name!r} has shape {info.shape}, expected a 2-D weight (n_out, n_in)"
+            )
         n_rows = info.shape[0]
         start, stop, step = (rows or slice(0, n_rows)).indices(n_rows)
         if step != 1 or stop <= start:
@@ -192,8 +214,10 @@ class FrozenQuantLinear(nn.Module):
             if values.numel() == n_rows and stop - start != n_rows:
                 values = values[start:stop]
             elif values.numel() != stop - start:
-                raise ValueError(f"tensor {tensor_name!r}: bias has {values.numel()} values, expected {n_rows} (whole "
-                                 f"tensor) or {stop - start} (rows {start}:{stop})")
+                raise ValueError(
+                    f"tensor {tensor_name!r}: bias has {values.numel()} values, expected {n_rows} (whole "
+                    f"tensor) or {stop - start} (rows {start}:{stop})"
+                )
         if "name" not in kw:
             kw["name"] = tensor_name if stop - start == n_rows else f"{tensor_name}[{start}:{stop}]"
         return cls(gguf_file.raw_rows(tensor_name, slice(start, stop)), info.ggml_type, info.shape[1], values, **kw)
@@ -205,8 +229,10 @@ class FrozenQuantLinear(nn.Module):
         resident = self.raw.device.type != "cpu" or self.dequant == "triton"
         cls = _BACKENDS.get(resident)
         if cls is None:
-            raise RuntimeError(f"{self.name or 'frozen linear'}: the {'resident' if resident else 'streaming'} "
-                               f"backend is not loaded (import juno_py.weights)")
+            raise RuntimeError(
+                f"{self.name or 'frozen linear'}: the {'resident' if resident else 'streaming'} "
+                f"backend is not loaded (import juno_py.weights)"
+            )
         if type(self) is not cls:
             self.__class__ = cls
 
@@ -218,8 +244,9 @@ class FrozenQuantLinear(nn.Module):
     @dequant.setter
     def dequant(self, value: str) -> None:
         if value not in DEQUANT_BACKENDS:
-            raise ValueError(f"{self.name or 'frozen linear'}: dequant {value!r}, expected one of "
-                             f"{', '.join(DEQUANT_BACKENDS)}")
+            raise ValueError(
+                f"{self.name or 'frozen linear'}: dequant {value!r}, expected one of {', '.join(DEQUANT_BACKENDS)}"
+            )
         self._dequant = value
         self._bind_backend()
 
@@ -247,16 +274,18 @@ class FrozenQuantLinear(nn.Module):
         on the device of the bytes. bf16 is the exact values rounded to nearest even."""
         return self.dequantize_tile((start, stop), (0, self._n_in), dtype)
 
-    def dequantize_tile(self, rows: tuple[int, int], cols: tuple[int, int],
-                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantize_tile(
+        self, rows: tuple[int, int], cols: tuple[int, int], dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         """W[r0:r1, c0:c1] decoded from the bytes, on the device of the bytes, by the torch codecs (on the CPU; whole
         rows decoded, the columns cut from them). The resident backend decodes with Triton where it runs."""
         (r0, r1), (c0, c1) = rows, cols
         raw = self.raw[r0:r1]
         # whole rows in bf16: the codec rounds on its last pass instead of a separate conversion over memory
         direct = dtype if dtype == torch.bfloat16 and (c0, c1) == (0, self._n_in) else torch.float32
-        w = quants.dequantize(self._ggml_type, raw.cpu() if raw.device.type != "cpu" else raw, self._n_in,
-                              what=self.name, dtype=direct)
+        w = quants.dequantize(
+            self._ggml_type, raw.cpu() if raw.device.type != "cpu" else raw, self._n_in, what=self.name, dtype=direct
+        )
         if (c0, c1) != (0, self._n_in):
             w = w[:, c0:c1]
         return w.to(self.raw.device, dtype) if (w.device, w.dtype) != (self.raw.device, dtype) else w
@@ -265,7 +294,9 @@ class FrozenQuantLinear(nn.Module):
         """Keep ("bf16", "fp32") or drop ("none") a dequantized copy of W, decoded where the bytes are now (on a
         GPU: by the Triton kernels, after the move, so the copy is never built on the CPU)."""
         if cache not in CACHE_DTYPES:
-            raise ValueError(f"{self.name or 'frozen linear'}: cache {cache!r}, expected one of {', '.join(CACHE_DTYPES)}")
+            raise ValueError(
+                f"{self.name or 'frozen linear'}: cache {cache!r}, expected one of {', '.join(CACHE_DTYPES)}"
+            )
         self.cache = cache
         self.weight_cache = None
         cache_dtype = CACHE_DTYPES[cache]
@@ -305,13 +336,15 @@ class FrozenQuantLinear(nn.Module):
         run them."""
         return False
 
-    def _fused_with_exact(self, x: torch.Tensor, A: torch.Tensor,
-                          A_split: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _fused_with_exact(
+        self, x: torch.Tensor, A: torch.Tensor, A_split: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(x·Wᵀ, A·Wᵀ, split_bf16(A)) from one decode per tile, where `_fuses_exact`."""
         raise NotImplementedError
 
-    def _fused_with_update(self, x: torch.Tensor, A: torch.Tensor, A_ref: torch.Tensor, ut: torch.Tensor,
-                           return_split: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def _fused_with_update(
+        self, x: torch.Tensor, A: torch.Tensor, A_ref: torch.Tensor, ut: torch.Tensor, return_split: bool
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(x·Wᵀ, split_bf16(A) or None), moving the running U `ut` to A, from one decode per tile, where
         `_fuses_exact`."""
         raise NotImplementedError
@@ -346,8 +379,9 @@ class FrozenQuantLinear(nn.Module):
         with torch.no_grad():
             return self._forward_product(x, exact=True)
 
-    def matmul_with_exact(self, x: torch.Tensor, A: torch.Tensor, A_split: Optional[torch.Tensor] = None,
-                          return_split: bool = False) -> tuple[torch.Tensor, ...]:
+    def matmul_with_exact(
+        self, x: torch.Tensor, A: torch.Tensor, A_split: Optional[torch.Tensor] = None, return_split: bool = False
+    ) -> tuple[torch.Tensor, ...]:
         """`(x·Wᵀ, A·Wᵀ)`, no bias, no autograd: the base product as `matmul` gives it and A's rows to fp32 accuracy as
         `matmul_exact` gives them. DoRA's training step needs both every step (U = W·Aᵀ for the norm); on the device
         path with bf16 compute each tile of W is decoded once for both (`_fused_with_exact`: the base product
@@ -367,8 +401,9 @@ class FrozenQuantLinear(nn.Module):
                 As = split_bf16(A)
             return y, u, As
 
-    def matmul_with_update(self, x: torch.Tensor, A: torch.Tensor, A_ref: torch.Tensor, ut: torch.Tensor,
-                           return_split: bool = False) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def matmul_with_update(
+        self, x: torch.Tensor, A: torch.Tensor, A_ref: torch.Tensor, ut: torch.Tensor, return_split: bool = False
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """x·Wᵀ as `matmul` gives it, and a running U moved to A: `ut` `[n_out, r]` (fp32, contiguous) holds
         W·A_refᵀ for `A_ref` (fp32 `[r, n_in]`) and afterwards holds W·Aᵀ's update by D = bf16(A − A_ref), with
         A_ref moved by D (`kernels.split_track`): to fp32 accuracy over the exact W, within W·(A − A_ref)ᵀ of
@@ -379,8 +414,10 @@ class FrozenQuantLinear(nn.Module):
         `matmul_exact`, A_ref = A). `return_split`: also return `split_bf16(A)`, as `matmul_with_exact` does."""
         with torch.no_grad():
             if ut.shape != (self._n_out, A.shape[0]) or ut.dtype != torch.float32 or not ut.is_contiguous():
-                raise ValueError(f"{self.name or 'frozen linear'}: running U {tuple(ut.shape)} {ut.dtype}: expected "
-                                 f"a contiguous fp32 [{self._n_out}, {A.shape[0]}]")
+                raise ValueError(
+                    f"{self.name or 'frozen linear'}: running U {tuple(ut.shape)} {ut.dtype}: expected "
+                    f"a contiguous fp32 [{self._n_out}, {A.shape[0]}]"
+                )
             if self._fuses_exact(x, A):
                 y, As = self._fused_with_update(x, A, A_ref, ut, return_split)
             else:
@@ -407,14 +444,18 @@ class FrozenQuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         name = f"{self.name}, " if self.name else ""
-        return (f"{name}in_features={self.in_features}, out_features={self.out_features}, "
-                f"type={quants.get_codec(self._ggml_type).name}, bias={self.bias is not None}, cache={self.cache}, "
-                f"compute_dtype={str(self.compute_dtype).removeprefix('torch.')}, chunk_rows={self.chunk_rows}"
-                + (f", dequant={self.dequant}" if self.dequant != "auto" else ""))
+        return (
+            f"{name}in_features={self.in_features}, out_features={self.out_features}, "
+            f"type={quants.get_codec(self._ggml_type).name}, bias={self.bias is not None}, cache={self.cache}, "
+            f"compute_dtype={str(self.compute_dtype).removeprefix('torch.')}, chunk_rows={self.chunk_rows}"
+            + (f", dequant={self.dequant}" if self.dequant != "auto" else "")
+        )
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError(f"FrozenQuantLinear {self.name!r} views a memory-mapped GGUF file and is never pickled or "
-                        f"copied: save the adapters (their state_dict), and reload the base from its GGUF")
+        raise TypeError(
+            f"FrozenQuantLinear {self.name!r} views a memory-mapped GGUF file and is never pickled or "
+            f"copied: save the adapters (their state_dict), and reload the base from its GGUF"
+        )
 
 
 def scratch_bytes_for(layer: FrozenQuantLinear) -> int:
@@ -422,5 +463,14 @@ def scratch_bytes_for(layer: FrozenQuantLinear) -> int:
     return 4 * min(layer.chunk_rows, layer.out_features) * layer.in_features
 
 
-__all__ = ["FrozenQuantLinear", "StreamingLinearFn", "DEFAULT_SCRATCH_BYTES", "DEFAULT_DEVICE_SCRATCH_BYTES",
-           "CACHE_DTYPES", "COMPUTE_DTYPES", "DEQUANT_BACKENDS", "default_chunk_rows", "scratch_bytes_for"]
+__all__ = [
+    "FrozenQuantLinear",
+    "StreamingLinearFn",
+    "DEFAULT_SCRATCH_BYTES",
+    "DEFAULT_DEVICE_SCRATCH_BYTES",
+    "CACHE_DTYPES",
+    "COMPUTE_DTYPES",
+    "DEQUANT_BACKENDS",
+    "default_chunk_rows",
+    "scratch_bytes_for",
+]

@@ -37,8 +37,9 @@ class ResidentQuantLinear(FrozenQuantLinear, resident=True):
     """A FrozenQuantLinear whose arithmetic stays on the device of its bytes: Triton-decoded tiles and cuBLAS."""
 
     # ---- decoding -------------------------------------------------------------------------------------------
-    def dequantize_tile(self, rows: tuple[int, int], cols: tuple[int, int],
-                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantize_tile(
+        self, rows: tuple[int, int], cols: tuple[int, int], dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         """W[r0:r1, c0:c1] decoded from the bytes, on the device of the bytes: Triton where it runs, else the
         torch codecs (on the CPU; whole rows decoded, the columns cut from them)."""
         if self._use_triton():
@@ -55,8 +56,10 @@ class ResidentQuantLinear(FrozenQuantLinear, resident=True):
             return False
         if not device_dequant.triton_ready(self.raw.device):
             if self.dequant == "triton":
-                raise RuntimeError(f"{self.name or 'frozen linear'}: dequant='triton' needs Triton and a CUDA device "
-                                   f"(or TRITON_INTERPRET=1 on the CPU)")
+                raise RuntimeError(
+                    f"{self.name or 'frozen linear'}: dequant='triton' needs Triton and a CUDA device "
+                    f"(or TRITON_INTERPRET=1 on the CPU)"
+                )
             return False
         return True
 
@@ -106,8 +109,9 @@ class ResidentQuantLinear(FrozenQuantLinear, resident=True):
             y = mm_out(x2.to(op), cache.t(), res)
         elif op != torch.float64 and 0 < tokens <= MATVEC_MAX_TOKENS and self._use_triton():
             # x in the compute dtype, as the tile path multiplies it (the kernel widens it to fp32 exactly)
-            y = device_dequant.dequant_matvec(self.raw, self._ggml_type, self._n_in, x2.to(op),
-                                              round_bf16=op == torch.bfloat16).to(res)
+            y = device_dequant.dequant_matvec(
+                self.raw, self._ggml_type, self._n_in, x2.to(op), round_bf16=op == torch.bfloat16
+            ).to(res)
         elif exact and op == torch.float32:
             y = self._device_split_exact(x2)
         else:
@@ -126,8 +130,9 @@ class ResidentQuantLinear(FrozenQuantLinear, resident=True):
         """Rows of W a forward tile decodes: `device_scratch_bytes` of W in the operands' dtype, in whole 256 rows."""
         return _aligned_step(self._device_step(self._n_in, xc.element_size()), self._n_out)
 
-    def _rows_product(self, xc: torch.Tensor, w: torch.Tensor, y: Optional[torch.Tensor], a: int, b: int,
-                      res: torch.dtype) -> torch.Tensor:
+    def _rows_product(
+        self, xc: torch.Tensor, w: torch.Tensor, y: Optional[torch.Tensor], a: int, b: int, res: torch.dtype
+    ) -> torch.Tensor:
         """The forward tile's product x·W[a:b]ᵀ into y's columns a:b (y `[tokens, n_out]` in `res`, made at the first
         tile; the whole product when the tile is all of W). Returns y."""
         if b - a == self._n_out:
@@ -165,12 +170,20 @@ class ResidentQuantLinear(FrozenQuantLinear, resident=True):
         """Whether `matmul_with_exact` decodes each tile once for both products: on the Triton device path with bf16
         operands for the base product (compute_dtype bf16, no resident cache), beyond the matvec's token counts,
         and fp32 rows of A. Elsewhere the two products run as `matmul` and `matmul_exact` run them."""
-        return (x.dtype != torch.float64 and A.dtype == torch.float32 and A.dim() == 2 and A.shape[0] > 0
-                and self.weight_cache is None and self.compute_dtype == torch.bfloat16
-                and x.numel() // max(x.shape[-1], 1) > MATVEC_MAX_TOKENS and self._use_triton())
+        return (
+            x.dtype != torch.float64
+            and A.dtype == torch.float32
+            and A.dim() == 2
+            and A.shape[0] > 0
+            and self.weight_cache is None
+            and self.compute_dtype == torch.bfloat16
+            and x.numel() // max(x.shape[-1], 1) > MATVEC_MAX_TOKENS
+            and self._use_triton()
+        )
 
-    def _fused_with_exact(self, x: torch.Tensor, A: torch.Tensor,
-                          A_split: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _fused_with_exact(
+        self, x: torch.Tensor, A: torch.Tensor, A_split: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x·Wᵀ (bf16 operands, as `_forward_product`) and A·Wᵀ to fp32 accuracy from one split decode per tile:
         `dequantize_split_tile` writes W_hi = bf16(W) and W_lo = bf16(W − W_hi) of the tile's rows in one pass, side
         by side in each row of a `[rows, 2·n_in]` buffer, and x·W_hiᵀ is the forward's own tile product (same tiles,
@@ -196,8 +209,9 @@ class ResidentQuantLinear(FrozenQuantLinear, resident=True):
         y = self._device_split_tiles(x, A, tile_u)
         return y, ut.t(), parts["As"]
 
-    def _fused_with_update(self, x: torch.Tensor, A: torch.Tensor, A_ref: torch.Tensor, ut: torch.Tensor,
-                           return_split: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def _fused_with_update(
+        self, x: torch.Tensor, A: torch.Tensor, A_ref: torch.Tensor, ut: torch.Tensor, return_split: bool
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """`_fused_with_exact` for a running U: the same split decode and base product per tile, and
         ut[a:b] += [W_hi | W_lo]·[D | D]ᵀ (one GEMM, cuBLAS's beta = 1) with D = bf16(A − A_ref) (`split_track`,
         which moves A_ref by D). W_hi·D + W_lo·D is W·D to fp32 accuracy (W_lo·D's own rounding is 2⁻⁹ of a term
@@ -213,15 +227,17 @@ class ResidentQuantLinear(FrozenQuantLinear, resident=True):
         y = self._device_split_tiles(x, A, tile_u)
         return y, parts["As"] if return_split else None
 
-    def _device_split_tiles(self, x: torch.Tensor, A: torch.Tensor,
-                            tile_u: Callable[[int, int, torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+    def _device_split_tiles(
+        self, x: torch.Tensor, A: torch.Tensor, tile_u: Callable[[int, int, torch.Tensor, torch.Tensor], None]
+    ) -> torch.Tensor:
         """x·Wᵀ (bf16 operands, as `_forward_product`) from one split decode per forward tile into a `[rows, 2·n_in]`
         buffer (W_hi and W_lo side by side in each row), calling `tile_u(a, b, W_hi, [W_hi | W_lo])` for rows a:b
         after the tile's base product is issued (the first call, after the first big GEMM: the place to split A)."""
         n_in = self._n_in
         if x.shape[-1] != n_in or A.shape[-1] != n_in:
-            raise ValueError(f"{self.name or 'frozen linear'}: inputs have {x.shape[-1]} and {A.shape[-1]} features, "
-                             f"expected {n_in}")
+            raise ValueError(
+                f"{self.name or 'frozen linear'}: inputs have {x.shape[-1]} and {A.shape[-1]} features, expected {n_in}"
+            )
         op, res = self._device_dtypes(x)
         xc = x.reshape(-1, n_in).to(op)
         step = self._forward_step(xc)
@@ -229,10 +245,11 @@ class ResidentQuantLinear(FrozenQuantLinear, resident=True):
         y = None
         for a in range(0, self._n_out, step):
             b = min(a + step, self._n_out)
-            hi, lo = device_dequant.dequantize_split_tile(self.raw, self._ggml_type, n_in, (a, b),
-                                                          out=pair.transpose(0, 1))
+            hi, lo = device_dequant.dequantize_split_tile(
+                self.raw, self._ggml_type, n_in, (a, b), out=pair.transpose(0, 1)
+            )
             y = self._rows_product(xc, hi, y, a, b, res)
-            tile_u(a, b, hi, pair[:b - a].view(b - a, 2 * n_in))
+            tile_u(a, b, hi, pair[: b - a].view(b - a, 2 * n_in))
             del hi, lo
         assert y is not None  # n_out ≥ 1: the loop ran
         return y.reshape(*x.shape[:-1], self._n_out)
@@ -240,8 +257,9 @@ class ResidentQuantLinear(FrozenQuantLinear, resident=True):
     def _transpose_product(self, g: torch.Tensor) -> torch.Tensor:
         """`g·W` by blocks of columns of W: every product reduces over all n_out rows at once (fp32 accumulation)."""
         if g.shape[-1] != self._n_out:
-            raise ValueError(f"{self.name or 'frozen linear'}: gradient has {g.shape[-1]} features, expected "
-                             f"{self._n_out}")
+            raise ValueError(
+                f"{self.name or 'frozen linear'}: gradient has {g.shape[-1]} features, expected {self._n_out}"
+            )
         g2 = g.reshape(-1, self._n_out)
         op, res = self._device_dtypes(g)
         gc = g2.to(op)

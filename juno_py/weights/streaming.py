@@ -40,8 +40,11 @@ class StreamingQuantLinear(FrozenQuantLinear, resident=False):
         scratch = None
         for a in range(0, n_out, step):
             b = min(a + step, n_out)
-            w = cache[a:b] if cache is not None else \
-                self.dequantize_rows(a, b, dtype if dtype == torch.bfloat16 else torch.float32)
+            w = (
+                cache[a:b]
+                if cache is not None
+                else self.dequantize_rows(a, b, dtype if dtype == torch.bfloat16 else torch.float32)
+            )
             if w.dtype != dtype:
                 # fp32 decode needs no conversion: the codec's output is the block's buffer
                 if scratch is None:
@@ -59,8 +62,9 @@ class StreamingQuantLinear(FrozenQuantLinear, resident=False):
             return torch.bfloat16
         return torch.float32
 
-    def _operands(self, t: torch.Tensor, n_from: int, n_to: int, what: str,
-                  exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def _operands(
+        self, t: torch.Tensor, n_from: int, n_to: int, what: str, exact: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`t [..., n_from]` as a matrix in the matmul dtype, and the empty output `[tokens, n_to]` (fp32, or
         fp64 for fp64 inputs)."""
         if t.shape[-1] != n_from:

@@ -11,15 +11,25 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_performance_doc_matches_the_results():
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.report", "--check"], cwd=ROOT, capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.report", "--check"], cwd=ROOT, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
 
 
 def _record(**kw):
-    record = dict(capability="cpu-training", title="Training on CPU", command="python -m benchmarks.train_cpu",
-                  date="2026-12-01", hardware="2 cores", software={"torch": "2.13.0"}, load_average="0.5 0.4 0.3",
-                  columns=["configuration", "s/step"], rows=[["juno lora bf16", 1.029]], notes=["median of 5"])
+    record = dict(
+        capability="cpu-training",
+        title="Training on CPU",
+        command="python -m benchmarks.train_cpu",
+        date="2026-12-01",
+        hardware="2 cores",
+        software={"torch": "2.13.0"},
+        load_average="0.5 0.4 0.3",
+        columns=["configuration", "s/step"],
+        rows=[["juno lora bf16", 1.029]],
+        notes=["median of 5"],
+    )
     record.update(kw)
     return record
 

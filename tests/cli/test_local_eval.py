@@ -18,8 +18,9 @@ def runner():
 
 @pytest.mark.slow
 def test_local_answers_paris(runner, smollm2_path):
-    res = runner.invoke(cli, ["local", "--prompt", "What is the capital of France?", "--temperature", "0",
-                              "--max-tokens", "24"])
+    res = runner.invoke(
+        cli, ["local", "--prompt", "What is the capital of France?", "--temperature", "0", "--max-tokens", "24"]
+    )
     assert res.exit_code == 0, res.output
     assert "Paris" in res.stdout
     assert "tokens/s" in res.stderr and "tokens/s" not in res.stdout
@@ -28,8 +29,7 @@ def test_local_answers_paris(runner, smollm2_path):
 @pytest.mark.slow
 def test_eval_is_the_token_weighted_loss(runner, smollm2_path, tmp_path):
     data = tmp_path / "d.jsonl"
-    records = [{"text": "The capital of France is Paris."},
-               {"prompt": "Two plus two is", "completion": " four."}]
+    records = [{"text": "The capital of France is Paris."}, {"prompt": "Two plus two is", "completion": " four."}]
     data.write_text("\n".join(json.dumps(r) for r in records) + "\n")
     res = runner.invoke(cli, ["eval", "--data", str(data), "--json", "--weights-cache", "none"])
     assert res.exit_code == 0, res.output
@@ -46,7 +46,7 @@ def test_eval_is_the_token_weighted_loss(runner, smollm2_path, tmp_path):
         p = tok.encode(records[1]["prompt"])
         c = tok.encode(records[1]["completion"], add_special=False) + [tok.eos_id]
         logits = model.logits(p + c)
-        total += float(torch.nn.functional.cross_entropy(logits[len(p) - 1:-1], torch.tensor(c), reduction="sum"))
+        total += float(torch.nn.functional.cross_entropy(logits[len(p) - 1 : -1], torch.tensor(c), reduction="sum"))
         n += len(c)
     assert out["tokens"] == n
     assert out["loss"] == pytest.approx(total / n, rel=1e-5)

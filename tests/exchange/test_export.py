@@ -46,14 +46,17 @@ def test_llama_row_permutation_inverts_the_converter():
     assert np.array_equal(gguf_rows(w.numpy(), 4), llama_permute(w, 4).numpy())
 
 
-@pytest.mark.parametrize("arch,mode,targets,knobs", [
-    ("qwen2", Mode.DORA, "all", {}),  # biases, DoRA
-    ("phi3", Mode.LORA, "qv", {}),  # q and v inside the fused qkv_proj
-    ("phi3", Mode.DORA, "qv", {}),
-    ("llama", Mode.LORA, "all", {}),  # Q/K row permutation
-    ("llama", Mode.DORA, "attn", {}),
-    ("gemma3", Mode.LORA, "all", {}),
-])
+@pytest.mark.parametrize(
+    "arch,mode,targets,knobs",
+    [
+        ("qwen2", Mode.DORA, "all", {}),  # biases, DoRA
+        ("phi3", Mode.LORA, "qv", {}),  # q and v inside the fused qkv_proj
+        ("phi3", Mode.DORA, "qv", {}),
+        ("llama", Mode.LORA, "all", {}),  # Q/K row permutation
+        ("llama", Mode.DORA, "attn", {}),
+        ("gemma3", Mode.LORA, "all", {}),
+    ],
+)
 def test_peft_export_reproduces_playback_and_round_trips(tiny_gguf, tmp_path, arch, mode, targets, knobs):
     base = tiny_gguf(arch, GGMLType.Q8_0, **knobs)
     adapter = make_adapter(base, tmp_path / "a.bin", targets=targets, mode=mode)
@@ -70,13 +73,15 @@ def test_peft_mixed_ranks_and_scales_use_patterns_and_bake_fused_parts(tiny_gguf
     base = tiny_gguf("phi3", GGMLType.Q8_0)
     q = make_adapter(base, tmp_path / "q.bin", targets="wq", rank=4, alpha=8, seed=1)
     v = make_adapter(base, tmp_path / "v.bin", targets="wv", rank=2, alpha=8, seed=2)  # other rank and scale
-    o = make_adapter(base, tmp_path / "o.bin", targets="wo", rank=3, alpha=5, seed=3, scaling=Scaling.RSLORA,
-                     layers=[1])
+    o = make_adapter(
+        base, tmp_path / "o.bin", targets="wo", rank=3, alpha=5, seed=3, scaling=Scaling.RSLORA, layers=[1]
+    )
     adapter = combine(tmp_path / "a.bin", q, v, o)
     folder = export_peft(base, adapter, tmp_path / "peft")
     cfg = json.loads((folder / "adapter_config.json").read_text())
-    assert cfg["target_modules"] == sorted(["model.layers.0.self_attn.qkv_proj", "model.layers.1.self_attn.qkv_proj",
-                                            "model.layers.1.self_attn.o_proj"])
+    assert cfg["target_modules"] == sorted(
+        ["model.layers.0.self_attn.qkv_proj", "model.layers.1.self_attn.qkv_proj", "model.layers.1.self_attn.o_proj"]
+    )
     assert cfg["r"] == 6 and cfg["rank_pattern"] == {"model.layers.1.self_attn.o_proj": 3}
     ids = sample_ids(20)
     assert (peft_logits(base, folder, ids) - playback_logits(base, adapter, ids)).abs().max() <= 1e-3
@@ -96,8 +101,14 @@ def test_foreign_peft_adapter_imports_onto_playback(tiny_gguf, tmp_path, arch, m
     base = tiny_gguf(arch, GGMLType.F32)
     hf = AutoModelForCausalLM.from_pretrained(str(base.parent), gguf_file=base.name, dtype=torch.float32)
     modules = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj"]}.get(arch, ["q_proj", "k_proj", "v_proj", "up_proj"])
-    cfg = LoraConfig(r=4, lora_alpha=6, target_modules=modules, use_dora=mode == "DORA",
-                     rank_pattern={f"model.layers.1.self_attn.{modules[0]}": 2}, alpha_pattern={"model.layers.0.*": 3})
+    cfg = LoraConfig(
+        r=4,
+        lora_alpha=6,
+        target_modules=modules,
+        use_dora=mode == "DORA",
+        rank_pattern={f"model.layers.1.self_attn.{modules[0]}": 2},
+        alpha_pattern={"model.layers.0.*": 3},
+    )
     model = get_peft_model(hf, cfg)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -133,7 +144,7 @@ def llama_cpp_deltas(path, base):
     out = {}
     for name, (ne, a) in tensors.items():
         if name.endswith(".lora_a"):
-            tensor = name[:-len(".lora_a")]
+            tensor = name[: -len(".lora_a")]
             b_ne, b = tensors[tensor + ".lora_b"]
             assert ne[1] == b_ne[0], "a.ne[1] must equal b.ne[0] (the rank)"
             scale = llama_cpp_scale(meta["adapter.lora.alpha"], b_ne[0])
@@ -148,16 +159,19 @@ def our_deltas(base, adapter):
         for e in read_adapter(adapter)[1]:
             slot = layout.blocks[e.layer].targets[e.target]
             d = out.setdefault(slot.tensor, np.zeros(g.tensors[slot.tensor].shape))
-            d[slot.rows[0]:slot.rows[1]] += e.scale * e.B.astype(np.float64) @ e.A.astype(np.float64)
+            d[slot.rows[0] : slot.rows[1]] += e.scale * e.B.astype(np.float64) @ e.A.astype(np.float64)
     return out
 
 
-@pytest.mark.parametrize("arch,targets,scaling,expect_alpha", [
-    ("llama", "all", Scaling.STANDARD, 8.0),
-    ("llama", "all", Scaling.RSLORA, 16.0),  # alpha / sqrt(r) = alpha' / r  with alpha' = alpha · sqrt(r)
-    ("phi3", "qv", Scaling.STANDARD, 16.0),  # one rank-8 pair over attn_qkv: alpha' / 8 = 8 / 4
-    ("phi3", "all", Scaling.STANDARD, 0.0),  # pairs of rank 4, 8 and 12: no single alpha, scales baked into B
-])
+@pytest.mark.parametrize(
+    "arch,targets,scaling,expect_alpha",
+    [
+        ("llama", "all", Scaling.STANDARD, 8.0),
+        ("llama", "all", Scaling.RSLORA, 16.0),  # alpha / sqrt(r) = alpha' / r  with alpha' = alpha · sqrt(r)
+        ("phi3", "qv", Scaling.STANDARD, 16.0),  # one rank-8 pair over attn_qkv: alpha' / 8 = 8 / 4
+        ("phi3", "all", Scaling.STANDARD, 0.0),  # pairs of rank 4, 8 and 12: no single alpha, scales baked into B
+    ],
+)
 def test_gguf_lora_format_and_llama_cpp_scale(tiny_gguf, tmp_path, arch, targets, scaling, expect_alpha):
     base = tiny_gguf(arch, GGMLType.Q8_0)
     adapter = make_adapter(base, tmp_path / "a.bin", targets=targets, scaling=scaling, rank=4, alpha=8)
@@ -229,10 +243,12 @@ def test_gguf_lora_import_rejects_what_llama_cpp_rejects(tiny_gguf, tmp_path):
                 w.add_tensor(extra, np.zeros(4, np.float32), GGMLType.F32, (4,))
         return path
 
-    for path, message in [(variant("int.gguf", ValueType.UINT32), "expected FLOAT32"),
-                          (variant("arch.gguf", arch="qwen2"), "does not match"),
-                          (variant("suffix.gguf", extra="blk.0.attn_q.weight.lora_c"), "unexpected suffix"),
-                          (base, "not a LoRA adapter")]:
+    for path, message in [
+        (variant("int.gguf", ValueType.UINT32), "expected FLOAT32"),
+        (variant("arch.gguf", arch="qwen2"), "does not match"),
+        (variant("suffix.gguf", extra="blk.0.attn_q.weight.lora_c"), "unexpected suffix"),
+        (base, "not a LoRA adapter"),
+    ]:
         with pytest.raises(JunoError, match=message):
             import_gguf_lora(base, path, tmp_path / "x.bin")
     assert not (tmp_path / "x.bin").exists()
@@ -244,8 +260,12 @@ def test_llama_cpp_runs_merged_files_and_gguf_lora(tiny_gguf, tmp_path):
     pytest.importorskip("llama_cpp")
     from tests.golden.check_llamacpp import compare_tiny
 
-    for arch, targets, scaling in [("llama", "all", Scaling.RSLORA), ("phi3", "qv", Scaling.STANDARD),
-                                   ("phi3", "all", Scaling.STANDARD), ("qwen2", "all", Scaling.STANDARD)]:
+    for arch, targets, scaling in [
+        ("llama", "all", Scaling.RSLORA),
+        ("phi3", "qv", Scaling.STANDARD),
+        ("phi3", "all", Scaling.STANDARD),
+        ("qwen2", "all", Scaling.STANDARD),
+    ]:
         res = compare_tiny(arch, targets, scaling, tmp_path / f"{arch}-{targets}-{scaling.name}")
         assert res["effect"] > 0.05
         assert res["merged_max_abs"] <= 1e-3 and res["lora_max_abs"] <= 1e-3, res

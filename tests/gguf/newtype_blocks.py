@@ -13,19 +13,38 @@ import numpy as np
 from juno_py.gguf import GGUFWriter
 from juno_py.gguf.constants import GGML_BLOCK_SIZES, GGMLType
 
-NEW_TYPES = [GGMLType.IQ1_S, GGMLType.IQ1_M, GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S, GGMLType.IQ3_XXS,
-             GGMLType.IQ3_S, GGMLType.TQ1_0, GGMLType.TQ2_0, GGMLType.MXFP4]
+NEW_TYPES = [
+    GGMLType.IQ1_S,
+    GGMLType.IQ1_M,
+    GGMLType.IQ2_XXS,
+    GGMLType.IQ2_XS,
+    GGMLType.IQ2_S,
+    GGMLType.IQ3_XXS,
+    GGMLType.IQ3_S,
+    GGMLType.TQ1_0,
+    GGMLType.TQ2_0,
+    GGMLType.MXFP4,
+]
 
 # byte offsets of the float16 fields per type (IQ1_M: none, see `random_blocks`)
-F16_FIELDS = {GGMLType.IQ1_S: (0,), GGMLType.IQ1_M: (), GGMLType.IQ2_XXS: (0,), GGMLType.IQ2_XS: (0,),
-              GGMLType.IQ2_S: (0,), GGMLType.IQ3_XXS: (0,), GGMLType.IQ3_S: (0,), GGMLType.TQ1_0: (52,),
-              GGMLType.TQ2_0: (64,), GGMLType.MXFP4: ()}
+F16_FIELDS = {
+    GGMLType.IQ1_S: (0,),
+    GGMLType.IQ1_M: (),
+    GGMLType.IQ2_XXS: (0,),
+    GGMLType.IQ2_XS: (0,),
+    GGMLType.IQ2_S: (0,),
+    GGMLType.IQ3_XXS: (0,),
+    GGMLType.IQ3_S: (0,),
+    GGMLType.TQ1_0: (52,),
+    GGMLType.TQ2_0: (64,),
+    GGMLType.MXFP4: (),
+}
 
 
 def finite_f16_bits(rng: np.random.Generator, n: int, moderate: bool = False) -> np.ndarray:
     """n random finite float16 bit patterns (uint16); `moderate`: magnitudes 2^-8 .. 2^-3 of either sign."""
     if moderate:
-        scale = rng.uniform(2.0 ** -8, 2.0 ** -3, n) * rng.choice([-1.0, 1.0], n)
+        scale = rng.uniform(2.0**-8, 2.0**-3, n) * rng.choice([-1.0, 1.0], n)
         return scale.astype("<f2").view(np.uint16)
     bits = rng.integers(0, 1 << 16, n, dtype=np.uint16)
     bits[(bits & 0x7C00) == 0x7C00] ^= 0x4000  # an all-ones exponent (inf, NaN) loses its top bit
@@ -38,7 +57,7 @@ def random_blocks(ggml_type: GGMLType, n_blocks: int, seed: int = 0, moderate: b
     size = GGML_BLOCK_SIZES[ggml_type][1]
     blocks = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
     for offset in F16_FIELDS[ggml_type]:
-        blocks[:, offset:offset + 2] = finite_f16_bits(rng, n_blocks, moderate).view(np.uint8).reshape(n_blocks, 2)
+        blocks[:, offset : offset + 2] = finite_f16_bits(rng, n_blocks, moderate).view(np.uint8).reshape(n_blocks, 2)
     if ggml_type == GGMLType.IQ1_M:
         d = finite_f16_bits(rng, n_blocks, moderate).astype(np.uint16)
         words = blocks[:, 48:56].copy().view("<u2")
@@ -51,11 +70,11 @@ def random_blocks(ggml_type: GGMLType, n_blocks: int, seed: int = 0, moderate: b
 
 
 def _u16(blocks: np.ndarray, start: int, length: int) -> np.ndarray:
-    return np.ascontiguousarray(blocks[:, start:start + length]).view("<u2").astype(np.int64)
+    return np.ascontiguousarray(blocks[:, start : start + length]).view("<u2").astype(np.int64)
 
 
 def _u32(blocks: np.ndarray, start: int, length: int) -> np.ndarray:
-    return np.ascontiguousarray(blocks[:, start:start + length]).view("<u4").astype(np.int64)
+    return np.ascontiguousarray(blocks[:, start : start + length]).view("<u4").astype(np.int64)
 
 
 def codebook_indices(ggml_type: GGMLType, blocks: np.ndarray) -> dict[str, tuple[np.ndarray, int]]:
@@ -90,8 +109,14 @@ def codebook_indices(ggml_type: GGMLType, blocks: np.ndarray) -> dict[str, tuple
 
 
 # a one-layer llama whose rows are 256 columns: every input width is a whole number of 256-value blocks
-TINY_LLAMA = dict(hidden_size=256, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=64)
+TINY_LLAMA = dict(
+    hidden_size=256,
+    intermediate_size=256,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+)
 
 
 def tiny_llama_parts():

@@ -14,13 +14,12 @@ import time
 import tracemalloc
 
 import gguf as gguf_ref
-import numpy as np
 import pytest
 import torch
 
 from juno_py.errors import MAX_MESSAGE, JunoError
 from juno_py.gguf import GGMLType, GGUFFile, ValueType
-from juno_py.testing.tiny_models import MERGES, write_gguf, tiny_vocab
+from juno_py.testing.tiny_models import MERGES, tiny_vocab, write_gguf
 
 CASES = int(os.environ.get("JUNO_FUZZ_CASES", "300"))
 PEAK_BOUND = 64 << 20  # bytes any single case may allocate (the real header itself is ~2.5 MB)
@@ -31,18 +30,25 @@ U32_VALUES = [0, 1, 7, 8, 9, 12, 13, 31, 99, 0xFFFFFFFF, 1 << 31]
 def _tiny_model(path):
     vocab = tiny_vocab()
     g = torch.Generator().manual_seed(0)
-    tensors = {"token_embd.weight": torch.randn(len(vocab), 64, generator=g),
-               "blk.0.attn_q.weight": torch.randn(64, 64, generator=g),
-               "blk.0.attn_norm.weight": torch.ones(64), "output_norm.weight": torch.ones(64)}
-    metadata = [("general.architecture", "llama", ValueType.STRING), ("general.name", "fuzz ü", ValueType.STRING),
-                ("llama.block_count", 1, ValueType.UINT32), ("llama.rope.freq_base", 1e4, ValueType.FLOAT32),
-                ("llama.attention.head_count", [4], ValueType.ARRAY),
-                ("split.count", 0, ValueType.UINT16),
-                ("tokenizer.ggml.model", "gpt2", ValueType.STRING),
-                ("tokenizer.ggml.tokens", vocab, ValueType.ARRAY),
-                ("tokenizer.ggml.token_type", [1] * len(vocab), ValueType.ARRAY),
-                ("tokenizer.ggml.merges", MERGES, ValueType.ARRAY),
-                ("tokenizer.ggml.add_bos_token", False, ValueType.BOOL)]
+    tensors = {
+        "token_embd.weight": torch.randn(len(vocab), 64, generator=g),
+        "blk.0.attn_q.weight": torch.randn(64, 64, generator=g),
+        "blk.0.attn_norm.weight": torch.ones(64),
+        "output_norm.weight": torch.ones(64),
+    }
+    metadata = [
+        ("general.architecture", "llama", ValueType.STRING),
+        ("general.name", "fuzz ü", ValueType.STRING),
+        ("llama.block_count", 1, ValueType.UINT32),
+        ("llama.rope.freq_base", 1e4, ValueType.FLOAT32),
+        ("llama.attention.head_count", [4], ValueType.ARRAY),
+        ("split.count", 0, ValueType.UINT16),
+        ("tokenizer.ggml.model", "gpt2", ValueType.STRING),
+        ("tokenizer.ggml.tokens", vocab, ValueType.ARRAY),
+        ("tokenizer.ggml.token_type", [1] * len(vocab), ValueType.ARRAY),
+        ("tokenizer.ggml.merges", MERGES, ValueType.ARRAY),
+        ("tokenizer.ggml.add_bos_token", False, ValueType.BOOL),
+    ]
     return write_gguf(path, metadata, tensors, GGMLType.Q8_0)
 
 
@@ -67,15 +73,17 @@ def _mutate(rng: random.Random, data: bytes, bounds: list[int], header_end: int)
             blob[rng.randrange(header_end)] = rng.randrange(256)
         return kind, bytes(blob)
     if kind == "u64":
-        return kind, data[:at] + struct.pack("<Q", rng.choice(U64_VALUES + [len(data), len(data) - at])) + data[at + 8:]
+        return kind, data[:at] + struct.pack("<Q", rng.choice(U64_VALUES + [len(data), len(data) - at])) + data[
+            at + 8 :
+        ]
     if kind == "u32":
         v = rng.choice(U32_VALUES + [rng.randrange(1 << 32)])
-        return kind, data[:at] + struct.pack("<I", v) + data[at + 4:]
+        return kind, data[:at] + struct.pack("<I", v) + data[at + 4 :]
     if kind == "off-by-one":
         if at + 8 > len(data):
             return kind, data
         v = (struct.unpack_from("<Q", data, at)[0] + rng.choice([-1, 1])) % (1 << 64)
-        return kind, data[:at] + struct.pack("<Q", v) + data[at + 8:]
+        return kind, data[:at] + struct.pack("<Q", v) + data[at + 8 :]
     cut = rng.choice([at, rng.randrange(len(data))])
     return kind, data[:cut]
 
@@ -83,7 +91,7 @@ def _mutate(rng: random.Random, data: bytes, bounds: list[int], header_end: int)
 def _exercise(path) -> None:
     """Read, and use what was read: metadata, typed accessors and every tensor decoded."""
     with GGUFFile(path) as f:
-        f.architecture
+        _ = f.architecture
         f.get_int("llama.block_count", 0)
         for name in list(f.tensors)[:8]:
             f.dequantize(name)
@@ -151,10 +159,12 @@ def test_fuzz_reader(seeds):
         signal.signal(signal.SIGALRM, old)
     seconds = time.perf_counter() - start
     rss_growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before  # KiB on Linux
-    print(f"\nfuzz: {stats['cases']} cases, {stats['read']} read, {stats['refused']} refused, "
-          f"{len(stats['failures'])} failures, longest message {stats['max_message']} characters, "
-          f"traced peak {stats['max_peak'] / 2**20:.1f} MiB, max RSS growth {rss_growth / 1024:.1f} MiB, "
-          f"{seconds:.1f} s")
+    print(
+        f"\nfuzz: {stats['cases']} cases, {stats['read']} read, {stats['refused']} refused, "
+        f"{len(stats['failures'])} failures, longest message {stats['max_message']} characters, "
+        f"traced peak {stats['max_peak'] / 2**20:.1f} MiB, max RSS growth {rss_growth / 1024:.1f} MiB, "
+        f"{seconds:.1f} s"
+    )
     assert rss_growth < 256 << 10, f"the process grew by {rss_growth} KiB"
     assert not stats["failures"], "\n".join(stats["failures"][:20])
     assert stats["refused"] > stats["cases"] // 4  # the mutations do reach the checks

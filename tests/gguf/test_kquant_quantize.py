@@ -28,8 +28,9 @@ RMSE_BOUND = {"Q2_K": 0.293, "Q3_K": 0.148, "Q4_K": 0.070, "Q5_K": 0.0355, "Q6_K
 def inputs() -> dict[str, np.ndarray]:
     data = np.load(DATA / "kquants_inputs.npz")
     random = kquant_random_set()
-    assert array_digest(random) == str(data["random_sha256"]), \
+    assert array_digest(random) == str(data["random_sha256"]), (
         "the regenerated random blocks differ from those the golden bytes were made from"
+    )
     return {"edge": data["edge"], "random": random, "real": data["real"], "edge_names": data["edge_names"]}
 
 
@@ -55,8 +56,9 @@ def test_kquant_quantize_matches_llama_cpp(type_name, set_name, inputs, encoded,
     record_property("identical_fraction", float(same.mean()))
     print(f"{type_name} {set_name}: {same.mean():.4%} of {len(same)} blocks byte-identical to llama.cpp")
     where = inputs["edge_names"][~same].tolist() if set_name == "edge" else np.nonzero(~same)[0][:10].tolist()
-    assert same.mean() >= REQUIRED[set_name], \
+    assert same.mean() >= REQUIRED[set_name], (
         f"{type_name} {set_name}: only {same.mean():.4%} of blocks identical; first differing: {where}"
+    )
 
 
 @pytest.mark.parametrize("type_name", list(KQUANT_TYPES))
@@ -82,8 +84,9 @@ def test_kquant_quantize_rows_match_blocks(type_name):
 
 def test_nearest_int_is_the_magic_number_trick():
     """Round half to even inside ±2^22, and C's bit pattern outside it."""
-    v = np.array([0.5, 1.5, 2.5, -0.5, -1.5, 2.4999998, 4194303.0, -4194303.0, 5e6, -3e7, 1e20, 0.0, -0.0],
-                 dtype=np.float32)
+    v = np.array(
+        [0.5, 1.5, 2.5, -0.5, -1.5, 2.4999998, 4194303.0, -4194303.0, 5e6, -3e7, 1e20, 0.0, -0.0], dtype=np.float32
+    )
     bits = (v + np.float32(12582912.0)).view(np.int32)
     expected = (bits & 0x7FFFFF) - 0x400000
     ours = nearest_int(torch.from_numpy(v)).numpy()

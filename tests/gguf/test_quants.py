@@ -18,8 +18,20 @@ from juno_py.gguf.constants import GGML_BLOCK_SIZES, GGMLType
 from juno_py.gguf.quants.simple import CHUNK_ELEMENTS, F16_SCALE_OFFSETS, round_half_away
 
 ELEMENT_TYPES = [GGMLType.F32, GGMLType.F16, GGMLType.BF16]
-BLOCK_TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q2_K,
-               GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS]
+BLOCK_TYPES = [
+    GGMLType.Q4_0,
+    GGMLType.Q4_1,
+    GGMLType.Q5_0,
+    GGMLType.Q5_1,
+    GGMLType.Q8_0,
+    GGMLType.Q2_K,
+    GGMLType.Q3_K,
+    GGMLType.Q4_K,
+    GGMLType.Q5_K,
+    GGMLType.Q6_K,
+    GGMLType.IQ4_NL,
+    GGMLType.IQ4_XS,
+]
 ENCODABLE_TYPES = ELEMENT_TYPES + [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0]
 
 # non-finite patterns of a float of each width, and the mask that makes any pattern finite (clears the
@@ -75,8 +87,10 @@ def assert_bits_equal(expected: np.ndarray, actual: np.ndarray) -> None:
     if not np.array_equal(expected.view(np.uint32), actual.view(np.uint32)):
         diff = np.flatnonzero(expected.view(np.uint32) != actual.view(np.uint32))
         i = diff[0]
-        raise AssertionError(f"{diff.size} of {actual.size} values differ; first at {i}: "
-                             f"{expected.ravel()[i]!r} vs {actual.ravel()[i]!r}")
+        raise AssertionError(
+            f"{diff.size} of {actual.size} values differ; first at {i}: "
+            f"{expected.ravel()[i]!r} vs {actual.ravel()[i]!r}"
+        )
 
 
 def assert_nan_aware_equal(expected: np.ndarray, actual: np.ndarray) -> None:
@@ -107,12 +121,13 @@ def with_finite_scales(raw: np.ndarray, ggml_type: GGMLType) -> np.ndarray:
         return raw
     blocks = raw.reshape(-1, GGML_BLOCK_SIZES[ggml_type][1])
     for offset in F16_SCALE_OFFSETS[ggml_type]:
-        field = blocks[:, offset:offset + 2].copy().view(np.uint16)
-        blocks[:, offset:offset + 2] = (field & _FINITE_MASK[2]).view(np.uint8)
+        field = blocks[:, offset : offset + 2].copy().view(np.uint16)
+        blocks[:, offset : offset + 2] = (field & _FINITE_MASK[2]).view(np.uint8)
     return raw
 
 
 # ---- dequantize ----------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ggml_type", ELEMENT_TYPES + BLOCK_TYPES, ids=lambda t: t.name)
@@ -135,7 +150,7 @@ def test_dequantize_non_finite_scales_match_gguf(ggml_type, backend, data):
     for b in range(blocks.shape[0]):
         offset = offsets[data.draw(st.integers(0, len(offsets) - 1), label="scale")]
         pattern = _F16_NON_FINITE[data.draw(st.integers(0, len(_F16_NON_FINITE) - 1), label="pattern")]
-        blocks[b, offset:offset + 2] = np.array([pattern], dtype=np.uint16).view(np.uint8)
+        blocks[b, offset : offset + 2] = np.array([pattern], dtype=np.uint16).view(np.uint8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         expected = reference_dequantize(ggml_type, raw)
@@ -147,8 +162,10 @@ def test_dequantize_non_finite_scales_match_gguf(ggml_type, backend, data):
 @pytest.mark.parametrize("ggml_type", ELEMENT_TYPES, ids=lambda t: t.name)
 def test_dequantize_non_finite_elements_match_gguf(ggml_type):
     width = GGML_BLOCK_SIZES[ggml_type][1]
-    patterns = {2: [0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFFFF, 0x7F80, 0xFF80, 0x7FC0, 0x0001, 0x8001],
-                4: [0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFFFFFFFF, 0x00000001, 0x80000001]}[width]
+    patterns = {
+        2: [0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFFFF, 0x7F80, 0xFF80, 0x7FC0, 0x0001, 0x8001],
+        4: [0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFFFFFFFF, 0x00000001, 0x80000001],
+    }[width]
     raw = np.array(patterns, dtype={2: np.uint16, 4: np.uint32}[width]).view(np.uint8).reshape(1, -1)
     assert_nan_aware_equal(reference_dequantize(ggml_type, raw), juno_dequantize(ggml_type, raw, len(patterns)))
 
@@ -159,16 +176,19 @@ def test_dequantize_accepts_torch_rows_and_returns_an_owned_tensor():
     out += 1  # writing the result must not write the source
     assert raw[0, 0] == 0 and out[0, 0] == 1
     q8 = reference_quantize(GGMLType.Q8_0, np.linspace(-1, 1, 64, dtype=np.float32).reshape(1, 64))
-    assert_bits_equal(reference_dequantize(GGMLType.Q8_0, q8),
-                      quants.dequantize(int(GGMLType.Q8_0), torch.from_numpy(q8), 64).numpy())
+    assert_bits_equal(
+        reference_dequantize(GGMLType.Q8_0, q8), quants.dequantize(int(GGMLType.Q8_0), torch.from_numpy(q8), 64).numpy()
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ggml_type", ELEMENT_TYPES + BLOCK_TYPES, ids=lambda t: t.name)
 def test_dequantize_empty_and_unaligned_buffers(ggml_type, backend):
     block_size, type_size = GGML_BLOCK_SIZES[ggml_type]
-    assert juno_dequantize(ggml_type, np.zeros((0, 2 * type_size), np.uint8), 2 * block_size, backend).shape == \
-        (0, 2 * block_size)
+    assert juno_dequantize(ggml_type, np.zeros((0, 2 * type_size), np.uint8), 2 * block_size, backend).shape == (
+        0,
+        2 * block_size,
+    )
     rng = np.random.default_rng(int(ggml_type))
     raw = with_finite_scales(rng.integers(0, 256, (3, 2 * type_size), dtype=np.uint8), ggml_type)
     shifted = torch.zeros(1 + raw.size, dtype=torch.uint8)
@@ -185,11 +205,13 @@ def test_dequantize_many_chunks_matches_gguf(backend):
         block_size, type_size = GGML_BLOCK_SIZES[ggml_type]
         n_blocks = CHUNK_ELEMENTS // block_size * 2 + 3
         raw = with_finite_scales(rng.integers(0, 256, (1, n_blocks * type_size), dtype=np.uint8), ggml_type)
-        assert_bits_equal(reference_dequantize(ggml_type, raw),
-                          juno_dequantize(ggml_type, raw, n_blocks * block_size, backend))
+        assert_bits_equal(
+            reference_dequantize(ggml_type, raw), juno_dequantize(ggml_type, raw, n_blocks * block_size, backend)
+        )
 
 
 # ---- quantize ------------------------------------------------------------------------------------------------
+
 
 def assert_quantize_matches_gguf(ggml_type: GGMLType, x: np.ndarray) -> None:
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -199,14 +221,21 @@ def assert_quantize_matches_gguf(ggml_type: GGMLType, x: np.ndarray) -> None:
     if not np.array_equal(expected, actual):
         type_size = GGML_BLOCK_SIZES[ggml_type][1]
         bad = np.flatnonzero((expected != actual).reshape(-1, type_size).any(axis=1))
-        raise AssertionError(f"{ggml_type.name}: {bad.size} blocks differ, first block {bad[0]}: "
-                             f"{x.reshape(-1, GGML_BLOCK_SIZES[ggml_type][0])[bad[0]]!r}")
+        raise AssertionError(
+            f"{ggml_type.name}: {bad.size} blocks differ, first block {bad[0]}: "
+            f"{x.reshape(-1, GGML_BLOCK_SIZES[ggml_type][0])[bad[0]]!r}"
+        )
 
 
 @pytest.mark.parametrize("ggml_type", ENCODABLE_TYPES, ids=lambda t: t.name)
 @SETTINGS
-@given(seed=st.integers(0, 2**32 - 1), exponent=st.sampled_from([-44, -40, -30, -8, -3, 0, 1, 4, 15, 30, 37]),
-       rows=st.integers(1, 3), blocks=st.integers(1, 5), shape=st.sampled_from(["normal", "uniform", "skewed"]))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    exponent=st.sampled_from([-44, -40, -30, -8, -3, 0, 1, 4, 15, 30, 37]),
+    rows=st.integers(1, 3),
+    blocks=st.integers(1, 5),
+    shape=st.sampled_from(["normal", "uniform", "skewed"]),
+)
 def test_quantize_matches_gguf_byte_for_byte(ggml_type, seed, exponent, rows, blocks, shape):
     rng = np.random.default_rng(seed)
     size = (rows, blocks * 32)
@@ -216,7 +245,7 @@ def test_quantize_matches_gguf_byte_for_byte(ggml_type, seed, exponent, rows, bl
         x = rng.uniform(-1, 1, size)
     else:
         x = rng.exponential(1.0, size) - 0.2
-    assert_quantize_matches_gguf(ggml_type, (x * 10.0 ** exponent).astype(np.float32))
+    assert_quantize_matches_gguf(ggml_type, (x * 10.0**exponent).astype(np.float32))
 
 
 def edge_blocks() -> dict[str, np.ndarray]:
@@ -234,10 +263,12 @@ def edge_blocks() -> dict[str, np.ndarray]:
         "smallest subnormals": rng.integers(-3, 4, 32) * float(f32.smallest_subnormal),
         "subnormal with zeros": np.where(np.arange(32) % 3 == 0, 0.0, 7e-45),
         "zeros of both signs": np.where(np.arange(32) % 3 == 0, -0.0, 0.0),
-        "positive with zeros of both signs": np.where(np.arange(32) % 5 == 0, -0.0,
-                                                      np.where(np.arange(32) % 7 == 0, 0.0, 0.5)),
-        "negative with zeros of both signs": np.where(np.arange(32) % 5 == 0, 0.0,
-                                                      np.where(np.arange(32) % 7 == 0, -0.0, -0.5)),
+        "positive with zeros of both signs": np.where(
+            np.arange(32) % 5 == 0, -0.0, np.where(np.arange(32) % 7 == 0, 0.0, 0.5)
+        ),
+        "negative with zeros of both signs": np.where(
+            np.arange(32) % 5 == 0, 0.0, np.where(np.arange(32) % 7 == 0, -0.0, -0.5)
+        ),
         "negative only": -rng.uniform(0.5, 2.0, 32),
         "positive only": rng.uniform(0.5, 2.0, 32),
         "float32 max": np.where(np.arange(32) % 2 == 0, float(f32.max), -float(f32.max)),
@@ -278,9 +309,13 @@ def test_quantize_blocks_of_signed_zeros_and_ties_match_gguf(ggml_type):
 def test_quantize_non_finite_inputs_match_gguf(ggml_type):
     inf, nan = np.float32(np.inf), np.float32(np.nan)
     signalling = np.array([0x7F800001, 0xFFA12345], dtype=np.uint32).view(np.float32)
-    blocks = [np.where(np.arange(32) == 3, inf, 1.0), np.where(np.arange(32) == 3, -inf, 1.0),
-              np.where(np.arange(32) == 7, nan, np.linspace(-1, 1, 32)), np.full(32, nan),
-              np.where(np.arange(32) < 2, signalling[np.arange(32) % 2], 0.25)]
+    blocks = [
+        np.where(np.arange(32) == 3, inf, 1.0),
+        np.where(np.arange(32) == 3, -inf, 1.0),
+        np.where(np.arange(32) == 7, nan, np.linspace(-1, 1, 32)),
+        np.full(32, nan),
+        np.where(np.arange(32) < 2, signalling[np.arange(32) % 2], 0.25),
+    ]
     for block in blocks:
         assert_quantize_matches_gguf(ggml_type, np.asarray(block, dtype=np.float32).reshape(1, 32))
 
@@ -326,6 +361,7 @@ def test_quantize_then_dequantize_round_trips_through_gguf_layout():
 
 
 # ---- unsupported ----------------------------------------------------------------------------------------------
+
 
 def test_unsupported_type_raises_naming_it():
     raw = np.zeros((1, 292), dtype=np.uint8)

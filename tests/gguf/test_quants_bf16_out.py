@@ -21,8 +21,9 @@ def test_bf16_output_is_the_float32_decode_rounded(ggml_type):
     if quants.get_codec(ggml_type).quantize_blocks is not None:
         raw = quants.quantize(ggml_type, x)
     else:  # decode-only types: random valid blocks
-        raw = random_blocks(ggml_type, rows * cols // GGML_BLOCK_SIZES[ggml_type][0], seed=int(ggml_type),
-                            moderate=True).reshape(rows, -1)
+        raw = random_blocks(
+            ggml_type, rows * cols // GGML_BLOCK_SIZES[ggml_type][0], seed=int(ggml_type), moderate=True
+        ).reshape(rows, -1)
     exact = quants.dequantize(ggml_type, raw, cols)
     narrow = quants.dequantize(ggml_type, raw, cols, dtype=torch.bfloat16)
     assert narrow.dtype == torch.bfloat16 and narrow.shape == exact.shape

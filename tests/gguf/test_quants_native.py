@@ -28,8 +28,25 @@ REPO = Path(__file__).resolve().parents[2]
 
 # float16 scale patterns where decoders go wrong: zeros of both signs, subnormals, the largest finite, infinities,
 # quiet and signalling NaNs with payloads
-SPECIAL_F16 = [0x0000, 0x8000, 0x0001, 0x8001, 0x03FF, 0x0400, 0x7BFF, 0xFBFF, 0x7C00, 0xFC00, 0x7E00, 0xFE00,
-               0x7C01, 0xFC01, 0x7FFF, 0x7D55, 0x3C00]
+SPECIAL_F16 = [
+    0x0000,
+    0x8000,
+    0x0001,
+    0x8001,
+    0x03FF,
+    0x0400,
+    0x7BFF,
+    0xFBFF,
+    0x7C00,
+    0xFC00,
+    0x7E00,
+    0xFE00,
+    0x7C01,
+    0xFC01,
+    0x7FFF,
+    0x7D55,
+    0x3C00,
+]
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -56,9 +73,11 @@ def assert_same_bits(expected: torch.Tensor, actual: torch.Tensor, what: str = "
     if not torch.equal(e, a):
         bad = (e != a).nonzero()
         i = tuple(bad[0].tolist())
-        raise AssertionError(f"{what}: {bad.shape[0]} of {e.numel()} values differ; first at {i}: "
-                             f"{expected[i].item()!r} ({int(e[i]) & 0xFFFFFFFF:#x}) vs {actual[i].item()!r} "
-                             f"({int(a[i]) & 0xFFFFFFFF:#x})")
+        raise AssertionError(
+            f"{what}: {bad.shape[0]} of {e.numel()} values differ; first at {i}: "
+            f"{expected[i].item()!r} ({int(e[i]) & 0xFFFFFFFF:#x}) vs {actual[i].item()!r} "
+            f"({int(a[i]) & 0xFFFFFFFF:#x})"
+        )
 
 
 def random_blocks(data, ggml_type: GGMLType, n_blocks: int) -> np.ndarray:
@@ -67,12 +86,14 @@ def random_blocks(data, ggml_type: GGMLType, n_blocks: int) -> np.ndarray:
     payload = data.draw(st.binary(min_size=n_blocks * type_size, max_size=n_blocks * type_size), label="bytes")
     blocks = np.frombuffer(payload, dtype=np.uint8).copy().reshape(n_blocks, type_size)
     for offset in F16_SCALE_OFFSETS[ggml_type]:
-        scale = blocks[:, offset:offset + 2].copy().view(np.uint16)
+        scale = blocks[:, offset : offset + 2].copy().view(np.uint16)
         scale &= 0xBFFF  # finite
-        special = data.draw(st.lists(st.sampled_from(SPECIAL_F16 + [-1]), min_size=n_blocks, max_size=n_blocks),
-                            label=f"scale at {offset}")
+        special = data.draw(
+            st.lists(st.sampled_from(SPECIAL_F16 + [-1]), min_size=n_blocks, max_size=n_blocks),
+            label=f"scale at {offset}",
+        )
         scale[:, 0] = np.where(np.array(special) >= 0, np.array(special) & 0xFFFF, scale[:, 0])
-        blocks[:, offset:offset + 2] = scale.view(np.uint8)
+        blocks[:, offset : offset + 2] = scale.view(np.uint8)
     return blocks
 
 
@@ -120,19 +141,20 @@ def test_native_decode_of_many_quantized_rows_matches_torch_codec(lib, ggml_type
     if quants.get_codec(ggml_type).quantize_blocks is not None:
         raw = torch.from_numpy(quants.quantize(ggml_type, x))
     else:
-        raw = torch.randint(0, 256, (rows, quants.get_codec(ggml_type).row_bytes(cols)), dtype=torch.uint8,
-                            generator=g)
+        raw = torch.randint(0, 256, (rows, quants.get_codec(ggml_type).row_bytes(cols)), dtype=torch.uint8, generator=g)
         blocks = raw.view(-1, GGML_BLOCK_SIZES[ggml_type][1])
         for offset in F16_SCALE_OFFSETS[ggml_type]:
-            blocks[:, offset:offset + 2] = (torch.rand(blocks.shape[0], generator=g) * 1e-3).half().view(
-                torch.uint8).view(-1, 2)
+            blocks[:, offset : offset + 2] = (
+                (torch.rand(blocks.shape[0], generator=g) * 1e-3).half().view(torch.uint8).view(-1, 2)
+            )
     shifted = torch.zeros(raw.numel() + 1, dtype=torch.uint8)
     shifted[1:] = raw.reshape(-1)
     for dtype in DTYPES:
         expected = torch_codec(ggml_type, raw.view(-1, GGML_BLOCK_SIZES[ggml_type][1]), dtype).view(rows, cols)
         assert_same_bits(expected, quants.dequantize(ggml_type, raw, cols, dtype=dtype), f"{dtype}")
-        assert_same_bits(expected, quants.dequantize(ggml_type, shifted[1:].view(rows, -1), cols, dtype=dtype),
-                         f"{dtype}, unaligned")
+        assert_same_bits(
+            expected, quants.dequantize(ggml_type, shifted[1:].view(rows, -1), cols, dtype=dtype), f"{dtype}, unaligned"
+        )
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
@@ -143,8 +165,9 @@ def test_native_decode_split_over_threads_is_the_same(lib, ggml_type):
     for dtype in DTYPES:
         one = native.decode_with(lib, ggml_type, blocks, dtype, threads=1)
         for threads in (2, 3, 200):
-            assert_same_bits(one, native.decode_with(lib, ggml_type, blocks, dtype, threads=threads),
-                             f"{dtype}, {threads} threads")
+            assert_same_bits(
+                one, native.decode_with(lib, ggml_type, blocks, dtype, threads=threads), f"{dtype}, {threads} threads"
+            )
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 vector widths")
@@ -160,11 +183,15 @@ def test_narrower_vector_builds_decode_the_same_bits(lib, march, tmp_path):
     for ggml_type in TYPES:
         blocks = torch.randint(0, 256, (67, GGML_BLOCK_SIZES[ggml_type][1]), dtype=torch.uint8, generator=g)
         for dtype in DTYPES:
-            assert_same_bits(native.decode_with(lib, ggml_type, blocks, dtype),
-                             native.decode_with(narrow, ggml_type, blocks, dtype), f"{ggml_type.name} {dtype}")
+            assert_same_bits(
+                native.decode_with(lib, ggml_type, blocks, dtype),
+                native.decode_with(narrow, ggml_type, blocks, dtype),
+                f"{ggml_type.name} {dtype}",
+            )
 
 
 # ---- fallback ----------------------------------------------------------------------------------------------------
+
 
 def gguf_reference(ggml_type: GGMLType, raw: np.ndarray) -> np.ndarray:
     return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(int(ggml_type)))
@@ -174,7 +201,7 @@ def finite_q4_k_rows() -> np.ndarray:
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(9))
     raw = torch.randint(0, 256, (3, 2 * 144), dtype=torch.uint8, generator=torch.Generator().manual_seed(9))
     blocks = raw.view(-1, 144)
-    blocks[:, 0:4] = (x.abs().reshape(-1)[:blocks.shape[0] * 2] * 1e-2).half().view(torch.uint8).view(-1, 4)
+    blocks[:, 0:4] = (x.abs().reshape(-1)[: blocks.shape[0] * 2] * 1e-2).half().view(torch.uint8).view(-1, 4)
     return raw.numpy()
 
 
@@ -226,11 +253,22 @@ print(native.decode(8, blocks, torch.float32).sum().item())
 def test_processes_building_the_cache_at_once_both_succeed(lib, tmp_path):
     """Two processes start with an empty cache and compile at once (as distributed ranks do): each ends with a working
     library, and the cache holds one complete file and no temporaries."""
-    env = dict(os.environ, JUNO_PY_HOME=str(tmp_path), PYTHONPATH=os.pathsep.join(
-        [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env = dict(
+        os.environ,
+        JUNO_PY_HOME=str(tmp_path),
+        PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
+    )
     env.pop("JUNO_PY_NATIVE", None)
-    procs = [subprocess.Popen([sys.executable, "-c", _BUILD_AND_DECODE], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _BUILD_AND_DECODE],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     results = [p.communicate(timeout=600) for p in procs]
     for p, (out, err) in zip(procs, results):
         assert p.returncode == 0, err[-2000:]
@@ -261,8 +299,11 @@ def test_library_is_keyed_by_source_compiler_and_cpu(monkeypatch, tmp_path):
     assert native.library_path(compiler) == path
     other_source = tmp_path / "other.c"
     other_source.write_bytes(native.SOURCE.read_bytes() + b"\n/* changed */\n")
-    for name, value in [("_cpu_flags", lambda: "another machine"), ("_compiler_version", lambda c: "cc 0.1"),
-                        ("SOURCE", other_source)]:
+    for name, value in [
+        ("_cpu_flags", lambda: "another machine"),
+        ("_compiler_version", lambda c: "cc 0.1"),
+        ("SOURCE", other_source),
+    ]:
         with monkeypatch.context() as m:
             m.setattr(native, name, value)
             assert native.library_path(compiler) != path, name
@@ -285,11 +326,12 @@ def test_every_tensor_of_the_real_models_decodes_natively_as_the_torch_codecs_do
         n_cols = int(tensor.shape[0])  # GGUF lists dimensions innermost first
         raw = tensor.data.view(np.uint8).reshape(-1, quants.get_codec(ggml_type).row_bytes(n_cols))
         for start in range(0, raw.shape[0], ROWS_PER_STEP):
-            rows = torch.from_numpy(raw[start:start + ROWS_PER_STEP].copy())
+            rows = torch.from_numpy(raw[start : start + ROWS_PER_STEP].copy())
             for dtype in DTYPES:
                 expected = torch_codec(ggml_type, rows.reshape(-1, GGML_BLOCK_SIZES[ggml_type][1]), dtype)
                 actual = quants.dequantize(ggml_type, rows, n_cols, dtype=dtype)
-                assert_same_bits(expected.view(actual.shape), actual, f"{tensor.name} ({ggml_type.name}) rows "
-                                                                      f"{start}+, {dtype}")
+                assert_same_bits(
+                    expected.view(actual.shape), actual, f"{tensor.name} ({ggml_type.name}) rows {start}+, {dtype}"
+                )
         types_seen.add(ggml_type.name)
     assert len(types_seen) >= 2, types_seen

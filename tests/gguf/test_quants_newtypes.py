@@ -40,8 +40,10 @@ def assert_bits_equal(expected: np.ndarray, actual: torch.Tensor) -> int:
     assert actual.dtype == np.float32 and actual.shape == expected.shape
     assert not np.isnan(expected).any()
     diff = np.flatnonzero(expected.view(np.int32) != actual.view(np.int32))
-    assert diff.size == 0, (f"{diff.size} of {actual.size} values differ; first at {diff[0]}: "
-                            f"{expected.ravel()[diff[0]]!r} vs {actual.ravel()[diff[0]]!r}")
+    assert diff.size == 0, (
+        f"{diff.size} of {actual.size} values differ; first at {diff[0]}: "
+        f"{expected.ravel()[diff[0]]!r} vs {actual.ravel()[diff[0]]!r}"
+    )
     return actual.size
 
 
@@ -69,9 +71,9 @@ def test_decode_covers_every_scale_pattern(ggml_type, backend):
     exponents = np.repeat(np.arange(64, dtype=np.uint16), 2)  # sign and 5 exponent bits, each twice
     exponents = exponents[(exponents & 0x1F) != 0x1F]
     patterns = (exponents << 10) | np.uint16(0x3FF) * (np.arange(exponents.size, dtype=np.uint16) % 2)
-    blocks = blocks[:patterns.size]
+    blocks = blocks[: patterns.size]
     for offset in F16_FIELDS[ggml_type]:
-        blocks[:, offset:offset + 2] = patterns.view(np.uint8).reshape(-1, 2)
+        blocks[:, offset : offset + 2] = patterns.view(np.uint8).reshape(-1, 2)
     if ggml_type == GGMLType.IQ1_M:
         words = blocks[:, 48:56].copy().view("<u2")
         for i in range(4):
@@ -107,5 +109,7 @@ def test_new_types_decode_only(ggml_type):
     block = GGML_BLOCK_SIZES[ggml_type][0]
     with pytest.raises(UnsupportedQuantType, match=f"cannot encode GGML type {ggml_type.name}"):
         quants.quantize(int(ggml_type), torch.zeros(1, block))
-    assert quants.dequantize(int(ggml_type), np.zeros((0, GGML_BLOCK_SIZES[ggml_type][1]), np.uint8),
-                             block).shape == (0, block)
+    assert quants.dequantize(int(ggml_type), np.zeros((0, GGML_BLOCK_SIZES[ggml_type][1]), np.uint8), block).shape == (
+        0,
+        block,
+    )

@@ -49,7 +49,7 @@ def test_every_tensor_dequantizes_like_gguf(name, one_torch_thread):
         raw = tensor.data.view(np.uint8)
         raw = raw.reshape(-1, raw.shape[-1] if raw.ndim > 1 else raw.size)
         for start in range(0, raw.shape[0], ROWS_PER_STEP):
-            rows = raw[start:start + ROWS_PER_STEP]
+            rows = raw[start : start + ROWS_PER_STEP]
             expected = gguf.quants.dequantize(rows, qtype).reshape(rows.shape[0], n_cols)
             actual = quants.dequantize(int(qtype), rows, n_cols, what=tensor.name).numpy()
             if not np.array_equal(expected.view(np.uint32), actual.view(np.uint32)):

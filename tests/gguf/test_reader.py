@@ -16,8 +16,7 @@ from hypothesis import strategies as st
 
 from juno_py.cli.main import cli
 from juno_py.errors import GGUFFormatError
-from juno_py.gguf import GGMLType, GGUFFile, GGUFWriter, ValueType
-from juno_py.gguf import quants
+from juno_py.gguf import GGMLType, GGUFFile, GGUFWriter, ValueType, quants
 
 
 def write_small_gguf(path, alignment=None):
@@ -26,10 +25,19 @@ def write_small_gguf(path, alignment=None):
     with GGUFWriter(path, alignment=alignment) as w:
         w.add_field("general.architecture", "llama")
         w.add_field("general.name", "tiny ünïcode")
-        for vt, v in [(ValueType.UINT8, 7), (ValueType.INT8, -7), (ValueType.UINT16, 700), (ValueType.INT16, -700),
-                      (ValueType.UINT32, 70000), (ValueType.INT32, -70000), (ValueType.FLOAT32, 0.5),
-                      (ValueType.BOOL, True), (ValueType.UINT64, 1 << 40), (ValueType.INT64, -(1 << 40)),
-                      (ValueType.FLOAT64, 0.25)]:
+        for vt, v in [
+            (ValueType.UINT8, 7),
+            (ValueType.INT8, -7),
+            (ValueType.UINT16, 700),
+            (ValueType.INT16, -700),
+            (ValueType.UINT32, 70000),
+            (ValueType.INT32, -70000),
+            (ValueType.FLOAT32, 0.5),
+            (ValueType.BOOL, True),
+            (ValueType.UINT64, 1 << 40),
+            (ValueType.INT64, -(1 << 40)),
+            (ValueType.FLOAT64, 0.25),
+        ]:
             w.add_field(f"test.{vt.name.lower()}", v, vt)
         w.add_field("tokenizer.ggml.tokens", ["a", "b", "<s>", "é"], ValueType.ARRAY, ValueType.STRING)
         w.add_field("tokenizer.ggml.scores", [0.0, -1.0, -2.0, -3.0], ValueType.ARRAY, ValueType.FLOAT32)
@@ -45,6 +53,7 @@ def write_small_gguf(path, alignment=None):
 @contextmanager
 def hang_guard(seconds=30):
     """Only catches hangs: a generous alarm, never a timing assertion."""
+
     def on_alarm(*_):
         raise TimeoutError(f"reader did not finish within {seconds} s")
 
@@ -141,7 +150,7 @@ def test_truncation_at_every_byte_of_a_small_file(tmp_path):
 
 
 def _mutate_u64(data: bytes, at: int, value: int) -> bytes:
-    return data[:at] + struct.pack("<Q", value) + data[at + 8:]
+    return data[:at] + struct.pack("<Q", value) + data[at + 8 :]
 
 
 def test_huge_counts_and_lengths(tmp_path):
@@ -176,17 +185,18 @@ def test_bad_offsets_types_and_alignment(tmp_path):
     cases = {
         "misaligned offset": _mutate_u64(data, offset_at, 33),
         "offset past the end": _mutate_u64(data, offset_at, 1 << 40),
-        "unknown ggml type": data[:type_at] + struct.pack("<I", 99) + data[type_at + 4:],
+        "unknown ggml type": data[:type_at] + struct.pack("<I", 99) + data[type_at + 4 :],
         "unknown value type": None,
-        "n_dims zero": data[:t.offset + sizes[0] + sizes[1]] + struct.pack("<I", 0) + data[t.offset + sizes[0]
-                                                                                             + sizes[1] + 4:],
+        "n_dims zero": data[: t.offset + sizes[0] + sizes[1]]
+        + struct.pack("<I", 0)
+        + data[t.offset + sizes[0] + sizes[1] + 4 :],
         "bad magic": b"GGUX" + data[4:],
         "version 1": data[:4] + struct.pack("<I", 1) + data[8:],
         "big-endian version": data[:4] + struct.pack(">I", 3) + data[8:],
     }
     name_field = r.fields["general.name"]
     vt_at = name_field.offset + 8 + len(b"general.name")
-    cases["unknown value type"] = data[:vt_at] + struct.pack("<I", 77) + data[vt_at + 4:]
+    cases["unknown value type"] = data[:vt_at] + struct.pack("<I", 77) + data[vt_at + 4 :]
     for what, blob in cases.items():
         p.write_bytes(blob)
         msg = assert_refused(p)
@@ -208,7 +218,7 @@ def test_duplicate_names_refused(tmp_path):
     data = bytearray(p.read_bytes())
     # rename tensor "c.weight" to "b.weight" in place (same length)
     i = data.index(b"c.weight")
-    data[i:i + 8] = b"b.weight"
+    data[i : i + 8] = b"b.weight"
     p.write_bytes(bytes(data))
     assert "duplicate" in assert_refused(p)
 
@@ -230,12 +240,12 @@ def test_hostile_mutations_of_a_real_header(smollm2_path, tmp_path_factory, data
         blob = head[:at]
     elif kind == "u64":
         v = data.draw(st.sampled_from([0, 1 << 63, (1 << 64) - 1, 1 << 32, len(head) * 2]))
-        blob = head[:at] + struct.pack("<Q", v) + head[at + 8:]
+        blob = head[:at] + struct.pack("<Q", v) + head[at + 8 :]
     elif kind == "u32":
         v = data.draw(st.sampled_from([13, 99, 0xFFFFFFFF, 1 << 31]))
-        blob = head[:at] + struct.pack("<I", v) + head[at + 4:]
+        blob = head[:at] + struct.pack("<I", v) + head[at + 4 :]
     else:
-        blob = head[:at] + bytes([data.draw(st.integers(0, 255))]) + head[at + 1:]
+        blob = head[:at] + bytes([data.draw(st.integers(0, 255))]) + head[at + 1 :]
     p = tmp_path_factory.mktemp("hostile") / "m.gguf"
     p.write_bytes(blob)
     # the file holds only 4 KiB of tensor data, so even an untouched header cannot pass

@@ -47,7 +47,7 @@ def test_key_length_edit_of_a_real_header_is_a_short_error(smollm2_path, tmp_pat
         at = f.fields[key].offset
         for value in (len(data) // 3, MAX_KEY_BYTES + 1, len(data) - at - 8):
             p = tmp_path / "edit.gguf"
-            p.write_bytes(data[:at] + struct.pack("<Q", value) + data[at + 8:])
+            p.write_bytes(data[:at] + struct.pack("<Q", value) + data[at + 8 :])
             start = time.perf_counter()
             msg = _refused(p)
             seconds = time.perf_counter() - start
@@ -72,10 +72,13 @@ def test_long_values_appear_truncated(tmp_path):
 
 def test_numeric_arrays_are_compact(tmp_path):
     n = 12_500_000  # 50 MB of int32
-    p = _write(tmp_path / "big.gguf", fields=[("test.big", np.arange(n, dtype=np.int32), ValueType.ARRAY,
-                                               ValueType.INT32),
-                                              ("test.f", np.ones(n // 4, np.float64), ValueType.ARRAY,
-                                               ValueType.FLOAT64)])
+    p = _write(
+        tmp_path / "big.gguf",
+        fields=[
+            ("test.big", np.arange(n, dtype=np.int32), ValueType.ARRAY, ValueType.INT32),
+            ("test.f", np.ones(n // 4, np.float64), ValueType.ARRAY, ValueType.FLOAT64),
+        ],
+    )
     tracemalloc.start()
     f = GGUFFile(p)
     current, peak = tracemalloc.get_traced_memory()
@@ -97,9 +100,16 @@ def test_bool_arrays_hold_only_zero_and_one(tmp_path):
     assert "boolean byte 7" in _refused(p)
 
 
-@pytest.mark.parametrize("value,vtype,item", [("2", ValueType.STRING, None), (2.0, ValueType.FLOAT32, None),
-                                              ([2, 2], ValueType.ARRAY, ValueType.UINT16),
-                                              (True, ValueType.BOOL, None), (100000, ValueType.UINT32, None)])
+@pytest.mark.parametrize(
+    "value,vtype,item",
+    [
+        ("2", ValueType.STRING, None),
+        (2.0, ValueType.FLOAT32, None),
+        ([2, 2], ValueType.ARRAY, ValueType.UINT16),
+        (True, ValueType.BOOL, None),
+        (100000, ValueType.UINT32, None),
+    ],
+)
 def test_split_count_must_be_a_small_integer(tmp_path, value, vtype, item):
     p = _write(tmp_path / "m-00001-of-00002.gguf", fields=[("split.count", value, vtype, item)])
     msg = _refused(p)
@@ -148,7 +158,7 @@ def test_zero_size_dimension_refused_at_read(tmp_path):
     p = _write(tmp_path / "z.gguf", tensors=[("a", (2, 32)), ("b", (32,))])
     data, table = _tensor_table(p)
     dims_at = table["a"][0]
-    p.write_bytes(data[:dims_at + 8] + struct.pack("<Q", 0) + data[dims_at + 16:])  # ne[1] = 0
+    p.write_bytes(data[: dims_at + 8] + struct.pack("<Q", 0) + data[dims_at + 16 :])  # ne[1] = 0
     assert "dims [32, 0]" in _refused(p)
 
 
@@ -156,7 +166,7 @@ def test_overlapping_tensor_data_refused(tmp_path):
     p = _write(tmp_path / "o.gguf", tensors=[("a", (4, 32)), ("b", (4, 32)), ("c", (32,))])
     data, table = _tensor_table(p)
     offsets = {n: struct.unpack_from("<Q", data, at)[0] for n, (_, at, _) in table.items()}
-    blob = data[:table["b"][1]] + struct.pack("<Q", offsets["a"] + 256) + data[table["b"][1] + 8:]
+    blob = data[: table["b"][1]] + struct.pack("<Q", offsets["a"] + 256) + data[table["b"][1] + 8 :]
     p.write_bytes(blob)
     assert "overlaps tensor 'a'" in _refused(p)
 
@@ -168,7 +178,7 @@ def test_tensors_swapped_between_sizes_refused(tmp_path):
     a, b = table["small"][1], table["large"][1]
     off_a, off_b = struct.unpack_from("<Q", data, a)[0], struct.unpack_from("<Q", data, b)[0]
     blob = bytearray(data)
-    blob[a:a + 8], blob[b:b + 8] = struct.pack("<Q", off_b), struct.pack("<Q", off_a)
+    blob[a : a + 8], blob[b : b + 8] = struct.pack("<Q", off_b), struct.pack("<Q", off_a)
     p.write_bytes(bytes(blob))
     assert "overlaps" in _refused(p)
 

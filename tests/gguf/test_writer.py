@@ -14,8 +14,9 @@ def test_round_trip_real_models(model, request, tmp_path):
     out = copy_gguf(src, tmp_path / "copy.gguf")
     a, b = GGUFFile(src), GGUFFile(out)
     assert a.metadata == b.metadata
-    assert {k: (f.vtype, f.item_type) for k, f in a.fields.items()} == \
-        {k: (f.vtype, f.item_type) for k, f in b.fields.items()}
+    assert {k: (f.vtype, f.item_type) for k, f in a.fields.items()} == {
+        k: (f.vtype, f.item_type) for k, f in b.fields.items()
+    }
     assert list(a.tensors) == list(b.tensors)
     for name, t in a.tensors.items():
         u = b.tensors[name]

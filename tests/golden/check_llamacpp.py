@@ -25,18 +25,28 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-REAL_TEXT = ("The quick brown fox jumps over the lazy dog. In 1879, the first practical light bulb was shown in "
-             "public; within a few decades electric light had changed how cities looked at night.")
+REAL_TEXT = (
+    "The quick brown fox jumps over the lazy dog. In 1879, the first practical light bulb was shown in "
+    "public; within a few decades electric light had changed how cities looked at night."
+)
 
 
 def llama_cpp_logits(model, ids, lora=None, n_ctx=256) -> np.ndarray:
     """llama.cpp's logits of every position (F32 KV cache, so only its matmuls differ from exact)."""
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=str(model), lora_path=str(lora) if lora else None, logits_all=True,
-                          verbose=False, n_ctx=n_ctx, type_k=0, type_v=0, n_threads=2)
+    llm = llama_cpp.Llama(
+        model_path=str(model),
+        lora_path=str(lora) if lora else None,
+        logits_all=True,
+        verbose=False,
+        n_ctx=n_ctx,
+        type_k=0,
+        type_v=0,
+        n_threads=2,
+    )
     llm.eval(list(ids))
-    out = np.array(llm.scores[:len(ids)], dtype=np.float64)
+    out = np.array(llm.scores[: len(ids)], dtype=np.float64)
     llm.close()
     return out
 
@@ -60,9 +70,14 @@ def compare_tiny(arch, targets, scaling, folder) -> dict:
     ids = sample_ids(24)
     ours = playback_logits(base, adapter, ids).double().numpy()
     effect = float(np.abs(ours - model_logits(base, ids).double().numpy()).max())
-    return {"arch": arch, "targets": targets, "scaling": scaling.name.lower(), "effect": effect,
-            "merged_max_abs": float(np.abs(llama_cpp_logits(merged, ids) - ours).max()),
-            "lora_max_abs": float(np.abs(llama_cpp_logits(base, ids, lora) - ours).max())}
+    return {
+        "arch": arch,
+        "targets": targets,
+        "scaling": scaling.name.lower(),
+        "effect": effect,
+        "merged_max_abs": float(np.abs(llama_cpp_logits(merged, ids) - ours).max()),
+        "lora_max_abs": float(np.abs(llama_cpp_logits(base, ids, lora) - ours).max()),
+    }
 
 
 def _gap(a: np.ndarray, b: np.ndarray) -> dict:
@@ -93,10 +108,14 @@ def compare_real(name, adapter, folder) -> dict:
     ours_base = model_logits(base, ids).double().numpy()
     ours_merged = model_logits(merged, ids).double().numpy()
     ours_play = playback_logits(base, adapter, ids).double().numpy()
-    out = {"model": name, "tokens": len(ids), "retention_mean": report.summary()["retention_mean"],
-           "base": _gap(ours_base, llama_cpp_logits(base, ids)),
-           "merged": _gap(ours_merged, llama_cpp_logits(merged, ids)),
-           "adapter_effect_max_abs": float(np.abs(ours_play - ours_base).max())}
+    out = {
+        "model": name,
+        "tokens": len(ids),
+        "retention_mean": report.summary()["retention_mean"],
+        "base": _gap(ours_base, llama_cpp_logits(base, ids)),
+        "merged": _gap(ours_merged, llama_cpp_logits(merged, ids)),
+        "adapter_effect_max_abs": float(np.abs(ours_play - ours_base).max()),
+    }
     if not any(e.mode == Mode.DORA for e in read_adapter(adapter)[1]):
         lora = export_gguf_lora(base, adapter, folder / "a.lora.gguf")
         out["lora"] = _gap(ours_play, llama_cpp_logits(base, ids, lora))
@@ -118,23 +137,34 @@ def main(argv=None) -> int:
     print(f"llama-cpp-python {llama_cpp.__version__}")
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
-        for arch, targets, scaling in [("llama", "all", Scaling.STANDARD), ("llama", "all", Scaling.RSLORA),
-                                       ("qwen2", "all", Scaling.STANDARD), ("phi3", "qv", Scaling.STANDARD),
-                                       ("phi3", "all", Scaling.STANDARD)]:
+        for arch, targets, scaling in [
+            ("llama", "all", Scaling.STANDARD),
+            ("llama", "all", Scaling.RSLORA),
+            ("qwen2", "all", Scaling.STANDARD),
+            ("phi3", "qv", Scaling.STANDARD),
+            ("phi3", "all", Scaling.STANDARD),
+        ]:
             r = compare_tiny(arch, targets, scaling, Path(tmp) / f"{arch}-{targets}-{scaling.name}")
             good = r["merged_max_abs"] <= 1e-3 and r["lora_max_abs"] <= 1e-3
             ok &= good
-            print(f"tiny {arch:6s} {targets:4s} {r['scaling']:8s}: adapter effect {r['effect']:.3f}; llama.cpp vs "
-                  f"playback max-abs merged {r['merged_max_abs']:.2e}, GGUF-LoRA {r['lora_max_abs']:.2e}"
-                  f" {'ok' if good else 'FAIL'}")
+            print(
+                f"tiny {arch:6s} {targets:4s} {r['scaling']:8s}: adapter effect {r['effect']:.3f}; llama.cpp vs "
+                f"playback max-abs merged {r['merged_max_abs']:.2e}, GGUF-LoRA {r['lora_max_abs']:.2e}"
+                f" {'ok' if good else 'FAIL'}"
+            )
         if not args.tiny_only:
             given = dict(a.split("=", 1) for a in args.adapter)
             for name in ("smollm2-135m", "gemma3-270m"):
                 r = compare_real(name, given.get(name), Path(tmp) / name)
-                line = "; ".join(f"{k}: max-abs {v['max_abs']:.3f}, top-1 {100 * v['top1']:.1f}%, KL {v['kl']:.2e}"
-                                 for k, v in r.items() if isinstance(v, dict))
-                print(f"{name} ({r['tokens']} tokens, retention {r['retention_mean']:.3f}, adapter effect "
-                      f"{r['adapter_effect_max_abs']:.3f}): llama.cpp vs juno-py on {line}")
+                line = "; ".join(
+                    f"{k}: max-abs {v['max_abs']:.3f}, top-1 {100 * v['top1']:.1f}%, KL {v['kl']:.2e}"
+                    for k, v in r.items()
+                    if isinstance(v, dict)
+                )
+                print(
+                    f"{name} ({r['tokens']} tokens, retention {r['retention_mean']:.3f}, adapter effect "
+                    f"{r['adapter_effect_max_abs']:.3f}): llama.cpp vs juno-py on {line}"
+                )
     return 0 if ok else 1
 
 

@@ -25,54 +25,170 @@ from pathlib import Path
 # -------------------------------------------------------------------------------------------- inputs
 
 SPECIAL_TEXTS = [
-    "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<repo_name>", "<reponame>", "<file_sep>", "<filename>",
-    "<jupyter_code>", "<empty_output>", "<start_of_turn>", "<end_of_turn>", "<bos>", "<eos>", "<pad>",
-    "<unk>", "<mask>", "</s>", "<s>", "<unused0>", "<unused42>", "<start_of_image>", "<end_of_image>",
-    "[multimodal]", "<table>", "</td>", "<h1>", "<blockquote>", "<|eot_id|>", "<|end|>", "<EOT>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<repo_name>",
+    "<reponame>",
+    "<file_sep>",
+    "<filename>",
+    "<jupyter_code>",
+    "<empty_output>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<bos>",
+    "<eos>",
+    "<pad>",
+    "<unk>",
+    "<mask>",
+    "</s>",
+    "<s>",
+    "<unused0>",
+    "<unused42>",
+    "<start_of_image>",
+    "<end_of_image>",
+    "[multimodal]",
+    "<table>",
+    "</td>",
+    "<h1>",
+    "<blockquote>",
+    "<|eot_id|>",
+    "<|end|>",
+    "<EOT>",
 ]
 
 SHORT_STRINGS = [
-    "", " ", "  ", "   ", "\t", "\n", "\n\n\n", "\r\n", " \n ", "  hello", " hello", "hello ", "hello  ",
-    "Hello World", "HELLO world", "1234567", "12345678901234567890", "3.14159", "1,000,000.50", "0x1F",
-    "don't I'm we're they've he'll she'd it's", "DON'T I'M WE'RE", "'s 'll 'd", "' '", "a ' b", " 's",
-    "x , y . z ! w ?", "Hi , there . How ' s it ?", "héllo wörld", "naïve café", "e\u0301", "日本語のテキスト",
-    "中文文本", "한국어", "🙂", "👍🏽", "👨\u200d👩\u200d👧", "🇫🇷", "مرحبا بالعالم", "שלום עולם", "Ελληνικά",
-    "Привет мир", "हिन्दी", "ภาษาไทย", "a\u00a0b", "\u3000x", "x\u2009y", "\u200b", "\ufeffbom",
-    "Ｈｅｌｌｏ", "²³ ½ ∑≤≠", "ﬁ", "\x00\x01\x1b\x1f", "\t\tindented", "    four spaces", "a  b   c    d",
-    "   leading", "trailing   ", "mixed 中文 and English 123", "!!!...???", "''", "``", "--->", "<<>>",
-    "<|im_start|>", "<|im_end|>", "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
-    "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n", "<bos>", "<eos>", "</s>", "<s>",
-    "<unk>", "<pad>", "<unused0>", "<|endoftext|>", "<table><tr><td>x</td></tr></table>", "<|im_start",
-    "end_of_turn>", "< bos>", "a<|im_end|>b", " <|im_end|> ", "<end_of_turn><end_of_turn>",
-    "▁leading block", "word▁word", "<0x41>", "\n" * 40, " " * 40, "\t" * 40, "x" + " " * 33 + "y",
+    "",
+    " ",
+    "  ",
+    "   ",
+    "\t",
+    "\n",
+    "\n\n\n",
+    "\r\n",
+    " \n ",
+    "  hello",
+    " hello",
+    "hello ",
+    "hello  ",
+    "Hello World",
+    "HELLO world",
+    "1234567",
+    "12345678901234567890",
+    "3.14159",
+    "1,000,000.50",
+    "0x1F",
+    "don't I'm we're they've he'll she'd it's",
+    "DON'T I'M WE'RE",
+    "'s 'll 'd",
+    "' '",
+    "a ' b",
+    " 's",
+    "x , y . z ! w ?",
+    "Hi , there . How ' s it ?",
+    "héllo wörld",
+    "naïve café",
+    "e\u0301",
+    "日本語のテキスト",
+    "中文文本",
+    "한국어",
+    "🙂",
+    "👍🏽",
+    "👨\u200d👩\u200d👧",
+    "🇫🇷",
+    "مرحبا بالعالم",
+    "שלום עולם",
+    "Ελληνικά",
+    "Привет мир",
+    "हिन्दी",
+    "ภาษาไทย",
+    "a\u00a0b",
+    "\u3000x",
+    "x\u2009y",
+    "\u200b",
+    "\ufeffbom",
+    "Ｈｅｌｌｏ",
+    "²³ ½ ∑≤≠",
+    "ﬁ",
+    "\x00\x01\x1b\x1f",
+    "\t\tindented",
+    "    four spaces",
+    "a  b   c    d",
+    "   leading",
+    "trailing   ",
+    "mixed 中文 and English 123",
+    "!!!...???",
+    "''",
+    "``",
+    "--->",
+    "<<>>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n",
+    "<bos>",
+    "<eos>",
+    "</s>",
+    "<s>",
+    "<unk>",
+    "<pad>",
+    "<unused0>",
+    "<|endoftext|>",
+    "<table><tr><td>x</td></tr></table>",
+    "<|im_start",
+    "end_of_turn>",
+    "< bos>",
+    "a<|im_end|>b",
+    " <|im_end|> ",
+    "<end_of_turn><end_of_turn>",
+    "▁leading block",
+    "word▁word",
+    "<0x41>",
+    "\n" * 40,
+    " " * 40,
+    "\t" * 40,
+    "x" + " " * 33 + "y",
 ]
 
 _PROSE = [
-    "The quick brown fox jumps over the lazy dog.", "It's a truth universally acknowledged, isn't it?",
-    "\"Well,\" she said, \"I'd rather we didn't.\"", "They'll say we've won; he'd disagree.",
+    "The quick brown fox jumps over the lazy dog.",
+    "It's a truth universally acknowledged, isn't it?",
+    '"Well," she said, "I\'d rather we didn\'t."',
+    "They'll say we've won; he'd disagree.",
     "Numbers like 42, 3.14159, -17 and 1e-9 appear everywhere (see Table 3).",
     "E-mail me at someone@example.com or visit https://example.org/path?q=1&r=2#frag.",
     "Prices rose 12% in Q3 -- from $1,299.99 to $1,454.99 -- a record!",
-    "WHY ARE YOU SHOUTING?! I'm not... I'M NOT.", "co-operate, re-enter, state-of-the-art; well_known_name",
-    "Mr. O'Neil's dog's bone; the Joneses' car.", "Ünïcödé àccents: café, naïve, façade, Zürich, São Paulo, Øresund.",
+    "WHY ARE YOU SHOUTING?! I'm not... I'M NOT.",
+    "co-operate, re-enter, state-of-the-art; well_known_name",
+    "Mr. O'Neil's dog's bone; the Joneses' car.",
+    "Ünïcödé àccents: café, naïve, façade, Zürich, São Paulo, Øresund.",
 ]
 _UNICODE = [
-    "日本語のテキストと漢字、ひらがな、カタカナ。", "中文文本：你好，世界！", "한국어 문장입니다.",
-    "Emoji: 🙂 😂 👍🏽 👨\u200d👩\u200d👧 🇫🇷 🇯🇵 ❤️ ✨ 🚀", "العربية: مرحبا بالعالم، كيف حالك؟",
-    "עברית: שלום עולם", "Ελληνικά: Γειά σου Κόσμε", "Русский: Привет, мир!", "हिन्दी: नमस्ते दुनिया",
-    "ไทย: สวัสดีชาวโลก", "Math: ∑ x² ≤ ∞, ½ + ¼ ≠ ⅓, α→β", "Full width: Ｈｅｌｌｏ　ｗｏｒｌｄ",
+    "日本語のテキストと漢字、ひらがな、カタカナ。",
+    "中文文本：你好，世界！",
+    "한국어 문장입니다.",
+    "Emoji: 🙂 😂 👍🏽 👨\u200d👩\u200d👧 🇫🇷 🇯🇵 ❤️ ✨ 🚀",
+    "العربية: مرحبا بالعالم، كيف حالك؟",
+    "עברית: שלום עולם",
+    "Ελληνικά: Γειά σου Κόσμε",
+    "Русский: Привет, мир!",
+    "हिन्दी: नमस्ते दुनिया",
+    "ไทย: สวัสดีชาวโลก",
+    "Math: ∑ x² ≤ ∞, ½ + ¼ ≠ ⅓, α→β",
+    "Full width: Ｈｅｌｌｏ　ｗｏｒｌｄ",
     "Combining: e\u0301 a\u0308 n\u0303; ligature ﬁ; zero\u200bwidth; nbsp\u00a0here; thin\u2009space",
-    "Controls: \x01\x02\x1b[0m\x7f end", "Mixed: English 中文 123 مرحبا 🙂 done",
+    "Controls: \x01\x02\x1b[0m\x7f end",
+    "Mixed: English 中文 123 مرحبا 🙂 done",
 ]
 _CODE = [
     "def fib(n: int) -> int:\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
-    "for (int i = 0; i < 10; ++i) {\n\tprintf(\"%d\\n\", i * i);\n\tif (i % 3 == 0) continue;\n}\n",
-    "{\n  \"name\": \"juno\",\n  \"version\": [0, 1, 0],\n  \"nested\": {\"a\": null, \"b\": true}\n}\n",
-    "class Foo:\n    \"\"\"Docstring.\"\"\"\n\n    def __init__(self):\n        self.x = {'k': [1, 2, 3]}  # comment\n",
+    'for (int i = 0; i < 10; ++i) {\n\tprintf("%d\\n", i * i);\n\tif (i % 3 == 0) continue;\n}\n',
+    '{\n  "name": "juno",\n  "version": [0, 1, 0],\n  "nested": {"a": null, "b": true}\n}\n',
+    'class Foo:\n    """Docstring."""\n\n    def __init__(self):\n        self.x = {\'k\': [1, 2, 3]}  # comment\n',
     "SELECT id, name FROM users WHERE age >= 18 AND name LIKE '%son' ORDER BY id DESC;\n",
-    "<div class=\"row\"><table><tr><td>cell</td></tr></table></div>\n<h1>Title</h1><blockquote>q</blockquote>\n",
+    '<div class="row"><table><tr><td>cell</td></tr></table></div>\n<h1>Title</h1><blockquote>q</blockquote>\n',
     "    \t  mixed indentation\n\t\t\ttabs\n        eight spaces\n                sixteen\n",
-    "x = [1,2,3]; y = x[::-1]; z = {**a, **b}; w = a if b else c; print(f\"{x!r:>10}\")\n",
+    'x = [1,2,3]; y = x[::-1]; z = {**a, **b}; w = a if b else c; print(f"{x!r:>10}")\n',
 ]
 
 
@@ -89,16 +205,32 @@ def golden_text(min_chars: int = 20_000) -> str:
         elif kind == 1:
             s = rng.choice(_CODE)
         elif kind == 2:
-            s = "".join(str(rng.randrange(10)) for _ in range(rng.randint(5, 60))) + rng.choice([" ", "\n", ".", ",", "x"])
+            s = "".join(str(rng.randrange(10)) for _ in range(rng.randint(5, 60))) + rng.choice(
+                [" ", "\n", ".", ",", "x"]
+            )
         elif kind == 3:
-            s = rng.choice(["", "word"]) + rng.choice([" ", "\t", "\n", "\r\n", "\u00a0", "\u3000"]) * rng.randint(1, 40) + rng.choice(["end", "", "\n"])
+            s = (
+                rng.choice(["", "word"])
+                + rng.choice([" ", "\t", "\n", "\r\n", "\u00a0", "\u3000"]) * rng.randint(1, 40)
+                + rng.choice(["end", "", "\n"])
+            )
         elif kind == 4:
             s = rng.choice(_UNICODE) + rng.choice(["\n", " ", "\n\n"])
         elif kind == 5:
             tok = rng.choice(SPECIAL_TEXTS)
-            s = rng.choice(["", " ", "\n", "text", "  "]) + tok + rng.choice(["", " ", "\n", "user\n", "model\n", "  x"])
+            s = (
+                rng.choice(["", " ", "\n", "text", "  "])
+                + tok
+                + rng.choice(["", " ", "\n", "user\n", "model\n", "  x"])
+            )
         elif kind == 6:
-            s = "<|im_start|>user\n" + rng.choice(_PROSE) + "<|im_end|>\n<start_of_turn>model\n" + rng.choice(_UNICODE) + "<end_of_turn>\n"
+            s = (
+                "<|im_start|>user\n"
+                + rng.choice(_PROSE)
+                + "<|im_end|>\n<start_of_turn>model\n"
+                + rng.choice(_UNICODE)
+                + "<end_of_turn>\n"
+            )
         else:
             s = rng.choice(["    ", "\t", "", "  "]) + rng.choice(_PROSE) + rng.choice(["   \n", "\n\n\n", " ", "\n"])
         parts.append(s)
@@ -107,6 +239,7 @@ def golden_text(min_chars: int = 20_000) -> str:
 
 
 # ------------------------------------------------------------------------------------------ llama.cpp
+
 
 class LlamaVocab:
     """llama.cpp's tokenizer of one GGUF (vocab_only), called through its C API."""
@@ -144,15 +277,23 @@ class LlamaVocab:
         a, v = self.api, self.vocab
         null = lambda i: None if i < 0 else i  # noqa: E731
         n = a.llama_vocab_n_tokens(v)
-        return {"vocab_size": n, "bos": null(a.llama_vocab_bos(v)), "eos": null(a.llama_vocab_eos(v)),
-                "eot": null(a.llama_vocab_eot(v)), "add_bos": bool(a.llama_vocab_get_add_bos(v)),
-                "add_eos": bool(a.llama_vocab_get_add_eos(v)),
-                "eog": [i for i in range(n) if a.llama_vocab_is_eog(v, i)]}
+        return {
+            "vocab_size": n,
+            "bos": null(a.llama_vocab_bos(v)),
+            "eos": null(a.llama_vocab_eos(v)),
+            "eot": null(a.llama_vocab_eot(v)),
+            "add_bos": bool(a.llama_vocab_get_add_bos(v)),
+            "add_eos": bool(a.llama_vocab_get_add_eos(v)),
+            "eog": [i for i in range(n) if a.llama_vocab_is_eog(v, i)],
+        }
 
 
 def _ids_variants(lc: LlamaVocab, text: str) -> dict:
-    return {f"{'special' if ps else 'plain'}{'_bos' if add else ''}": lc.tokenize(text, add, ps)
-            for ps in (False, True) for add in (False, True)}
+    return {
+        f"{'special' if ps else 'plain'}{'_bos' if add else ''}": lc.tokenize(text, add, ps)
+        for ps in (False, True)
+        for add in (False, True)
+    }
 
 
 def _detok_or_same(detok: str, text: str):
@@ -170,22 +311,29 @@ def model_record(lc: LlamaVocab, name: str, text: str) -> dict:
         "whole": whole,
         # true: llama_detokenize(ids, remove_special=True, unparse_special) gives the text back exactly
         "whole_detok": {k: _detok_or_same(lc.detokenize(ids, remove_special=True), text) for k, ids in whole.items()},
-        "whole_detok_special": {k: _detok_or_same(lc.detokenize(ids, remove_special=True, unparse_special=True), text)
-                                for k, ids in whole.items()},
-        "lines": {ps_name: [lc.tokenize(line, False, ps) for line in lines]
-                  for ps_name, ps in (("plain", False), ("special", True))},
+        "whole_detok_special": {
+            k: _detok_or_same(lc.detokenize(ids, remove_special=True, unparse_special=True), text)
+            for k, ids in whole.items()
+        },
+        "lines": {
+            ps_name: [lc.tokenize(line, False, ps) for line in lines]
+            for ps_name, ps in (("plain", False), ("special", True))
+        },
         "short": [],
     }
     for s in SHORT_STRINGS:
         ids = _ids_variants(lc, s)
-        record["short"].append({
-            "text": s, "ids": ids,
-            "detok": lc.detokenize(ids["plain"]),
-            "detok_special": lc.detokenize(ids["special_bos"], unparse_special=True),
-            "detok_remove_special": lc.detokenize(ids["special_bos"], remove_special=True),
-            "pieces": [lc.piece(i, False) for i in ids["special_bos"]],
-            "pieces_special": [lc.piece(i, True) for i in ids["special_bos"]],
-        })
+        record["short"].append(
+            {
+                "text": s,
+                "ids": ids,
+                "detok": lc.detokenize(ids["plain"]),
+                "detok_special": lc.detokenize(ids["special_bos"], unparse_special=True),
+                "detok_remove_special": lc.detokenize(ids["special_bos"], remove_special=True),
+                "pieces": [lc.piece(i, False) for i in ids["special_bos"]],
+                "pieces_special": [lc.piece(i, True) for i in ids["special_bos"]],
+            }
+        )
     return record
 
 
@@ -235,10 +383,14 @@ def variant_records(text: str) -> dict:
             write_vocab_variant(store.resolve_model(model), path, changes)
             lc = LlamaVocab(path)
             out[name] = {
-                "base": model, "changes": changes, **lc.facts(),
+                "base": model,
+                "changes": changes,
+                **lc.facts(),
                 "lines": [lc.tokenize(line, False, False) for line in lines],
-                "short": [{"text": s, "ids": lc.tokenize(s, True, False), "detok": lc.detokenize(lc.tokenize(s, True, False))}
-                          for s in SHORT_STRINGS],
+                "short": [
+                    {"text": s, "ids": lc.tokenize(s, True, False), "detok": lc.detokenize(lc.tokenize(s, True, False))}
+                    for s in SHORT_STRINGS
+                ],
             }
             del out[name]["eog"]
     return out

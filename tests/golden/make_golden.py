@@ -31,6 +31,7 @@ KQUANT_TYPE_SIZES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 
 
 # ------------------------------------------------------------------------------------------ k-quant inputs
 
+
 def kquant_edge_blocks() -> tuple[np.ndarray, list[str]]:
     """Hand-made 256-value blocks that walk the corners of the k-quant searches: [n, 256] float32, names."""
     rng = np.random.default_rng(20250301)
@@ -82,7 +83,7 @@ def kquant_edge_blocks() -> tuple[np.ndarray, list[str]]:
         x = np.tile(np.arange(k, dtype=np.float32), QK_K // k)
         add(f"ramp_{k}", x)
         add(f"ramp_{k}_negative", -x - 1)
-        x = np.repeat(g(1.0)[:QK_K // k], k)
+        x = np.repeat(g(1.0)[: QK_K // k], k)
         add(f"flat_sub_blocks_{k}", x)
     add("uniform_full_range", np.linspace(-1, 1, QK_K))
     add("uniform_positive", np.linspace(0, 1, QK_K))
@@ -102,11 +103,11 @@ def kquant_edge_blocks() -> tuple[np.ndarray, list[str]]:
     x = np.zeros(QK_K)
     x[rng.choice(QK_K, 5, replace=False)] = g()[:5]
     add("sparse", x)
-    add("large_1e18", g(1e18))          # x*x*x overflows: the sums go inf/NaN and the C comparisons skip them
+    add("large_1e18", g(1e18))  # x*x*x overflows: the sums go inf/NaN and the C comparisons skip them
     add("huge_1e30", g(1e30))
     add("huge_3e37", g(3e37))
     x = g(1.0)
-    x[3], x[7] = 3e38, -3e38            # max - min overflows
+    x[3], x[7] = 3e38, -3e38  # max - min overflows
     add("extremes_pm_3e38", x)
     add("max_range_alternating", np.where(np.arange(QK_K) % 2, 3.4e38, -3.4e38))
     add("large_3e4", g(3e4))
@@ -133,7 +134,7 @@ def _uniform(seed: int, n: int) -> np.ndarray:
     """Uniform [0, 1) float64 from a counter hash: the same bits on every platform and numpy version."""
     with np.errstate(over="ignore"):
         counter = np.arange(n, dtype=np.uint64) + np.uint64(seed) * np.uint64(1 << 40)
-        return (_splitmix64(counter) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+        return (_splitmix64(counter) >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
 def kquant_random_blocks(kind: str, n_blocks: int) -> np.ndarray:
@@ -165,14 +166,14 @@ def array_digest(a: np.ndarray) -> str:
 
 # tensors whose dequantized rows feed the "real" k-quant set: (model, tensor, blocks taken)
 KQUANT_REAL_TENSORS = [
-    ("gemma3", "blk.2.attn_output.weight", 128),   # Q4_K
-    ("gemma3", "blk.5.ffn_down.weight", 128),      # Q6_K
-    ("gemma3", "blk.7.ffn_gate.weight", 128),      # Q5_0, rows of 640 flattened
-    ("gemma3", "blk.9.attn_v.weight", 128),        # Q8_0
-    ("gemma3", "token_embd.weight", 128),          # Q8_0
-    ("smollm2", "blk.3.ffn_down.weight", 128),     # Q4_1, rows of 1536
-    ("smollm2", "blk.11.attn_q.weight", 128),      # Q4_1, rows of 576 flattened
-    ("smollm2", "token_embd.weight", 128),         # Q8_0
+    ("gemma3", "blk.2.attn_output.weight", 128),  # Q4_K
+    ("gemma3", "blk.5.ffn_down.weight", 128),  # Q6_K
+    ("gemma3", "blk.7.ffn_gate.weight", 128),  # Q5_0, rows of 640 flattened
+    ("gemma3", "blk.9.attn_v.weight", 128),  # Q8_0
+    ("gemma3", "token_embd.weight", 128),  # Q8_0
+    ("smollm2", "blk.3.ffn_down.weight", 128),  # Q4_1, rows of 1536
+    ("smollm2", "blk.11.attn_q.weight", 128),  # Q4_1, rows of 576 flattened
+    ("smollm2", "token_embd.weight", 128),  # Q8_0
 ]
 
 
@@ -203,6 +204,7 @@ def dequantized_blocks(model: str, name: str, n_blocks: int) -> np.ndarray:
 
 # ----------------------------------------------------------------------------------------------- the sets
 
+
 def make_kquants(out_dir: Path) -> None:
     """kquants_inputs.npz (edge and real-model blocks, the digest of the random blocks) and one
     kquants_<type>.npz per k-quant type with llama.cpp's bytes for each set."""
@@ -212,10 +214,16 @@ def make_kquants(out_dir: Path) -> None:
     real_parts = [dequantized_blocks(m, t, n) for m, t, n in KQUANT_REAL_TENSORS]
     real = np.concatenate(real_parts)
     real_sources = [f"{m}:{t}" for m, t, n in KQUANT_REAL_TENSORS for _ in range(n)]
-    np.savez_compressed(out_dir / "kquants_inputs.npz", edge=edge, edge_names=np.array(edge_names),
-                        real=real, real_sources=np.array(real_sources),
-                        random_kinds=np.array(KQUANT_RANDOM_KINDS), random_blocks=KQUANT_RANDOM_BLOCKS,
-                        random_sha256=array_digest(random))
+    np.savez_compressed(
+        out_dir / "kquants_inputs.npz",
+        edge=edge,
+        edge_names=np.array(edge_names),
+        real=real,
+        real_sources=np.array(real_sources),
+        random_kinds=np.array(KQUANT_RANDOM_KINDS),
+        random_blocks=KQUANT_RANDOM_BLOCKS,
+        random_sha256=array_digest(random),
+    )
     for name, ggml_type in KQUANT_TYPES.items():
         sets = {s: ggml_quantize(lib, ggml_type, x) for s, x in (("edge", edge), ("random", random), ("real", real))}
         np.savez_compressed(out_dir / f"kquants_{name}.npz", **sets)
@@ -240,6 +248,7 @@ GOLDEN_SETS["tokenization"] = make_tokenization
 
 # ------------------------------------------------------------------------------------------------ reports
 
+
 def _requantization_changes(lib, t, quantize_rows, rows_per_chunk: int = 8192) -> tuple[int, int]:
     """Blocks of tensor `t` whose bytes change when its dequantized rows are quantized again: (changed, total)."""
     import gguf
@@ -249,7 +258,7 @@ def _requantization_changes(lib, t, quantize_rows, rows_per_chunk: int = 8192) -
     block_size, type_size = gguf.GGML_QUANT_SIZES[t.tensor_type]
     changed = 0
     for start in range(0, len(raw), rows_per_chunk):
-        rows = raw[start:start + rows_per_chunk]
+        rows = raw[start : start + rows_per_chunk]
         values = gguf.quants.dequantize(rows, t.tensor_type).reshape(-1, n_cols).astype(np.float32)
         again = quantize_rows(int(t.tensor_type), values)
         changed += int((rows.reshape(-1, type_size) != again.reshape(-1, type_size)).any(1).sum())
@@ -266,8 +275,10 @@ def report_kquants() -> None:
     from juno_py.gguf.quants import dequantize, quantize
 
     lib = load_ggml()
-    encoders = {"llama.cpp": lambda ggml_type, x: ggml_quantize(lib, ggml_type, x),
-                "juno-py": lambda ggml_type, x: quantize(ggml_type, torch.from_numpy(x))}
+    encoders = {
+        "llama.cpp": lambda ggml_type, x: ggml_quantize(lib, ggml_type, x),
+        "juno-py": lambda ggml_type, x: quantize(ggml_type, torch.from_numpy(x)),
+    }
     print("## blocks that change when the dequantized data of a real file is quantized again (no imatrix)")
     for model, path in MODELS.items():
         by_type: dict[str, list] = {}
@@ -305,8 +316,7 @@ REPORTS = {"kquants": report_kquants}
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", action="append", choices=sorted(GOLDEN_SETS),
-                        help="make only this set (repeatable)")
+    parser.add_argument("--only", action="append", choices=sorted(GOLDEN_SETS), help="make only this set (repeatable)")
     parser.add_argument("--report", choices=sorted(REPORTS), help="print a measurement report instead")
     parser.add_argument("--out", type=Path, default=DATA_DIR)
     args = parser.parse_args()

@@ -14,20 +14,26 @@ import torch
 
 pytest.importorskip("triton")
 
-from juno_py.kernels import (EAGER, FUSED, cross_entropy_grad_, cross_entropy_grad_eager,  # noqa: E402
-                             cross_entropy_path)
+from juno_py.kernels import EAGER, FUSED, cross_entropy_grad_, cross_entropy_grad_eager, cross_entropy_path  # noqa: E402
 from juno_py.kernels.cross_entropy_triton import BLOCK, cross_entropy_grad  # noqa: E402
 from juno_py.models.loss import chunked_cross_entropy  # noqa: E402
 from tests.kernels.conftest import DEVICE  # noqa: E402
 
-U32 = 2.0 ** -24  # unit roundoff of fp32
+U32 = 2.0**-24  # unit roundoff of fp32
 CUDA = DEVICE == "cuda"
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (compiled kernels at real sizes)")
 
 # one row, one column, vocabularies that are not multiples of the block, several blocks with a ragged last one
 # (block 64/128: the interpreter runs many blocks quickly), one over the default block
-SMALL_CASES = [((1, 1), None), ((1, 7), None), ((3, 300), None), ((37, 129), None), ((37, 129), 64),
-               ((7, 1000), 128), ((5, BLOCK + 1), None)]
+SMALL_CASES = [
+    ((1, 1), None),
+    ((1, 7), None),
+    ((3, 300), None),
+    ((37, 129), None),
+    ((37, 129), 64),
+    ((7, 1000), 128),
+    ((5, BLOCK + 1), None),
+]
 GPU_CASES = [((1024, 128256), None), ((4097, 1000), None), ((3, 128256), None)]
 CASES = SMALL_CASES + (GPU_CASES if CUDA else [])
 DTYPES = [torch.bfloat16, torch.float32]
@@ -84,7 +90,7 @@ def grad_bound(z, g_ref, p, m, V, block, bf16):
     target's p − 1, plus half a bf16 ulp of the value when the output is bf16."""
     dist = (m[:, None] - z.double()).nan_to_num(posinf=0.0)
     e32 = torch.where(p == 0, 0.0, U32 * p * (8 + 2 * dist + 4 * blocks_of(V, block) + math.log2(V)))
-    e32 = e32 + 2 * U32 * (g_ref < 0) + 2.0 ** -126  # values below fp32's normal range may flush to 0 (GPU)
+    e32 = e32 + 2 * U32 * (g_ref < 0) + 2.0**-126  # values below fp32's normal range may flush to 0 (GPU)
     return e32 + (half_ulp_bf16(g_ref.abs() + e32) if bf16 else 0)
 
 
@@ -171,6 +177,7 @@ def test_a_target_outside_the_vocabulary_gives_nan_not_a_stray_read():
 
 # ---- buffers ----------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_in_place_writes_the_gradient_into_the_logits_buffer(fused, dtype):
     z, t = make_logits((17, 300), dtype)
@@ -209,6 +216,7 @@ def test_strided_logits_in_place_touch_only_their_view(dtype):
 
 # ---- dispatch ---------------------------------------------------------------------------------------------------
 
+
 def test_paths(monkeypatch):
     z = torch.zeros(4, 8, device=DEVICE)
     monkeypatch.setenv("JUNO_PY_KERNELS", "auto")
@@ -244,13 +252,14 @@ def test_eager_reference_matches_fp64_and_keeps_its_buffer_contract(dtype):
     assert g.dtype == dtype and loss.dtype == torch.promote_types(dtype, torch.float32)
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     assert abs(float(loss) - float(ref_loss.sum())) <= tol * float(ref_loss.abs().sum())
-    assert float((g.double() - ref_g).abs().max()) <= (tol if dtype != torch.bfloat16 else 2 ** -8)
+    assert float((g.double() - ref_g).abs().max()) <= (tol if dtype != torch.bfloat16 else 2**-8)
     own = z.clone()
     _, g_in = cross_entropy_grad_eager(own, t, -100, in_place=True)
     assert g_in.data_ptr() == own.data_ptr() and torch.equal(g_in, g)
 
 
 # ---- the chunked loss through the kernel ------------------------------------------------------------------------
+
 
 def _loss_and_hidden_grad(hidden, targets, project, chunk):
     h = hidden.clone().requires_grad_(True)
@@ -264,7 +273,7 @@ def _loss_and_hidden_grad(hidden, targets, project, chunk):
 def test_chunked_cross_entropy_through_the_kernel_equals_the_eager_path(monkeypatch, dtype, cap):
     gen = torch.Generator().manual_seed(1)
     n, d, vocab = 53, 32, 301
-    w = (torch.randn(vocab, d, generator=gen) / d ** 0.5 * 3).to(DEVICE, dtype)
+    w = (torch.randn(vocab, d, generator=gen) / d**0.5 * 3).to(DEVICE, dtype)
     hidden = torch.randn(n, d, generator=gen).to(DEVICE, dtype)
     targets = torch.randint(0, vocab, (n,), generator=gen).to(DEVICE)
     targets[::4] = -100
@@ -287,6 +296,7 @@ def test_chunked_cross_entropy_through_the_kernel_equals_the_eager_path(monkeypa
 
 
 # ---- on a GPU ---------------------------------------------------------------------------------------------------
+
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -328,7 +338,7 @@ def test_kernel_runs_inside_a_cuda_graph():
 def test_chunked_loss_on_the_gpu_takes_the_kernel_and_equals_eager(monkeypatch):
     gen = torch.Generator().manual_seed(2)
     n, d, vocab = 2100, 1024, 128256
-    w = (torch.randn(vocab, d, generator=gen) / d ** 0.5 * 3).to("cuda", torch.bfloat16)
+    w = (torch.randn(vocab, d, generator=gen) / d**0.5 * 3).to("cuda", torch.bfloat16)
     hidden = torch.randn(n, d, generator=gen).to("cuda", torch.bfloat16)
     targets = torch.randint(0, vocab, (n,), generator=gen).cuda()
     targets[::5] = -100

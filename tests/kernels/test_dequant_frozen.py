@@ -15,15 +15,14 @@ pytest.importorskip("triton")
 from juno_py.gguf import GGMLType  # noqa: E402
 from juno_py.kernels import split_bf16  # noqa: E402
 from juno_py.kernels.dequant import dequantize_reference  # noqa: E402
+from juno_py.testing.blocks import random_rows  # noqa: E402
 from juno_py.weights import FrozenQuantLinear  # noqa: E402
 from juno_py.weights.resident import MATVEC_MAX_TOKENS  # noqa: E402
-from juno_py.testing.blocks import random_rows  # noqa: E402
 from tests.kernels.conftest import DEVICE  # noqa: E402
 
-U32 = 2.0 ** -24
-U_BF16 = 2.0 ** -8  # unit roundoff of bf16
-KERNEL_TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K,
-                GGMLType.Q6_K]
+U32 = 2.0**-24
+U_BF16 = 2.0**-8  # unit roundoff of bf16
+KERNEL_TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
 FALLBACK = GGMLType.Q3_K  # no Triton kernel: decoded by the torch codec on the CPU, then moved
 
 
@@ -40,8 +39,15 @@ def make(t: GGMLType, compute: torch.dtype, tiles: int = 5, **kw):
     n_out, n_in = layer_shape(t)
     raw = torch.from_numpy(random_rows(t, n_out, n_in, seed=int(t)))
     scratch = 2 * max(n_in, n_out) * (max(n_out, n_in) // tiles + 1)
-    dev = FrozenQuantLinear(raw, t, n_in, compute_dtype=compute, dequant="triton" if DEVICE == "cpu" else "auto",
-                            device_scratch_bytes=scratch, **kw).to(DEVICE)
+    dev = FrozenQuantLinear(
+        raw,
+        t,
+        n_in,
+        compute_dtype=compute,
+        dequant="triton" if DEVICE == "cpu" else "auto",
+        device_scratch_bytes=scratch,
+        **kw,
+    ).to(DEVICE)
     eager = FrozenQuantLinear(raw, t, n_in, compute_dtype=torch.float32, dequant="torch")
     return dev, eager, dequantize_reference(raw, t, n_in, torch.float32)
 
@@ -134,8 +140,9 @@ def test_dora_factored_norm_on_the_device_path():
     dev, _, w = make(GGMLType.Q4_K, torch.bfloat16)
     n_out, n_in = w.shape
     gen = torch.Generator().manual_seed(5)
-    ad = LoraAdapter(n_in, n_out, AdapterConfig(rank=8, alpha=8.0, mode=Mode.DORA), generator=gen,
-                     magnitude=torch.ones(n_out))
+    ad = LoraAdapter(
+        n_in, n_out, AdapterConfig(rank=8, alpha=8.0, mode=Mode.DORA), generator=gen, magnitude=torch.ones(n_out)
+    )
     B = torch.randn(n_out, 8, generator=gen, dtype=torch.float64)
     delta = ad.scale * B @ ad.lora_A.detach().double()
     B *= 0.05 * w.double().norm() / delta.norm()
@@ -201,7 +208,7 @@ def test_matmul_with_exact_decodes_each_tile_once(ggml_type, monkeypatch):
     if DEVICE == "cpu":  # several ragged tiles at the interpreter's sizes (37 rows: 8, 8, 8, 8, 5)
         dev.device_scratch_bytes = 2 * n_in * 8
     gen = torch.Generator().manual_seed(9)
-    A = ((torch.rand(6, n_in, generator=gen) * 2 - 1) / n_in ** 0.5).to(DEVICE)
+    A = ((torch.rand(6, n_in, generator=gen) * 2 - 1) / n_in**0.5).to(DEVICE)
     ref_u = A.cpu().double() @ w.double().T
     today = dev.matmul_exact(A)
     xs = (torch.randn(MATVEC_MAX_TOKENS + 7, n_in, generator=gen), torch.randn(2, 5, n_in, generator=gen).bfloat16())
@@ -216,7 +223,7 @@ def test_matmul_with_exact_decodes_each_tile_once(ggml_type, monkeypatch):
         want = dev.matmul(x)
         assert y.dtype == want.dtype and y.shape == want.shape and torch.equal(y, want)
         assert U.dtype == torch.float32 and U.shape == (6, n_out)
-        assert torch.equal(U, today) or _rel_fp64(U, ref_u) <= max(2.0 ** -16, _rel_fp64(today, ref_u))
+        assert torch.equal(U, today) or _rel_fp64(U, ref_u) <= max(2.0**-16, _rel_fp64(today, ref_u))
         check(U, A.cpu(), w, torch.float32)
         # A split inside (after the first tile's base product) or by the caller: the same bits, and the split back
         y2, U2, A_split = dev.matmul_with_exact(x, A, return_split=True)
@@ -229,10 +236,12 @@ def test_matmul_with_exact_elsewhere_runs_the_two_products():
     """Where one decode cannot serve both (fp32 compute, a resident bf16 cache, matvec token counts, a type without
     a kernel, fp64) the pair is exactly `matmul` and `matmul_exact`."""
     gen = torch.Generator().manual_seed(10)
-    for t, compute, cache, tokens in ((GGMLType.Q4_K, torch.float32, "none", 9),
-                                      (GGMLType.Q8_0, torch.bfloat16, "bf16", 9),
-                                      (GGMLType.Q6_K, torch.bfloat16, "none", MATVEC_MAX_TOKENS),
-                                      (FALLBACK, torch.bfloat16, "none", 9)):
+    for t, compute, cache, tokens in (
+        (GGMLType.Q4_K, torch.float32, "none", 9),
+        (GGMLType.Q8_0, torch.bfloat16, "bf16", 9),
+        (GGMLType.Q6_K, torch.bfloat16, "none", MATVEC_MAX_TOKENS),
+        (FALLBACK, torch.bfloat16, "none", 9),
+    ):
         dev, _, w = make(t, compute)
         dev.set_weights_cache(cache)
         x = torch.randn(tokens, w.shape[1], generator=gen).to(DEVICE)
@@ -262,8 +271,8 @@ def test_matmul_with_update_moves_u_by_the_rounded_difference(ggml_type, monkeyp
     if DEVICE == "cpu":
         dev.device_scratch_bytes = 2 * n_in * 8
     gen = torch.Generator().manual_seed(12)
-    A_ref = ((torch.rand(5, n_in, generator=gen) * 2 - 1) / n_in ** 0.5).to(DEVICE)
-    A = A_ref + 0.01 * torch.randn(5, n_in, generator=gen).to(DEVICE) / n_in ** 0.5
+    A_ref = ((torch.rand(5, n_in, generator=gen) * 2 - 1) / n_in**0.5).to(DEVICE)
+    A = A_ref + 0.01 * torch.randn(5, n_in, generator=gen).to(DEVICE) / n_in**0.5
     U0 = (A_ref.double().cpu() @ w.double().T).float().T.contiguous().to(DEVICE)  # [n_out, r]
     x = torch.randn(2, 7, n_in, generator=gen).bfloat16().to(DEVICE)
     U, R = U0.clone(), A_ref.clone()
@@ -310,8 +319,9 @@ def test_dora_norm_from_the_combined_product_meets_the_target():
     if DEVICE == "cpu":
         dev.device_scratch_bytes = 2 * n_in * 8
     gen = torch.Generator().manual_seed(5)
-    ad = LoraAdapter(n_in, n_out, AdapterConfig(rank=8, alpha=8.0, mode=Mode.DORA), generator=gen,
-                     magnitude=torch.ones(n_out))
+    ad = LoraAdapter(
+        n_in, n_out, AdapterConfig(rank=8, alpha=8.0, mode=Mode.DORA), generator=gen, magnitude=torch.ones(n_out)
+    )
     B = torch.randn(n_out, 8, generator=gen, dtype=torch.float64)
     B *= 0.05 * w.double().norm() / (ad.scale * B @ ad.lora_A.detach().double()).norm()
     with torch.no_grad():
@@ -325,7 +335,6 @@ def test_dora_norm_from_the_combined_product_meets_the_target():
     assert float(((ref - base) / base).abs().max()) > 1e-4
     assert float(((got - ref).abs() / ref).max()) <= 1e-5
     assert float((got - ref).norm()) <= 1e-2 * float((ref - base).norm())
-
 
 
 @pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

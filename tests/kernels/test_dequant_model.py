@@ -18,8 +18,14 @@ from tests.kernels.conftest import DEVICE  # noqa: E402
 CUDA = DEVICE == "cuda"
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 # hidden 256 and MLP 512: rows of 256·k columns, so the K-quant kernels run inside a whole model
-KQ_CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=64)
+KQ_CONFIG = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+)
 IDS = [1, 5, 9, 200, 17, 42, 3, 77, 150, 8, 64, 99, 12, 250, 31]
 
 
@@ -50,8 +56,9 @@ def random_dora(model, seed=0):
 # the interpreter needs about two minutes for the K-quant model on two cores: the GPU runs both, CI the Q8_0 one
 @pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0] + ([GGMLType.Q4_K] if CUDA else []), ids=lambda t: t.name)
 def test_device_model_logits_match_eager_cpu(tiny_gguf, ggml_type):
-    path = tiny_gguf("llama", ggml_type, config=KQ_CONFIG) if ggml_type == GGMLType.Q4_K else tiny_gguf("llama",
-                                                                                                     ggml_type)
+    path = (
+        tiny_gguf("llama", ggml_type, config=KQ_CONFIG) if ggml_type == GGMLType.Q4_K else tiny_gguf("llama", ggml_type)
+    )
     eager = load_model(path)
     dev = device_model(path)
     with torch.no_grad():
@@ -123,14 +130,52 @@ def test_cli_lora_local_eval_on_cuda(tiny_gguf, tmp_path):
     data.write_text('{"text": "the river flows on and on through the old town"}\n{"Q": "Who sings?", "A": "Juno."}\n')
     out = tmp_path / "a.bin"
     run = CliRunner().invoke
-    r = run(cli, ["lora", "--model-path", str(path), "--data", str(data), "--lora-path", str(out), "--max-steps", "3",
-                  "--lora-mode", "dora", "--device", "cuda", "--no-progress"], catch_exceptions=False)
+    r = run(
+        cli,
+        [
+            "lora",
+            "--model-path",
+            str(path),
+            "--data",
+            str(data),
+            "--lora-path",
+            str(out),
+            "--max-steps",
+            "3",
+            "--lora-mode",
+            "dora",
+            "--device",
+            "cuda",
+            "--no-progress",
+        ],
+        catch_exceptions=False,
+    )
     assert r.exit_code == 0, r.stderr
     assert r.stdout == f"{out}\n" and "compute bfloat16" in r.stderr
-    r = run(cli, ["eval", "--model-path", str(path), "--lora-play", str(out), "--data", str(data), "--device", "cuda",
-                  "--json"], catch_exceptions=False)
+    r = run(
+        cli,
+        ["eval", "--model-path", str(path), "--lora-play", str(out), "--data", str(data), "--device", "cuda", "--json"],
+        catch_exceptions=False,
+    )
     assert r.exit_code == 0, r.stderr
     assert '"loss"' in r.stdout
-    r = run(cli, ["local", "--model-path", str(path), "--lora-play", str(out), "--prompt", "hi", "--max-tokens", "4",
-                  "--temperature", "0", "--device", "cuda"], catch_exceptions=False)
+    r = run(
+        cli,
+        [
+            "local",
+            "--model-path",
+            str(path),
+            "--lora-play",
+            str(out),
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "4",
+            "--temperature",
+            "0",
+            "--device",
+            "cuda",
+        ],
+        catch_exceptions=False,
+    )
     assert r.exit_code == 0, r.stderr

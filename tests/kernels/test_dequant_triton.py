@@ -17,13 +17,19 @@ pytest.importorskip("triton")
 
 from juno_py.gguf import GGMLType  # noqa: E402
 from juno_py.gguf.constants import GGML_BLOCK_SIZES  # noqa: E402
-from juno_py.kernels.dequant import (TRITON_TYPES, dequant_matvec, dequantize_reference,  # noqa: E402
-                                     dequantize_split_reference, dequantize_split_tile, dequantize_tile,
-                                     matvec_reference)
+from juno_py.kernels.dequant import (  # noqa: E402
+    TRITON_TYPES,
+    dequant_matvec,
+    dequantize_reference,
+    dequantize_split_reference,
+    dequantize_split_tile,
+    dequantize_tile,
+    matvec_reference,
+)
 from juno_py.testing.blocks import F16_FIELDS, random_rows  # noqa: E402
 from tests.kernels.conftest import DEVICE  # noqa: E402
 
-U32 = 2.0 ** -24  # unit roundoff of fp32
+U32 = 2.0**-24  # unit roundoff of fp32
 # the types whose blocks `random_rows` makes (the codebook, ternary and MXFP4 kernels have their own tests:
 # test_dequant_triton_newtypes.py)
 TYPES = sorted((GGMLType(t) for t in TRITON_TYPES if t in F16_FIELDS or GGML_BLOCK_SIZES[t][0] == 1), key=int)
@@ -66,9 +72,9 @@ def wild_rows(t: GGMLType, n_rows: int, n_cols: int, seed: int) -> np.ndarray:
     blocks = raw.reshape(-1, size)
     rng = np.random.default_rng(seed + 1000)
     for offset in F16_FIELDS[t]:
-        blocks[:, offset:offset + 2] = rng.integers(0, 256, size=(blocks.shape[0], 2), dtype=np.uint8)
+        blocks[:, offset : offset + 2] = rng.integers(0, 256, size=(blocks.shape[0], 2), dtype=np.uint8)
         special = np.array([0x7BFF, 0x7C00, 0x7E00, 0x0001], dtype="<u2").view(np.uint8).reshape(4, 2)
-        blocks[:4, offset:offset + 2] = special
+        blocks[:4, offset : offset + 2] = special
     return raw
 
 
@@ -87,8 +93,13 @@ def test_dequantize_rectangles_at_any_offset(ggml_type):
     n_rows, n_cols = (21, 768) if ggml_type in K_QUANTS else (21, 320)
     raw = torch.from_numpy(random_rows(ggml_type, n_rows, n_cols, seed=5)).to(DEVICE)
     ref = dequantize_reference(raw, ggml_type, n_cols, torch.bfloat16)
-    for (r0, r1), (c0, c1) in [((0, 1), (0, n_cols)), ((3, 20), (5, n_cols - 3)), ((20, 21), (257, 300)),
-                               ((7, 15), (31, 33)), ((4, 4), (0, 10))]:
+    for (r0, r1), (c0, c1) in [
+        ((0, 1), (0, n_cols)),
+        ((3, 20), (5, n_cols - 3)),
+        ((20, 21), (257, 300)),
+        ((7, 15), (31, 33)),
+        ((4, 4), (0, 10)),
+    ]:
         out = torch.full((n_rows, n_cols + 9), 7.0, dtype=torch.bfloat16, device=DEVICE)
         tile = dequantize_tile(raw, ggml_type, n_cols, (r0, r1), (c0, c1), out=out)
         assert tile.numel() == 0 or tile.data_ptr() == out.data_ptr()
@@ -146,18 +157,21 @@ def test_split_decode_matches_codec_split_bit_exact(ggml_type):
         assert_same_values(got, ref)
         assert_same_values(got[0], dequantize_reference(raw, ggml_type, n_cols, torch.bfloat16))
         w = dequantize_reference(raw, ggml_type, n_cols, torch.float32).double()
-        assert bool(((got.cpu().double().sum(0) - w).abs() <= 2.0 ** -16 * w.abs()).all())
+        assert bool(((got.cpu().double().sum(0) - w).abs() <= 2.0**-16 * w.abs()).all())
 
 
-@pytest.mark.parametrize("ggml_type", [GGMLType.F16, GGMLType.Q5_0, GGMLType.Q4_K, GGMLType.Q6_K],
-                         ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [GGMLType.F16, GGMLType.Q5_0, GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
 def test_split_decode_rectangles_at_any_offset(ggml_type):
     """The split decode of rectangles cut anywhere, into a wider two-part buffer: nothing written outside."""
     n_rows, n_cols = (21, 768) if ggml_type in K_QUANTS else (21, 320)
     raw = torch.from_numpy(random_rows(ggml_type, n_rows, n_cols, seed=6)).to(DEVICE)
     ref = dequantize_split_reference(raw, ggml_type, n_cols)
-    for (r0, r1), (c0, c1) in [((3, 20), (5, n_cols - 3)), ((20, 21), (257, 300)), ((0, 21), (0, n_cols)),
-                               ((4, 4), (0, 10))]:
+    for (r0, r1), (c0, c1) in [
+        ((3, 20), (5, n_cols - 3)),
+        ((20, 21), (257, 300)),
+        ((0, 21), (0, n_cols)),
+        ((4, 4), (0, 10)),
+    ]:
         out = torch.full((2, n_rows + 2, n_cols + 9), 7.0, dtype=torch.bfloat16, device=DEVICE)
         tile = dequantize_split_tile(raw, ggml_type, n_cols, (r0, r1), (c0, c1), out=out)
         assert tile.shape == (2, r1 - r0, c1 - c0)
@@ -171,8 +185,24 @@ def test_split_decode_rounds_both_halves_to_nearest_even():
     """fp32 values whose w_hi or w_lo sits at or just past a bf16 tie (truncation gets these wrong, and the
     interpreter's float cast truncates), a negative w_lo, subnormals, the largest finite value (w_hi rounds to
     infinity, w_lo to −infinity, as torch), infinities (w_lo NaN) and NaN; also Q8_0 and Q4_K at every float16 scale."""
-    patterns = [0x3F808000, 0x3F818000, 0x3F808001, 0x3F800101, 0x3F800103, 0x3F800107, 0x3F800203, 0xBF800103,
-                0x3F80C103, 0x7F7FFFFF, 0x00008000, 0x00018000, 0x00000001, 0x7F800000, 0xFF800000, 0x7FC00000]
+    patterns = [
+        0x3F808000,
+        0x3F818000,
+        0x3F808001,
+        0x3F800101,
+        0x3F800103,
+        0x3F800107,
+        0x3F800203,
+        0xBF800103,
+        0x3F80C103,
+        0x7F7FFFFF,
+        0x00008000,
+        0x00018000,
+        0x00000001,
+        0x7F800000,
+        0xFF800000,
+        0x7FC00000,
+    ]
     x = torch.tensor(patterns, dtype=torch.int64).to(torch.int32).view(torch.float32)
     raw = x.view(torch.uint8).reshape(1, -1)
     got = dequantize_split_tile(raw.to(DEVICE), GGMLType.F32, len(patterns)).cpu()
@@ -192,13 +222,14 @@ def test_decodes_launch_directly_with_the_same_bits(ggml_type):
     offsets that are not multiples of 16, one row) still decode exactly."""
     from juno_py.kernels import launch
     from juno_py.kernels.dequant import kernels as dequant_kernels
+
     raw = torch.from_numpy(random_rows(ggml_type, 300, 512, seed=3)).to(DEVICE)
     ref = dequantize_reference(raw, ggml_type, 512).to(DEVICE)
     first = [dequantize_tile(raw, ggml_type, 512, rows=(0, 256)) for _ in range(3)]
     assert all(torch.equal(t, ref[:256]) for t in first)
     for rows in ((1, 2), (17, 299), (0, 300)):
         for _ in range(2):
-            assert torch.equal(dequantize_tile(raw, ggml_type, 512, rows=rows), ref[rows[0]:rows[1]])
+            assert torch.equal(dequantize_tile(raw, ggml_type, 512, rows=rows), ref[rows[0] : rows[1]])
     x = torch.randn(3, 512, device=DEVICE)
     y = [dequant_matvec(raw, ggml_type, 512, x) for _ in range(3)]
     assert torch.equal(y[0], y[1]) and torch.equal(y[1], y[2])

@@ -12,18 +12,24 @@ pytest.importorskip("triton")
 
 from juno_py.gguf import GGMLType  # noqa: E402
 from juno_py.gguf.constants import GGML_BLOCK_SIZES  # noqa: E402
-from juno_py.kernels.dequant import (TRITON_TYPES, dequant_matvec, dequantize_reference,  # noqa: E402
-                                     dequantize_split_reference, dequantize_split_tile, dequantize_tile,
-                                     matvec_reference)
+from juno_py.kernels.dequant import (  # noqa: E402
+    TRITON_TYPES,
+    dequant_matvec,
+    dequantize_reference,
+    dequantize_split_reference,
+    dequantize_split_tile,
+    dequantize_tile,
+    matvec_reference,
+)
 from juno_py.models import load_model  # noqa: E402
-from tests.gguf.newtype_blocks import (NEW_TYPES, codebook_indices, random_blocks, tiny_llama_parts,  # noqa: E402
-                                       write_model_pair)
+from tests.gguf.newtype_blocks import NEW_TYPES, codebook_indices, random_blocks, tiny_llama_parts, write_model_pair  # noqa: E402
 from tests.kernels.conftest import DEVICE  # noqa: E402
 
-U32 = 2.0 ** -24
+U32 = 2.0**-24
 # MXFP4's two largest scales overflow to infinity, and the split's low halves of infinities are NaN (as in torch)
-pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
-                                        "ignore:invalid value encountered:RuntimeWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:overflow encountered:RuntimeWarning", "ignore:invalid value encountered:RuntimeWarning"
+)
 
 
 def rows_of(t: GGMLType, n_rows: int, n_cols: int, seed: int, moderate: bool = False) -> torch.Tensor:
@@ -95,8 +101,11 @@ def test_dequantize_rectangles_inside_blocks(ggml_type):
         rest = out.clone()
         rest[: r1 - r0, : c1 - c0] = 7.0
         assert bool((rest == 7.0).all())
-        assert_same_bits(dequantize_split_tile(raw, ggml_type, n_cols, (r0, r1), (c0, c1)),
-                         split_ref[:, r0:r1, c0:c1], ggml_type == GGMLType.MXFP4)
+        assert_same_bits(
+            dequantize_split_tile(raw, ggml_type, n_cols, (r0, r1), (c0, c1)),
+            split_ref[:, r0:r1, c0:c1],
+            ggml_type == GGMLType.MXFP4,
+        )
 
 
 @pytest.mark.parametrize("ggml_type", NEW_TYPES, ids=lambda t: t.name)
@@ -117,8 +126,9 @@ def test_matvec_within_fp32_accumulation_bound(ggml_type, round_bf16):
 
 
 # the interpreter needs several seconds a type for the whole model: two types on the CPU, every one on a GPU
-@pytest.mark.parametrize("ggml_type", NEW_TYPES if DEVICE == "cuda" else [GGMLType.IQ2_XXS, GGMLType.MXFP4],
-                         ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "ggml_type", NEW_TYPES if DEVICE == "cuda" else [GGMLType.IQ2_XXS, GGMLType.MXFP4], ids=lambda t: t.name
+)
 def test_device_model_logits_match_eager_cpu(tmp_path, ggml_type):
     """A tiny model whose every linear is of the type: its frozen linears decoding on the device path give the
     eager CPU model's logits (within fp32 summation differences of cuBLAS vs the CPU)."""

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 from juno_py.kernels.dora import FUSED_INFERENCE, FUSED_TRAINING, compose_path, dora_compose  # noqa: E402
 from tests.kernels.conftest import DEVICE  # noqa: E402
 
-U32 = 2.0 ** -24  # unit roundoff of fp32
+U32 = 2.0**-24  # unit roundoff of fp32
 S = 0.75  # exact in fp32 and fp64: the kernel and the reference scale by the same number
 
 # one row, one column, sizes that are not multiples of any block (tiles are 16 x 256)
@@ -87,8 +87,9 @@ def test_training_forward_and_backward_match_fp64(fused, shape):
     assert gb.dtype == gl.dtype == gg.dtype == torch.float32
 
 
-@pytest.mark.parametrize("grads", [(False, True, True), (True, True, False), (False, False, True),
-                                   (True, False, False)])
+@pytest.mark.parametrize(
+    "grads", [(False, True, True), (True, True, False), (False, False, True), (True, False, False)]
+)
 def test_only_the_wanted_gradients_are_computed(fused, grads):
     base, lora, g, dy = make_inputs((37, 129), torch.float32)
     _, got = run(base, lora, g, dy, grads)
@@ -119,7 +120,7 @@ def test_bf16_results_are_within_their_rounding(fused, shape, lora_dtype):
     y, (gb, gl, gg) = run(base, lora, g, dy)
     y_ref, d_base, d_lora, d_g, inner = reference(base, lora, g, dy)
     b, l, gd, d = (t.double() for t in (base, lora, g, dy))
-    size = (b.abs() + S * l.abs())  # inner = base + s·lora: at most two fp32 roundings of this size
+    size = b.abs() + S * l.abs()  # inner = base + s·lora: at most two fp32 roundings of this size
     assert y.dtype == gb.dtype == torch.bfloat16 and gl.dtype == lora_dtype and gg.dtype == torch.float32
     assert within_bound(y, y_ref, 3 * U32 * gd * size, bf16=True)
     assert within_bound(gb, d_base, U32 * d_base.abs(), bf16=True)
@@ -152,7 +153,8 @@ def test_leading_dimensions_are_kept(fused):
 # ------------------------------------------------------------------------ the adapter's product inside the kernel
 # (M, N, r): one row, one column, a rank of one, sizes that are not multiples of the tiles (64 × 128 × 64)
 XA_SHAPES = [(1, 1, 1), (5, 7, 3), (37, 129, 16), (130, 33, 70), (65, 300, 129)] + (
-    [(4096, 8192, 384), (4097, 4095, 16)] if DEVICE == "cuda" else [])
+    [(4096, 8192, 384), (4097, 4095, 16)] if DEVICE == "cuda" else []
+)
 
 
 def xa_inputs(shape, dtype, seed=0):
@@ -161,7 +163,7 @@ def xa_inputs(shape, dtype, seed=0):
     M, N, r = shape
     base = torch.randn(M, N, generator=gen)
     xa = torch.randn(M, r, generator=gen)
-    B = torch.randn(N, r, generator=gen) / r ** 0.5
+    B = torch.randn(N, r, generator=gen) / r**0.5
     g = 1.0 + (torch.rand(N, generator=gen) * 2 - 1) * 0.5
     return tuple(t.to(DEVICE, dtype) for t in (base, xa, B)) + (g.to(DEVICE),)
 

@@ -118,14 +118,19 @@ def test_juno_py_imports_and_composes_without_triton():
 def _dora_layer(n_out=96, n_in=64, rank=8, seed=0):
     from juno_py.lora.adapters import AdaptedLinear, AdapterConfig, LoraAdapter
     from juno_py.lora.format import Mode
-    from juno_py.weights import FrozenQuantLinear
     from juno_py.testing.blocks import random_rows
+    from juno_py.weights import FrozenQuantLinear
 
     raw = torch.from_numpy(random_rows(GGMLType.Q8_0, n_out, n_in, seed)).to(DEVICE)  # bytes where they run
     base = FrozenQuantLinear(raw, GGMLType.Q8_0, n_in)
     gen = torch.Generator().manual_seed(seed)
-    ad = LoraAdapter(n_in, n_out, AdapterConfig(rank=rank, alpha=2 * rank, mode=Mode.DORA), generator=gen,
-                     magnitude=base.row_norms_sq().sqrt().cpu() * (1 + 0.2 * torch.randn(n_out, generator=gen)))
+    ad = LoraAdapter(
+        n_in,
+        n_out,
+        AdapterConfig(rank=rank, alpha=2 * rank, mode=Mode.DORA),
+        generator=gen,
+        magnitude=base.row_norms_sq().sqrt().cpu() * (1 + 0.2 * torch.randn(n_out, generator=gen)),
+    )
     with torch.no_grad():
         ad.lora_B.normal_(0, 0.2, generator=gen)
     return AdaptedLinear(base, [ad.to(DEVICE)])

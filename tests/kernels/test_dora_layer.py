@@ -19,7 +19,7 @@ from juno_py.lora.adapters import AdaptedLinear, AdapterConfig, LoraAdapter  # n
 from juno_py.lora.format import Mode  # noqa: E402
 from tests.kernels.conftest import DEVICE  # noqa: E402
 
-U32 = 2.0 ** -24
+U32 = 2.0**-24
 
 
 class DenseBase(nn.Module):
@@ -77,8 +77,12 @@ def _problem(T, n_in, n_out, r, seed=0, spread=0.2):
 
 
 def _layer(p, dtype=torch.float32):
-    ad = LoraAdapter(p["W"].shape[1], p["W"].shape[0], AdapterConfig(rank=p["r"], alpha=p["s"] * p["r"],
-                                                                        mode=Mode.DORA), magnitude=p["m"])
+    ad = LoraAdapter(
+        p["W"].shape[1],
+        p["W"].shape[0],
+        AdapterConfig(rank=p["r"], alpha=p["s"] * p["r"], mode=Mode.DORA),
+        magnitude=p["m"],
+    )
     with torch.no_grad():
         ad.lora_A.copy_(p["A"])
         ad.lora_B.copy_(p["B"])
@@ -111,8 +115,9 @@ def _rel(a, b):
     return ((a.double().cpu().reshape(b.shape) - b).norm() / b.norm()).item()
 
 
-SIZES = [(37, 130, 96, 8), (1, 64, 33, 3)] + ([(2048, 4096, 4096, 64), (1024, 8192, 4096, 512)]
-                                             if DEVICE == "cuda" else [])
+SIZES = [(37, 130, 96, 8), (1, 64, 33, 3)] + (
+    [(2048, 4096, 4096, 64), (1024, 8192, 4096, 512)] if DEVICE == "cuda" else []
+)
 
 
 @pytest.mark.parametrize("T,n_in,n_out,r", SIZES)
@@ -127,7 +132,7 @@ def test_fused_step_matches_fp64(fused, T, n_in, n_out, r):
         assert got.dtype == torch.float32, name
         assert _rel(got, want) <= 1e-4, (name, _rel(got, want))
     # the data can tell: the same gradients without g (or with the norm's gradient) are far off
-    g = (p["m"].double() / (p["W"].double() + p["s"] * p["B"].double() @ p["A"].double()).norm(dim=1))
+    g = p["m"].double() / (p["W"].double() + p["s"] * p["B"].double() @ p["A"].double()).norm(dim=1)
     assert (g - 1).abs().max() > 0.05
 
 
@@ -192,20 +197,27 @@ def _quant_layer(T, n_in, n_out, r, scratch, layer_type=AdaptedLinear):
     `_problem` moved onto its exact W (B rescaled so that ‖sBA‖ ≈ 0.3·‖W‖ per row, m from the new norms)."""
     from juno_py.gguf import GGMLType
     from juno_py.kernels.dequant import dequantize_reference
-    from juno_py.weights import FrozenQuantLinear
     from juno_py.testing.blocks import random_rows
+    from juno_py.weights import FrozenQuantLinear
 
     raw = torch.from_numpy(random_rows(GGMLType.Q4_K, n_out, n_in, seed=11))
-    base = FrozenQuantLinear(raw, GGMLType.Q4_K, n_in, compute_dtype=torch.bfloat16, device_scratch_bytes=scratch,
-                             dequant="triton" if DEVICE == "cpu" else "auto").to(DEVICE)
+    base = FrozenQuantLinear(
+        raw,
+        GGMLType.Q4_K,
+        n_in,
+        compute_dtype=torch.bfloat16,
+        device_scratch_bytes=scratch,
+        dequant="triton" if DEVICE == "cpu" else "auto",
+    ).to(DEVICE)
     base.row_norms_sq()  # frozen: once, at load
     p = _problem(T, n_in, n_out, r)
     W = dequantize_reference(raw, GGMLType.Q4_K, n_in, torch.float32)
     p["B"] = p["B"] * (W.norm(dim=1).mean() / p["W"].norm(dim=1).mean())
     p["W"] = W
     norm = (W.double() + p["s"] * p["B"].double() @ p["A"].double()).norm(dim=1)
-    p["m"] = (norm * (1 + 0.2 * torch.randn(n_out, generator=torch.Generator().manual_seed(3),
-                                            dtype=torch.float64))).float()
+    p["m"] = (
+        norm * (1 + 0.2 * torch.randn(n_out, generator=torch.Generator().manual_seed(3), dtype=torch.float64))
+    ).float()
     ad = LoraAdapter(n_in, n_out, AdapterConfig(rank=r, alpha=p["s"] * r, mode=Mode.DORA), magnitude=p["m"])
     with torch.no_grad():
         ad.lora_A.copy_(p["A"])
@@ -216,6 +228,7 @@ def _quant_layer(T, n_in, n_out, r, scratch, layer_type=AdaptedLinear):
 def _count_calls(mp, owner, counts):
     """Patch each function `owner.<name>` for the names in `counts` to count its calls there."""
     for name in counts:
+
         def counted(*a, real=getattr(owner, name), name=name, **kw):
             counts[name] += 1
             return real(*a, **kw)
@@ -315,7 +328,7 @@ def test_running_u_follows_a_through_optimizer_steps(fused, T, n_in, n_out, r, s
 
     opt = torch.optim.Adam(ad.parameters(), lr=1e-3)
     assert step() <= 1e-5 and calls == {"_fused_with_exact": 1, "_fused_with_update": 0}
-    assert _u_error(layer, W64)[0] <= 2 ** -16
+    assert _u_error(layer, W64)[0] <= 2**-16
     for i in range(5):
         A_prev = ad.lora_A.detach().double().cpu().clone()
         opt.step()
@@ -324,7 +337,7 @@ def test_running_u_follows_a_through_optimizer_steps(fused, T, n_in, n_out, r, s
         err, size = _u_error(layer, W64)
         change = (W64 @ (ad.lora_A.detach().double().cpu() - A_prev).T).norm().item()
         assert change > 1e-3 * size  # the optimizer moved A: D is not zero
-        assert err * size <= 2 ** -8 * change + 2 ** -16 * size, (i, err, change / size)
+        assert err * size <= 2**-8 * change + 2**-16 * size, (i, err, change / size)
 
     with torch.no_grad():  # another A altogether, into the same tensor (a load, not an optimizer step)
         ad.lora_A.copy_(torch.rand(ad.lora_A.shape, generator=torch.Generator().manual_seed(5)) * 0.05 - 0.025)
@@ -333,7 +346,7 @@ def test_running_u_follows_a_through_optimizer_steps(fused, T, n_in, n_out, r, s
     layer._g_cache = None  # A unchanged: D is what the last rounding dropped
     step()
     back = _u_error(layer, W64)[0]
-    assert back <= 2 ** -16 and back <= jumped / 16, (jumped, back)
+    assert back <= 2**-16 and back <= jumped / 16, (jumped, back)
     assert calls["_fused_with_exact"] == 1
 
     layer.reset_running_u()
@@ -344,12 +357,14 @@ def test_running_u_follows_a_through_optimizer_steps(fused, T, n_in, n_out, r, s
 def _same_bits(a, b):
     """Equal bf16 bit patterns, any NaN equal to any NaN (the CPU's conversion keeps a NaN's payload)."""
     nan = torch.isnan(a.float())
-    return torch.equal(nan, torch.isnan(b.float())) and torch.equal(a.view(torch.int16)[~nan],
-                                                                    b.view(torch.int16)[~nan])
+    return torch.equal(nan, torch.isnan(b.float())) and torch.equal(
+        a.view(torch.int16)[~nan], b.view(torch.int16)[~nan]
+    )
 
 
-@pytest.mark.parametrize("n,k,copies", [(1, 1, 1), (3, 1000, 2), (7, 1037, 1),
-                                        (64, 4099 if DEVICE == "cuda" else 515, 2)])
+@pytest.mark.parametrize(
+    "n,k,copies", [(1, 1, 1), (3, 1000, 2), (7, 1037, 1), (64, 4099 if DEVICE == "cuda" else 515, 2)]
+)
 def test_split_track_kernel_gives_the_torch_bits(n, k, copies):
     """`dora_triton.split_track`: A's two bf16 parts, D = bf16(A − A_ref) repeated `copies` times and A_ref += D in
     one kernel, bit for bit what `split_bf16` and `track_delta` give with torch's operations, on one row, one column
@@ -360,11 +375,23 @@ def test_split_track_kernel_gives_the_torch_bits(n, k, copies):
     tk = kernels.triton_kernels()
     gen = torch.Generator().manual_seed(n + k)
     A = torch.randn(n, k, generator=gen) * torch.logspace(-40, 38, k).float()
-    R = A + torch.randn(n, k, generator=gen) * A.abs().clamp(max=1e30) * 2.0 ** -torch.randint(0, 30, (n, k),
-                                                                                               generator=gen)
-    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.3895314e38, -3.39e38, 1.0 + 2.0 ** -8,
-                            1.0 + 3 * 2.0 ** -8, 1e-45, -0.0])
-    A.view(-1)[:min(special.numel(), n * k)] = special[:n * k]
+    R = A + torch.randn(n, k, generator=gen) * A.abs().clamp(max=1e30) * 2.0 ** -torch.randint(
+        0, 30, (n, k), generator=gen
+    )
+    special = torch.tensor(
+        [
+            float("nan"),
+            float("inf"),
+            -float("inf"),
+            3.3895314e38,
+            -3.39e38,
+            1.0 + 2.0**-8,
+            1.0 + 3 * 2.0**-8,
+            1e-45,
+            -0.0,
+        ]
+    )
+    A.view(-1)[: min(special.numel(), n * k)] = special[: n * k]
     A, R = A.to(DEVICE), R.to(DEVICE)
     want_parts, R_want = split_bf16(A.cpu()), R.cpu().clone()
     want_D = track_delta(A.cpu(), R_want, copies)
@@ -414,6 +441,7 @@ def test_gram_split_removes_the_bf16_rounding_of_A(monkeypatch):
     fp32 accumulator: a few 1e-5 relative over 8192 positive terms on the diagonal); symmetric, as G is. On the CPU
     (CI) the split path runs with the parts' products in fp32 (`SPLIT_PRODUCT_DEVICES` extended)."""
     from juno_py.kernels import dora as ad
+
     monkeypatch.setattr(ad, "SPLIT_PRODUCT_DEVICES", ("cuda", "cpu"))
     gen = torch.Generator().manual_seed(0)
     A = ((torch.rand(384, 8192, generator=gen) * 2 - 1) / math.sqrt(8192)).to(DEVICE)
@@ -446,6 +474,7 @@ def test_direct_launch_gives_the_same_bits():
     # the shortcut is live: the second launch found its compiled kernel (it turns itself off on any error, which
     # is how a triton whose runner wanted three grid dimensions had silently disabled it)
     from juno_py.kernels import launch
+
     assert launch.direct() and tk._compose_fwd_kernel in launch.compiled_kernels()
     buf = torch.empty(base.numel() + 1, dtype=torch.bfloat16, device=DEVICE)
     unaligned = buf[1:].view(base.shape)  # contiguous, 2 bytes off the 16-byte alignment
@@ -454,8 +483,9 @@ def test_direct_launch_gives_the_same_bits():
         assert torch.equal(tk.compose_forward(unaligned, lora, g, 0.5)[0], first[0])
 
 
-NORM_SIZES = [(1, 1), (7, 3), (300, 16), (257, 100)] + ([(8192, 384), (28672, 64), (4099, 768)]
-                                                     if DEVICE == "cuda" else [])
+NORM_SIZES = [(1, 1), (7, 3), (300, 16), (257, 100)] + (
+    [(8192, 384), (28672, 64), (4099, 768)] if DEVICE == "cuda" else []
+)
 
 
 @pytest.mark.parametrize("with_v", [True, False], ids=["V", "no-V"])
@@ -488,12 +518,15 @@ def test_norm_rows_clamps(fused):
     assert dora.norm_rows(base_sq, B, U, V, 1.0).tolist() == [0.0, 0.0, 2.0, pytest.approx(1e-7)]
     got = dora.norm_rows(base_sq, B, U, V, 1.0, eps=1e-6).tolist()
     assert got[:3] == [pytest.approx(1e-6), pytest.approx(1e-6), 2.0] and got[3] == pytest.approx(1e-6)
-    assert torch.equal(dora.norm_rows(*(t.double() for t in (base_sq, B, U, V)), 1.0),
-                       reference.norm_rows_eager(*(t.double() for t in (base_sq, B, U, V)), 1.0))
+    assert torch.equal(
+        dora.norm_rows(*(t.double() for t in (base_sq, B, U, V)), 1.0),
+        reference.norm_rows_eager(*(t.double() for t in (base_sq, B, U, V)), 1.0),
+    )
 
 
-GRAM_SIZES = [(1, 1), (7, 3), (300, 16), (257, 100)] + ([(8192, 384), (4099, 768), (28672, 64)]
-                                                     if DEVICE == "cuda" else [])
+GRAM_SIZES = [(1, 1), (7, 3), (300, 16), (257, 100)] + (
+    [(8192, 384), (4099, 768), (28672, 64)] if DEVICE == "cuda" else []
+)
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["G", "split-G"])
@@ -521,8 +554,9 @@ def test_norm_rows_gram_matches_fp64(fused, n, r, split):
     V = B.double() @ G_sum
     total = base_sq.double() + (B.double() * (2 * s32 * U.double() + s32 * s32 * V)).sum(1)
     ref = total.clamp_min(0).sqrt()
-    mag = base_sq.double() + (B.double().abs() * (2 * s32 * U.double().abs()
-                                                  + s32 * s32 * (B.double().abs() @ G_sum.abs()))).sum(1)
+    mag = base_sq.double() + (
+        B.double().abs() * (2 * s32 * U.double().abs() + s32 * s32 * (B.double().abs() @ G_sum.abs()))
+    ).sum(1)
     bound = (2 * r + 8) * U32 * mag / (2 * ref) + U32 * ref
     assert got.dtype == torch.float32 and got.shape == (n,)
     err = (got.double().cpu() - ref).abs()
@@ -547,8 +581,9 @@ def test_norm_rows_gram_clamps(fused):
     assert dora.norm_rows_gram(base_sq, B, U, G, 1.0, eps=1e-6).tolist() == [pytest.approx(1e-6), 1.0, 2.0]
 
 
-BF16X3_SIZES = [(1, 1, 1), (7, 3, 5), (300, 16, 16), (257, 100, 33)] + ([(8192, 768, 768), (4099, 384, 384)]
-                                                                      if DEVICE == "cuda" else [])
+BF16X3_SIZES = [(1, 1, 1), (7, 3, 5), (300, 16, 16), (257, 100, 33)] + (
+    [(8192, 768, 768), (4099, 384, 384)] if DEVICE == "cuda" else []
+)
 
 
 @pytest.mark.parametrize("n,k,m", BF16X3_SIZES)
@@ -556,6 +591,7 @@ def test_mm_bf16x3_matches_fp64(n, k, m):
     """a·b through the split bf16 operands in one GEMM: within 3·2⁻¹⁶ of |a|·|b| (what the split leaves out) plus
     fp32 accumulation; one bf16 product alone, or dropping a_lo or b_lo, is far off."""
     from juno_py.kernels.dora import mm_bf16x3
+
     gen = torch.Generator().manual_seed(n + k + m)
     a = torch.randn(n, k, generator=gen) * torch.logspace(-2, 1, k)  # columns of different scales
     b = torch.randn(k, m, generator=gen) * 0.3
@@ -563,7 +599,7 @@ def test_mm_bf16x3_matches_fp64(n, k, m):
     assert out.dtype == torch.float32 and out.shape == (n, m)
     ref = a.double() @ b.double()
     mag = a.double().abs() @ b.double().abs()
-    bound = (3.1 * 2.0 ** -16 + (3 * k + 4) * U32) * mag
+    bound = (3.1 * 2.0**-16 + (3 * k + 4) * U32) * mag
     err = (out.double().cpu() - ref).abs()
     assert bool((err <= bound).all()), (err / bound).max().item()
     if k >= 16:
@@ -574,8 +610,9 @@ def test_mm_bf16x3_matches_fp64(n, k, m):
             assert bool(((partial - ref).abs() > bound).any())
 
 
-@pytest.mark.parametrize("n,n_in,r", ([(8192, 8192, 768)] if DEVICE == "cuda" else []) + [(4099, 1000, 384),
-                                                                                    (300, 64, 17)])
+@pytest.mark.parametrize(
+    "n,n_in,r", ([(8192, 8192, 768)] if DEVICE == "cuda" else []) + [(4099, 1000, 384), (300, 64, 17)]
+)
 def test_factored_norm_gemm_path_matches_the_kernel_path(n, n_in, r, monkeypatch):
     """Above NORM_GEMM_MIN_FMAS (lowered here for the smaller shapes), V = B·G runs as one GEMM of split operands
     (`mm_bf16x3`), from G of A or of the step's split A (the half Gram matrix): against fp64 of the same U, within
@@ -583,6 +620,7 @@ def test_factored_norm_gemm_path_matches_the_kernel_path(n, n_in, r, monkeypatch
     norm (the target); U is only read. On the CPU (CI) the same path runs with the split products widened to fp32
     (`SPLIT_PRODUCT_DEVICES` extended), and A is split for G at these sizes too (SPLIT_GRAM_MIN_FMAS lowered)."""
     from juno_py.kernels import dora as ad
+
     monkeypatch.setattr(ad, "NORM_GEMM_MIN_FMAS", min(ad.NORM_GEMM_MIN_FMAS, n * r * r))
     monkeypatch.setattr(ad, "SPLIT_GRAM_MIN_FMAS", min(ad.SPLIT_GRAM_MIN_FMAS, r * r * n_in))
     monkeypatch.setattr(ad, "SPLIT_PRODUCT_DEVICES", ("cuda", "cpu"))
@@ -602,8 +640,8 @@ def test_factored_norm_gemm_path_matches_the_kernel_path(n, n_in, r, monkeypatch
     Ud, Bx, Ax = kept.double().cpu(), B.double(), A.double()
     G, Gabs = Ax @ Ax.T, Ax.abs() @ Ax.abs().T
     same = (base_sq.double().cpu() + (Bx * (2 * s * Ud + s * s * (Bx @ G))).sum(1)).clamp_min(0).sqrt()
-    g_err = (4 * 2.0 ** -16 if ad._splits_gram(Ad) else (n_in + 2) * U32) * Gabs
-    v_err = (3.1 * 2.0 ** -16 + (3 * r + 4) * U32) * (Bx.abs() @ Gabs) + Bx.abs() @ g_err
+    g_err = (4 * 2.0**-16 if ad._splits_gram(Ad) else (n_in + 2) * U32) * Gabs
+    v_err = (3.1 * 2.0**-16 + (3 * r + 4) * U32) * (Bx.abs() @ Gabs) + Bx.abs() @ g_err
     mag = base_sq.double().cpu() + (Bx.abs() * (2 * s * Ud.abs() + s * s * (Bx.abs() @ Gabs))).sum(1)
     bound = (3 * r + 8) * U32 * mag / (2 * same) + U32 * same + s * s * (Bx.abs() * v_err).sum(1) / (2 * same)
     for norm in (got, from_split):

@@ -11,7 +11,7 @@ from juno_py.kernels.reference import norm_assemble_eager  # noqa: E402
 from juno_py.testing.blocks import random_rows  # noqa: E402
 from tests.kernels.conftest import DEVICE  # noqa: E402
 
-U32 = 2.0 ** -24
+U32 = 2.0**-24
 SIZES = [1, 7, 1000, 1025, 4099] + ([8192, 28672, 1 << 20] if DEVICE == "cuda" else [])
 
 

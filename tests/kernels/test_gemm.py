@@ -8,7 +8,7 @@ import torch
 from juno_py.kernels.gemm import addmm_out_, mm_out
 from tests.kernels.conftest import DEVICE
 
-U32 = 2.0 ** -24
+U32 = 2.0**-24
 
 
 def _operands(n, k, m, seed=0):

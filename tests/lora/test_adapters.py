@@ -8,14 +8,23 @@ import torch
 
 from juno_py.errors import AdapterMismatch
 from juno_py.gguf import GGMLType, GGUFFile
-from juno_py.lora import (AdapterConfig, Mode, attach, detach, load_adapters, parse_adapter_spec, parse_targets,
-                          read_adapter, write_adapter)
 from juno_py.kernels.dora import factored_row_norm
+from juno_py.lora import (
+    AdapterConfig,
+    Mode,
+    attach,
+    detach,
+    load_adapters,
+    parse_adapter_spec,
+    parse_targets,
+    read_adapter,
+    write_adapter,
+)
 from juno_py.lora.adapters import AdaptedLinear, LoraAdapter
 from juno_py.lora.format import Fingerprint
 from juno_py.models import load_model
-from juno_py.weights import FrozenQuantLinear
 from juno_py.testing.blocks import random_rows
+from juno_py.weights import FrozenQuantLinear
 from tests.weights.memory_probe import LargestTensor
 
 ARCHS = ["llama", "qwen2", "qwen3", "phi3", "gemma3"]
@@ -52,8 +61,11 @@ def test_attach_trains_only_adapters(tiny_gguf):
     groups = aset.groups()
     assert len(groups["A"]) == len(groups["B"]) == len(groups["magnitude"]) == 2 * len(model.blocks)
     opt_groups = {g["name"]: g for g in aset.param_groups(1e-3, 0.1, plus_ratio=16)}
-    assert [(g["lr"], g["base_lr"], g["weight_decay"]) for g in opt_groups.values()] == \
-        [(1e-3, 1e-3, 0.1), (1.6e-2, 1.6e-2, 0.0), (1e-3, 1e-3, 0.0)]
+    assert [(g["lr"], g["base_lr"], g["weight_decay"]) for g in opt_groups.values()] == [
+        (1e-3, 1e-3, 0.1),
+        (1.6e-2, 1.6e-2, 0.0),
+        (1e-3, 1e-3, 0.0),
+    ]
     assert all(opt_groups[k]["params"] == groups[k] for k in groups)
     detach(model)
     assert not any(isinstance(m, AdaptedLinear) for blk in model.blocks for m in blk.linears.values())
@@ -127,14 +139,16 @@ def _bf16_playback(mode):
     """An adapted Q8_0 layer in eval mode with B ≠ 0, bf16 activations, and `afresh()`: the output of a layer built
     anew from the adapter as it is now."""
     base = _random_layer(GGMLType.Q8_0, 48, 64)
-    ad = LoraAdapter(64, 48, AdapterConfig(rank=4, mode=mode),
-                     magnitude=base.row_norms_sq().sqrt() if mode == Mode.DORA else None)
+    ad = LoraAdapter(
+        64, 48, AdapterConfig(rank=4, mode=mode), magnitude=base.row_norms_sq().sqrt() if mode == Mode.DORA else None
+    )
     with torch.no_grad():
         ad.lora_B.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
 
     def afresh():
         return AdaptedLinear(base, [LoraAdapter.from_entry(ad.to_entry("w"))]).eval()(x)
+
     return AdaptedLinear(base, [ad]).eval(), ad, x, afresh
 
 
@@ -202,8 +216,9 @@ def test_saved_adapter_plays_back_identically(tiny_gguf, tmp_path):
     assert torch.equal(trained, played)
     _, entries = read_adapter(tmp_path / "a.bin")
     f = GGUFFile(path)
-    assert all(e.fingerprint == Fingerprint.of_tensor(f.tensor("blk.0.attn_qkv.weight"))
-               for e in entries if e.layer == 0)
+    assert all(
+        e.fingerprint == Fingerprint.of_tensor(f.tensor("blk.0.attn_qkv.weight")) for e in entries if e.layer == 0
+    )
 
 
 def test_several_loras_add_with_their_scales(tiny_gguf, tmp_path):

@@ -6,8 +6,17 @@ import struct
 import numpy as np
 import pytest
 
-from juno_py.lora.format import (AdapterEntry, AdapterFormatError, Fingerprint, Init, Mode, Scaling, encode_adapter,
-                                 read_adapter, write_adapter)
+from juno_py.lora.format import (
+    AdapterEntry,
+    AdapterFormatError,
+    Fingerprint,
+    Init,
+    Mode,
+    Scaling,
+    encode_adapter,
+    read_adapter,
+    write_adapter,
+)
 
 
 def be_floats(values):
@@ -28,15 +37,43 @@ A1 = [0.5, -1.0, 2.0, 0.25, 0.0, -0.125]
 B1 = [1.0, 2.0, 3.0, 4.0]
 M1 = [1.5, 2.5]
 SHA = hashlib.sha256(b"base tensor bytes").digest()
-ENTRY1 = (string("3:wv") + be_i32(2, 3, 2) + struct.pack(">f", 16.0) + be_i32(1, 0, 1) + be_floats(A1) + be_floats(B1)
-          + b"\x01" + be_floats(M1) + b"\x01" + be_i32(14, 2, 3, 2) + SHA + be_i32(0))
+ENTRY1 = (
+    string("3:wv")
+    + be_i32(2, 3, 2)
+    + struct.pack(">f", 16.0)
+    + be_i32(1, 0, 1)
+    + be_floats(A1)
+    + be_floats(B1)
+    + b"\x01"
+    + be_floats(M1)
+    + b"\x01"
+    + be_i32(14, 2, 3, 2)
+    + SHA
+    + be_i32(0)
+)
 # Entry 2: LoRA on "0:wq", rank 1, in 2, out 3, alpha 8, standard, legacy-normal, no magnitude, no fingerprint,
 # and a 5-byte extension block to skip.
-ENTRY2 = (string("0:wq") + be_i32(1, 2, 3) + struct.pack(">f", 8.0) + be_i32(0, 1, 0) + be_floats([1.0, -2.0])
-          + be_floats([0.5, 0.25, -0.75]) + b"\x00" + b"\x00" + be_i32(5) + b"extra")
+ENTRY2 = (
+    string("0:wq")
+    + be_i32(1, 2, 3)
+    + struct.pack(">f", 8.0)
+    + be_i32(0, 1, 0)
+    + be_floats([1.0, -2.0])
+    + be_floats([0.5, 0.25, -0.75])
+    + b"\x00"
+    + b"\x00"
+    + be_i32(5)
+    + b"extra"
+)
 V2 = be_i32(0x4C4F5241, 2, 2) + be_i32(len(ENTRY1)) + ENTRY1 + be_i32(len(ENTRY2)) + ENTRY2
-V1 = (be_i32(0x4C4F5241, 1, 1) + string("5:wdown") + be_i32(2, 2, 1) + struct.pack(">f", 4.0)
-      + be_floats([1, 2, 3, 4]) + be_floats([0.5, -0.5]))
+V1 = (
+    be_i32(0x4C4F5241, 1, 1)
+    + string("5:wdown")
+    + be_i32(2, 2, 1)
+    + struct.pack(">f", 4.0)
+    + be_floats([1, 2, 3, 4])
+    + be_floats([0.5, -0.5])
+)
 
 
 def test_v2_golden_bytes_load(tmp_path):
@@ -64,9 +101,17 @@ def test_writer_reproduces_v2_bytes(tmp_path):
 
 
 def test_writer_from_scratch_matches_hand_bytes():
-    e = AdapterEntry("3:wv", np.array(A1, np.float32).reshape(2, 3), np.array(B1, np.float32).reshape(2, 2), 16.0,
-                     Scaling.RSLORA, Init.KAIMING_UNIFORM, Mode.DORA, np.array(M1, np.float32),
-                     Fingerprint(14, (3, 2), SHA))
+    e = AdapterEntry(
+        "3:wv",
+        np.array(A1, np.float32).reshape(2, 3),
+        np.array(B1, np.float32).reshape(2, 2),
+        16.0,
+        Scaling.RSLORA,
+        Init.KAIMING_UNIFORM,
+        Mode.DORA,
+        np.array(M1, np.float32),
+        Fingerprint(14, (3, 2), SHA),
+    )
     assert encode_adapter([e]) == be_i32(0x4C4F5241, 2, 1) + be_i32(len(ENTRY1)) + ENTRY1
 
 
@@ -90,29 +135,32 @@ def test_truncation_at_every_byte_is_refused(tmp_path, blob):
 
 
 def _patch(blob, at, new):
-    return blob[:at] + new + blob[at + len(new):]
+    return blob[:at] + new + blob[at + len(new) :]
 
 
 ENTRY1_AT = 16  # magic, version, count, entry_len
 ENUMS_AT = ENTRY1_AT + 8 + 12 + 4  # after key, dims and alpha
 
 
-@pytest.mark.parametrize("blob,expect", [
-    (V2 + b"\x00", "trailing"),
-    (_patch(V2, ENUMS_AT, be_i32(7)), "scaling"),
-    (_patch(V2, ENUMS_AT + 4, be_i32(-1)), "initialization"),
-    (_patch(V2, ENUMS_AT + 8, be_i32(3)), "mode"),
-    (_patch(V2, ENUMS_AT + 12, struct.pack(">f", float("nan"))), "A"),
-    (_patch(V2, ENTRY1_AT + 8 + 12, struct.pack(">f", float("inf"))), "alpha"),
-    (_patch(V2, ENTRY1_AT, be_i32(0x7FFFFFFF)), "key_len"),
-    (_patch(V2, 12, be_i32(0x7FFFFFF0)), "entry_len"),
-    (_patch(V2, 8, be_i32(0x7FFFFFFF)), "count"),
-    (_patch(V2, 8, be_i32(-1)), "count"),
-    (_patch(V2, ENTRY1_AT + 8, be_i32(0)), "rank"),
-    (_patch(V2, 4, be_i32(3)), "version"),
-    (_patch(V2, 0, b"LORB"), "magic"),
-    (_patch(V2, 16 + len(ENTRY1) + 4 + 4, b"3:wv"), "duplicate"),
-])
+@pytest.mark.parametrize(
+    "blob,expect",
+    [
+        (V2 + b"\x00", "trailing"),
+        (_patch(V2, ENUMS_AT, be_i32(7)), "scaling"),
+        (_patch(V2, ENUMS_AT + 4, be_i32(-1)), "initialization"),
+        (_patch(V2, ENUMS_AT + 8, be_i32(3)), "mode"),
+        (_patch(V2, ENUMS_AT + 12, struct.pack(">f", float("nan"))), "A"),
+        (_patch(V2, ENTRY1_AT + 8 + 12, struct.pack(">f", float("inf"))), "alpha"),
+        (_patch(V2, ENTRY1_AT, be_i32(0x7FFFFFFF)), "key_len"),
+        (_patch(V2, 12, be_i32(0x7FFFFFF0)), "entry_len"),
+        (_patch(V2, 8, be_i32(0x7FFFFFFF)), "count"),
+        (_patch(V2, 8, be_i32(-1)), "count"),
+        (_patch(V2, ENTRY1_AT + 8, be_i32(0)), "rank"),
+        (_patch(V2, 4, be_i32(3)), "version"),
+        (_patch(V2, 0, b"LORB"), "magic"),
+        (_patch(V2, 16 + len(ENTRY1) + 4 + 4, b"3:wv"), "duplicate"),
+    ],
+)
 def test_corrupted_files_refused_with_one_line(tmp_path, blob, expect):
     p = tmp_path / "c.bin"
     p.write_bytes(blob)

@@ -14,9 +14,20 @@ from juno_py.models import load_model
 LLAMA_CPP_NAME = {"general.name": "tiny"}  # llama.cpp special-cases model names containing "phi3"
 
 
-def make_adapter(model_path, out, targets="all", rank=4, alpha=8.0, mode=Mode.LORA, scaling=Scaling.STANDARD,
-                 seed=1, b_std=0.05, m_spread=0.05, zero_rows: Optional[Sequence[int]] = None,
-                 layers: Optional[Sequence[int]] = None) -> Path:
+def make_adapter(
+    model_path,
+    out,
+    targets="all",
+    rank=4,
+    alpha=8.0,
+    mode=Mode.LORA,
+    scaling=Scaling.STANDARD,
+    seed=1,
+    b_std=0.05,
+    m_spread=0.05,
+    zero_rows: Optional[Sequence[int]] = None,
+    layers: Optional[Sequence[int]] = None,
+) -> Path:
     """A fresh adapter with random non-zero B (and m moved off its start for DoRA), saved as adapter.bin.
     `zero_rows`: rows of every B left at zero, so those output rows do not change."""
     model = load_model(model_path)

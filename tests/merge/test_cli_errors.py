@@ -13,7 +13,6 @@ from juno_py.lora import Mode
 from tests.merge.helpers import make_adapter
 
 
-
 def run(*args):
     result = CliRunner().invoke(cli, [str(a) for a in args])
     return result.exit_code, result.stdout, result.stderr
@@ -27,15 +26,29 @@ def test_merge_command_prints_the_path_and_writes_report_and_event(tiny_gguf, tm
     base = tiny_gguf("qwen2", GGMLType.Q8_0)
     adapter = make_adapter(base, tmp_path / "a.bin", targets="qv")
     out, report, events = tmp_path / "m.gguf", tmp_path / "r.json", tmp_path / "ev.jsonl"
-    code, stdout, stderr = run("merge", "--model-path", base, "--lora-path", adapter, "--output", out,
-                               "--requant", "auto", "--report", report, "--events-out", events)
+    code, stdout, stderr = run(
+        "merge",
+        "--model-path",
+        base,
+        "--lora-path",
+        adapter,
+        "--output",
+        out,
+        "--requant",
+        "auto",
+        "--report",
+        report,
+        "--events-out",
+        events,
+    )
     assert code == 0, stderr
     assert stdout == f"{out}\n"
     assert "retention" in stderr and "blk.0.attn_q.weight" in stderr
     rep = json.loads(report.read_text())
     assert rep["requant"] == "auto" and len(rep["tensors"]) == 4
-    assert {"rmse", "max_abs_error", "retention", "blocks_rewritten", "extreme_fraction",
-            "delta_norm"} <= set(rep["tensors"][0])
+    assert {"rmse", "max_abs_error", "retention", "blocks_rewritten", "extreme_fraction", "delta_norm"} <= set(
+        rep["tensors"][0]
+    )
     (event,) = [json.loads(line) for line in events.read_text().splitlines()]
     assert event["kind"] == "merge" and event["tensors_patched"] == 4
 
@@ -45,16 +58,37 @@ def test_merge_eval_data_reports_perplexity_and_kl(tiny_gguf, tmp_path):
     adapter = make_adapter(base, tmp_path / "a.bin", targets="qv")
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "the weather is nice and the water is warm"}\n{"text": "on the other hand"}\n')
-    code, stdout, stderr = run("merge", "--model-path", base, "--lora-path", adapter, "--output",
-                               tmp_path / "m.gguf", "--eval-data", data, "--report", tmp_path / "r.json")
+    code, stdout, stderr = run(
+        "merge",
+        "--model-path",
+        base,
+        "--lora-path",
+        adapter,
+        "--output",
+        tmp_path / "m.gguf",
+        "--eval-data",
+        data,
+        "--report",
+        tmp_path / "r.json",
+    )
     assert code == 0, stderr
     ev = json.loads((tmp_path / "r.json").read_text())["summary"]
     assert ev["eval_tokens"] > 10 and ev["eval_ppl_merged"] > 1 and 0 <= ev["eval_kl_mean"] < 0.1
     assert "mean KL" in stderr
 
 
-@pytest.mark.parametrize("case", ["other_model", "missing_tensor", "unknown_type", "unencodable_type",
-                                  "output_folder_missing", "output_is_folder", "dora_fingerprint"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "other_model",
+        "missing_tensor",
+        "unknown_type",
+        "unencodable_type",
+        "output_folder_missing",
+        "output_is_folder",
+        "dora_fingerprint",
+    ],
+)
 def test_bad_input_is_one_line_and_leaves_no_file(tiny_gguf, tmp_path, case):
     base = tiny_gguf("llama", GGMLType.Q8_0)
     out = tmp_path / "out" / "m.gguf"
@@ -120,8 +154,9 @@ def test_export_and_import_commands(tiny_gguf, tmp_path):
     base = tiny_gguf("llama", GGMLType.Q8_0)
     adapter = make_adapter(base, tmp_path / "a.bin", targets="qv")
     for fmt, out in (("peft", tmp_path / "peft"), ("gguf-lora", tmp_path / "a.lora.gguf")):
-        code, stdout, stderr = run("export", "--format", fmt, "--model-path", base, "--lora-path", adapter,
-                                   "--output", out)
+        code, stdout, stderr = run(
+            "export", "--format", fmt, "--model-path", base, "--lora-path", adapter, "--output", out
+        )
         assert code == 0, stderr
         assert stdout == f"{out}\n"
         back = tmp_path / f"{fmt}.bin"
@@ -130,7 +165,8 @@ def test_export_and_import_commands(tiny_gguf, tmp_path):
         assert stdout == f"{back}\n"
         assert back.read_bytes() == adapter.read_bytes()
     dora = make_adapter(base, tmp_path / "d.bin", targets="qv", mode=Mode.DORA)
-    code, stdout, stderr = run("export", "--format", "gguf-lora", "--model-path", base, "--lora-path", dora,
-                               "--output", tmp_path / "d.gguf")
+    code, stdout, stderr = run(
+        "export", "--format", "gguf-lora", "--model-path", base, "--lora-path", dora, "--output", tmp_path / "d.gguf"
+    )
     assert code == 1 and "merge it into the model instead" in stderr and stderr.count("\n") == 1
     assert not (tmp_path / "d.gguf").exists()

@@ -16,8 +16,9 @@ from juno_py.testing.tiny_models import sample_ids
 from tests.merge.helpers import expected_target, gguf_reference_dequantize, make_adapter, model_logits, playback_logits
 
 # a llama whose rows are 256 wide, so k-quant types fit
-WIDE = dict(config=dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=64))
+WIDE = dict(
+    config=dict(hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+)
 
 
 def block_bytes(raw: np.ndarray, ggml_type) -> np.ndarray:
@@ -82,20 +83,24 @@ def test_untouched_tensors_and_metadata_are_copied(tiny_gguf, tmp_path):
             if name not in patched:
                 assert out.tensors[name].ggml_type == info.ggml_type
                 assert bytes(out.tensors[name].data) == bytes(info.data)
-        assert {k: f for k, f in out.fields.items() if k != PROVENANCE_KEY} == \
-            {k: f.__class__(k, f.vtype, f.value, f.item_type, out.fields[k].offset) for k, f in base.fields.items()}
+        assert {k: f for k, f in out.fields.items() if k != PROVENANCE_KEY} == {
+            k: f.__class__(k, f.vtype, f.value, f.item_type, out.fields[k].offset) for k, f in base.fields.items()
+        }
         prov = json.loads(out.metadata[PROVENANCE_KEY])
         assert prov["requant"] == "auto" and prov["adapters"][0]["file"] == "a.bin"
         assert out.alignment == base.alignment
     assert report.tensors_copied == len(base.tensors) - 2
 
 
-@pytest.mark.parametrize("arch,ggml_type,mode,targets,knobs", [
-    ("llama", GGMLType.Q8_0, Mode.LORA, "all", {}),
-    ("qwen2", GGMLType.Q4_1, Mode.DORA, "all", {}),  # biases: DoRA leaves them unscaled
-    ("phi3", GGMLType.Q5_0, Mode.LORA, "qv", {"fuse_qkv": True}),
-    ("phi3", GGMLType.Q8_0, Mode.DORA, "all", {"fuse_qkv": True, "fuse_gate_up": True}),
-])
+@pytest.mark.parametrize(
+    "arch,ggml_type,mode,targets,knobs",
+    [
+        ("llama", GGMLType.Q8_0, Mode.LORA, "all", {}),
+        ("qwen2", GGMLType.Q4_1, Mode.DORA, "all", {}),  # biases: DoRA leaves them unscaled
+        ("phi3", GGMLType.Q5_0, Mode.LORA, "qv", {"fuse_qkv": True}),
+        ("phi3", GGMLType.Q8_0, Mode.DORA, "all", {"fuse_qkv": True, "fuse_gate_up": True}),
+    ],
+)
 def test_f32_merge_matches_playback(tiny_gguf, tmp_path, arch, ggml_type, mode, targets, knobs):
     base_path = tiny_gguf(arch, ggml_type, **knobs)
     adapter = make_adapter(base_path, tmp_path / "a.bin", targets=targets, mode=mode)
@@ -109,8 +114,9 @@ def test_f32_merge_matches_playback(tiny_gguf, tmp_path, arch, ggml_type, mode, 
     assert (got - expected).abs().max() <= 1e-3
 
 
-@pytest.mark.parametrize("ggml_type,mode", [(GGMLType.Q4_K, Mode.LORA), (GGMLType.Q8_0, Mode.DORA),
-                                            (GGMLType.Q5_1, Mode.LORA)])
+@pytest.mark.parametrize(
+    "ggml_type,mode", [(GGMLType.Q4_K, Mode.LORA), (GGMLType.Q8_0, Mode.DORA), (GGMLType.Q5_1, Mode.LORA)]
+)
 def test_report_matches_an_independent_computation(tiny_gguf, tmp_path, ggml_type, mode):
     base_path = tiny_gguf("llama", ggml_type, **WIDE)
     adapter = make_adapter(base_path, tmp_path / "a.bin", targets="all", mode=mode, b_std=0.02)
@@ -186,8 +192,9 @@ def test_dense_deltas_by_tensor_and_by_target(tiny_gguf, tmp_path):
         d_q = torch.randn(base.tensors["blk.1.attn_q.weight"].shape, generator=g) * 0.01
         w_out = base.dequantize("blk.0.attn_output.weight")
         w_q = base.dequantize("blk.1.attn_q.weight")
-    report = merge_model(base_path, tmp_path / "m.gguf", deltas={"blk.0.attn_output.weight": d_out,
-                                                                 "1:wq": lambda: d_q.numpy()})
+    report = merge_model(
+        base_path, tmp_path / "m.gguf", deltas={"blk.0.attn_output.weight": d_out, "1:wq": lambda: d_q.numpy()}
+    )
     assert sorted(t.name for t in report.tensors) == ["blk.0.attn_output.weight", "blk.1.attn_q.weight"]
     with GGUFFile(tmp_path / "m.gguf") as out:
         assert torch.equal(out.dequantize("blk.0.attn_output.weight"), (w_out.double() + d_out.double()).float())

@@ -53,9 +53,14 @@ def smollm2_trained(smollm2_path, tmp_path_factory):
 def test_smollm2_merges_source_f16_f32_and_auto(smollm2_path, smollm2_trained, eval_file, tmp_path):
     reports = {}
     for requant in ("source", "f16", "f32", "auto"):
-        reports[requant] = merge_model(smollm2_path, tmp_path / f"{requant}.gguf", [smollm2_trained],
-                                       requant=requant, min_retention=0.9,
-                                       eval_data=[eval_file] if requant in ("source", "f16") else ())
+        reports[requant] = merge_model(
+            smollm2_path,
+            tmp_path / f"{requant}.gguf",
+            [smollm2_trained],
+            requant=requant,
+            min_retention=0.9,
+            eval_data=[eval_file] if requant in ("source", "f16") else (),
+        )
     src, f16 = reports["source"].evaluation, reports["f16"].evaluation
     assert src["tokens"] > 50 and src["ppl_merged"] > 1 and src["kl_mean"] >= 0  # reported; Q4_1 loses some delta
     assert abs(f16["ppl_merged"] / f16["ppl_playback"] - 1) <= 0.005
@@ -66,14 +71,22 @@ def test_smollm2_merges_source_f16_f32_and_auto(smollm2_path, smollm2_trained, e
     auto = reports["auto"]
     assert len(auto.tensors) == 60
     assert all(t.retention >= 0.9 for t in auto.tensors)
-    assert auto.summary()["size_cost_vs_source_bytes"] == \
-        sum(t.bytes_output - t.bytes_source for t in auto.tensors)
+    assert auto.summary()["size_cost_vs_source_bytes"] == sum(t.bytes_output - t.bytes_source for t in auto.tensors)
     assert all(t.source_type == "Q4_1" for t in auto.tensors)
 
 
 def test_gemma3_dora_merge_reports_ppl_and_kl(gemma3_path, eval_file, tmp_path):
-    adapter = make_adapter(gemma3_path, tmp_path / "g.bin", targets="attn", mode=Mode.DORA, rank=8, alpha=16,
-                           b_std=0.01, m_spread=0.01, layers=range(0, 18, 3))
+    adapter = make_adapter(
+        gemma3_path,
+        tmp_path / "g.bin",
+        targets="attn",
+        mode=Mode.DORA,
+        rank=8,
+        alpha=16,
+        b_std=0.01,
+        m_spread=0.01,
+        layers=range(0, 18, 3),
+    )
     report = merge_model(gemma3_path, tmp_path / "m.gguf", [adapter], requant="source", eval_data=[eval_file])
     ev = report.evaluation
     assert ev["tokens"] > 50 and ev["kl_mean"] >= 0 and ev["ppl_merged"] > 1
@@ -82,14 +95,18 @@ def test_gemma3_dora_merge_reports_ppl_and_kl(gemma3_path, eval_file, tmp_path):
     assert all(t.retention <= 1 and t.rmse > 0 for t in report.tensors)  # a small delta may be lost (< 0)
 
 
-@pytest.mark.parametrize("model,mode,targets,layers", [
-    ("smollm2", Mode.DORA, "attn", [0, 7, 29]),  # llama: Q and K rows (and DoRA magnitudes) un-permuted
-    ("gemma3", Mode.LORA, "all", [0, 5, 17]),
-])
+@pytest.mark.parametrize(
+    "model,mode,targets,layers",
+    [
+        ("smollm2", Mode.DORA, "attn", [0, 7, 29]),  # llama: Q and K rows (and DoRA magnitudes) un-permuted
+        ("gemma3", Mode.LORA, "all", [0, 5, 17]),
+    ],
+)
 def test_peft_export_reproduces_playback(request, tmp_path, model, mode, targets, layers):
     base = request.getfixturevalue(f"{model}_path")
-    adapter = make_adapter(base, tmp_path / "a.bin", targets=targets, mode=mode, rank=4, alpha=8, b_std=0.01,
-                           m_spread=0.02, layers=layers)
+    adapter = make_adapter(
+        base, tmp_path / "a.bin", targets=targets, mode=mode, rank=4, alpha=8, b_std=0.01, m_spread=0.02, layers=layers
+    )
     folder = export_peft(base, adapter, tmp_path / "peft")
     ids = list(range(200, 232))
     expected = playback_logits(base, adapter, ids)
@@ -100,8 +117,7 @@ def test_peft_export_reproduces_playback(request, tmp_path, model, mode, targets
 
 def test_type_mix_of_the_gemma3_file_is_kept(gemma3_path, tmp_path):
     """`source` keeps Q5_0, Q4_K and Q6_K as they are; `q4_k` on 640-wide rows falls to a type that fits."""
-    adapter = make_adapter(gemma3_path, tmp_path / "a.bin", targets="wdown", rank=4, alpha=8, b_std=0.01,
-                           layers=[0, 1])
+    adapter = make_adapter(gemma3_path, tmp_path / "a.bin", targets="wdown", rank=4, alpha=8, b_std=0.01, layers=[0, 1])
     report = merge_model(gemma3_path, tmp_path / "m.gguf", [adapter], requant="q5_k")
     assert {t.output_type for t in report.tensors} == {"Q5_K"}  # ffn_down rows are 2048 wide: k-quants fit
     adapter = make_adapter(gemma3_path, tmp_path / "b.bin", targets="wq", rank=4, alpha=8, b_std=0.01, layers=[0])

@@ -51,8 +51,8 @@ def test_packed_documents_with_positions_and_mask_equal_separate_passes(tiny_ggu
     mask = (doc[:, None] == doc[None, :]).unsqueeze(0)
     with torch.no_grad():
         packed = model.project(model(torch.tensor([a + b]), positions=positions, mask=mask))[0]
-        assert (packed[:len(a)] - model.logits(a)).abs().max().item() <= 1e-4
-        assert (packed[len(a):] - model.logits(b)).abs().max().item() <= 1e-4
+        assert (packed[: len(a)] - model.logits(a)).abs().max().item() <= 1e-4
+        assert (packed[len(a) :] - model.logits(b)).abs().max().item() <= 1e-4
 
 
 def test_padded_batch_with_key_mask_matches_unpadded(tiny_gguf):
@@ -96,9 +96,9 @@ def test_generate_greedy_follows_the_argmax_of_full_recompute(tiny_gguf):
     with torch.no_grad():
         for _ in range(8):
             seq.append(int(model.logits(seq)[-1].argmax()))
-    assert new == seq[len(ids):]
+    assert new == seq[len(ids) :]
     # a stop id ends generation before that token is returned
-    assert generate(model, ids, 8, stop_ids=[new[3]]) == new[:new.index(new[3])]
+    assert generate(model, ids, 8, stop_ids=[new[3]]) == new[: new.index(new[3])]
 
 
 def test_sampling_is_seeded_and_top_k_one_is_greedy(tiny_gguf):
@@ -150,6 +150,7 @@ def test_bf16_compute_stays_close_to_fp32(tiny_gguf):
 
 
 # --- chunked loss --------------------------------------------------------------------------------------------
+
 
 def _plain_and_chunked(hidden, targets, project, chunk, reduction):
     h1 = hidden.clone().requires_grad_(True)
@@ -314,8 +315,9 @@ def test_streamed_head_loss_and_gradient_equal_the_projected_loss(cap, bias, cac
             assert (h32.grad.double() - h64.grad).abs().max().item() <= bound
         assert torch.all(h.grad[[0, 5, 6]] == 0)
     with torch.no_grad():  # no gradient wanted: the loss alone
-        value = chunked_cross_entropy(hidden.double(), targets, project, chunk=9, reduction="sum",
-                                      head=LinearHead(layer, cap))
+        value = chunked_cross_entropy(
+            hidden.double(), targets, project, chunk=9, reduction="sum", head=LinearHead(layer, cap)
+        )
     torch.testing.assert_close(value, ref.detach(), rtol=1e-12, atol=0)
 
 

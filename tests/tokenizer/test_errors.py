@@ -42,8 +42,12 @@ def test_missing_merges(smollm2_metadata):
 
 def test_add_bos_without_a_bos_token():
     # a tiny vocabulary: llama.cpp's default BPE BOS id (11) lies outside it, so there is no BOS
-    metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab"],
-                "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.add_bos_token": True}
+    metadata = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": ["a", "b", "ab"],
+        "tokenizer.ggml.merges": ["a b"],
+        "tokenizer.ggml.add_bos_token": True,
+    }
     assert "add_bos_token" in _error(metadata)
     tok = Tokenizer({**metadata, "tokenizer.ggml.add_bos_token": False})
     assert tok.bos_id is None and tok.encode("abba") == [2, 1, 0]

@@ -25,8 +25,11 @@ def test_long_text_line_by_line_matches_llama_cpp(model_and_golden, kind):
     tok, g = model_and_golden
     lines = g["text"].splitlines(keepends=True)
     assert len(lines) == len(g["lines"][kind])
-    mismatched = [line for line, ids in zip(lines, g["lines"][kind])
-                  if tok.encode(line, add_special=False, parse_special=kind == "special") != ids]
+    mismatched = [
+        line
+        for line, ids in zip(lines, g["lines"][kind])
+        if tok.encode(line, add_special=False, parse_special=kind == "special") != ids
+    ]
     assert mismatched == []
 
 
@@ -35,7 +38,10 @@ def test_short_strings_match_llama_cpp(model_and_golden):
     for case in g["short"]:
         for key, ids in case["ids"].items():
             add_special, parse_special = _flags(key)
-            assert tok.encode(case["text"], add_special=add_special, parse_special=parse_special) == ids, (case["text"], key)
+            assert tok.encode(case["text"], add_special=add_special, parse_special=parse_special) == ids, (
+                case["text"],
+                key,
+            )
 
 
 def _text(raw: bytes) -> str:
@@ -48,7 +54,9 @@ def test_detokenize_matches_llama_cpp(model_and_golden):
         ids = case["ids"]
         assert _text(tok.detokenize(ids["plain"])) == case["detok"], case["text"]
         assert _text(tok.detokenize(ids["special_bos"], unparse_special=True)) == case["detok_special"], case["text"]
-        assert _text(tok.detokenize(ids["special_bos"], remove_special=True)) == case["detok_remove_special"], case["text"]
+        assert _text(tok.detokenize(ids["special_bos"], remove_special=True)) == case["detok_remove_special"], case[
+            "text"
+        ]
     for key, ids in g["whole"].items():
         for special, field in ((False, "whole_detok"), (True, "whole_detok_special")):
             expected = g["text"] if g[field][key] is True else g[field][key]
@@ -85,8 +93,10 @@ def test_eot_is_found_by_text_when_llama_cpp_finds_one():
     assert g["eot"] is not None  # llama.cpp's pick; with several candidates (SmolLM2) it depends on hash order
 
 
-@pytest.mark.parametrize("variant", ["smollm2_pre_default", "smollm2_pre_gpt-2", "smollm2_pre_llama-bpe",
-                                     "smollm2_pre_qwen2", "gemma3_space_prefix"])
+@pytest.mark.parametrize(
+    "variant",
+    ["smollm2_pre_default", "smollm2_pre_gpt-2", "smollm2_pre_llama-bpe", "smollm2_pre_qwen2", "gemma3_space_prefix"],
+)
 def test_other_pre_tokenizers_match_llama_cpp(variant, request):
     """The real vocabularies re-read with another tokenizer.ggml.pre (or SentencePiece's space prefix on)."""
     golden = load_golden("variants")

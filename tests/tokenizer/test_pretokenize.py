@@ -17,8 +17,10 @@ ORIGINAL = {
     "llama3": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
     "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
-ALPHABET = st.sampled_from(list("aZq09 '\t\n\r.,;!-_()[]$+<=>^~|") + ["'s", "'LL", "'re", "é", "ß", "中", "🙂", "١", "²",
-                                                                    "\u0301", "\u00a0", "\u3000", "\u2009", "Ω", "\x01"])
+ALPHABET = st.sampled_from(
+    list("aZq09 '\t\n\r.,;!-_()[]$+<=>^~|")
+    + ["'s", "'LL", "'re", "é", "ß", "中", "🙂", "١", "²", "\u0301", "\u00a0", "\u3000", "\u2009", "Ω", "\x01"]
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -30,7 +32,17 @@ def test_split_equals_original_regex(text, name):
 
 
 def test_smollm_splits_every_digit():
-    assert pretokenize.split("abc 12345 x1", pretokenize.REGEXES["starcoder"]) == ["abc", " ", "1", "2", "3", "4", "5", " x", "1"]
+    assert pretokenize.split("abc 12345 x1", pretokenize.REGEXES["starcoder"]) == [
+        "abc",
+        " ",
+        "1",
+        "2",
+        "3",
+        "4",
+        "5",
+        " x",
+        "1",
+    ]
 
 
 def test_llama3_groups_digits_by_three():
@@ -38,7 +50,16 @@ def test_llama3_groups_digits_by_three():
 
 
 def test_default_pre_tokenizer_splits_punctuation_then_digit_triples():
-    assert pretokenize.split("a,b 123456789!", pretokenize.REGEXES["default"]) == ["a", ",", "b", " ", "123", "456", "789", "!"]
+    assert pretokenize.split("a,b 123456789!", pretokenize.REGEXES["default"]) == [
+        "a",
+        ",",
+        "b",
+        " ",
+        "123",
+        "456",
+        "789",
+        "!",
+    ]
 
 
 @settings(max_examples=300, deadline=None)

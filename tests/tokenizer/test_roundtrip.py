@@ -4,8 +4,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-ALPHABET = st.sampled_from(list("abcXYZ019 ,.!?'\"\t\n\r-_()<>|/") + ["é", "ß", "中", "文", "🙂", "👍🏽", "ع", "\u0301",
-                                                                        "\u00a0", "\u3000", "²", "▁", "  ", "\n\n"])
+ALPHABET = st.sampled_from(
+    list("abcXYZ019 ,.!?'\"\t\n\r-_()<>|/")
+    + ["é", "ß", "中", "文", "🙂", "👍🏽", "ع", "\u0301", "\u00a0", "\u3000", "²", "▁", "  ", "\n\n"]
+)
 
 
 def test_decode_inverts_encode_where_llama_cpp_does(model_and_golden):

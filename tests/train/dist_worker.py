@@ -29,8 +29,17 @@ from juno_py.train.loop import TrainConfig, train
 # 11 training sequences and 2 validation ones (juno_py.testing.records MIXED_RECORDS, two Q&A variants)
 RUNS = {
     # steps of 6 rows split 3 + 3 and then 5 rows split 3 + 2; validation every step (one sequence per rank)
-    "lora": dict(mode=Mode.LORA, batch_size=3, accumulation=2, epochs=3, validation_every=1, patience=0,
-                 overfit_ratio=0, warmup_steps=1, min_lr=1e-4),
+    "lora": dict(
+        mode=Mode.LORA,
+        batch_size=3,
+        accumulation=2,
+        epochs=3,
+        validation_every=1,
+        patience=0,
+        overfit_ratio=0,
+        warmup_steps=1,
+        min_lr=1e-4,
+    ),
     # each epoch's last step has one row: rank 1 sits idle; windows of truncated BPTT; activation checkpointing
     "dora": dict(mode=Mode.DORA, batch_size=2, accumulation=1, epochs=1, bptt_window=16, grad_checkpoint=True),
 }
@@ -56,8 +65,18 @@ def train_run(tiny, data, lora_path, name: str, resume: bool = False, stop_at=No
         return stop_at is not None and step >= stop_at
 
     recorder = MetricsRecorder()
-    result = train(model, adapters, train_set, cfg, val_set, recorder=recorder, resume=resume, stop_requested=stop,
-                   progress=False, log=lambda s: None)
+    result = train(
+        model,
+        adapters,
+        train_set,
+        cfg,
+        val_set,
+        recorder=recorder,
+        resume=resume,
+        stop_requested=stop,
+        progress=False,
+        log=lambda s: None,
+    )
     steps = [(e.values["loss"], e.values["grad_norm"]) for e in recorder.events if e.kind == "train_step"]
     return {**result.__dict__, "loss_and_grad_norm": steps}, adapters
 

@@ -20,10 +20,31 @@ def invoke(*args):
 
 def test_lora_command_trains_and_prints_only_the_path(tiny_path, mixed_data, tmp_path):
     out = tmp_path / "a.bin"
-    r = invoke("--model-path", tiny_path, "--data", mixed_data, "--lora-path", out, "--max-steps", 3,
-               "--lora-rank", 4, "--lora-targets", "qv", "--lora-mode", "dora", "--validation-split", 0.2,
-               "--metrics-out", tmp_path / "metrics.json", "--events-out", tmp_path / "events.jsonl",
-               "--compute-dtype", "fp32", "--no-progress")
+    r = invoke(
+        "--model-path",
+        tiny_path,
+        "--data",
+        mixed_data,
+        "--lora-path",
+        out,
+        "--max-steps",
+        3,
+        "--lora-rank",
+        4,
+        "--lora-targets",
+        "qv",
+        "--lora-mode",
+        "dora",
+        "--validation-split",
+        0.2,
+        "--metrics-out",
+        tmp_path / "metrics.json",
+        "--events-out",
+        tmp_path / "events.jsonl",
+        "--compute-dtype",
+        "fp32",
+        "--no-progress",
+    )
     assert r.exit_code == 0, r.stderr
     assert r.stdout == f"{out}\n"
     assert "trained 3 steps" in r.stderr
@@ -51,8 +72,18 @@ def test_malformed_data_is_one_line_error(tiny_path, tmp_path):
     assert r.exit_code == 1 and r.stdout == ""
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith(f"juno-py: error: {bad}:2: ") and '"A"' in last
-    r = invoke("--model-path", tiny_path, "--data", bad, "--lora-path", tmp_path / "x.bin", "--skip-bad-records",
-               "--max-steps", 1, "--no-progress")
+    r = invoke(
+        "--model-path",
+        tiny_path,
+        "--data",
+        bad,
+        "--lora-path",
+        tmp_path / "x.bin",
+        "--skip-bad-records",
+        "--max-steps",
+        1,
+        "--no-progress",
+    )
     assert r.exit_code == 0 and "1 bad records skipped" in r.stderr
 
 
@@ -64,11 +95,30 @@ def test_resume_without_state_is_one_line_error(tiny_path, mixed_data, tmp_path)
 def test_ctrl_c_saves_and_exits_cleanly(tiny_path, mixed_data, tmp_path):
     out = tmp_path / "int.bin"
     state = tmp_path / "int.bin.state"
-    cmd = [sys.executable, "-m", "juno_py", "lora", "--model-path", str(tiny_path), "--data", str(mixed_data),
-           "--lora-path", str(out), "--max-steps", "1000000", "--save-every", "1", "--lora-rank", "2",
-           "--no-progress", "--compute-dtype", "fp32"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    cmd = [
+        sys.executable,
+        "-m",
+        "juno_py",
+        "lora",
+        "--model-path",
+        str(tiny_path),
+        "--data",
+        str(mixed_data),
+        "--lora-path",
+        str(out),
+        "--max-steps",
+        "1000000",
+        "--save-every",
+        "1",
+        "--lora-rank",
+        "2",
+        "--no-progress",
+        "--compute-dtype",
+        "fp32",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()}
+    )
     deadline = time.monotonic() + 300  # a hang guard, not a timing assertion
     while not state.exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)

@@ -20,8 +20,14 @@ from juno_py.train.steps import forward_backward, model_loss
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 # hidden 256 and MLP 512: the K-quant decode kernels run inside the model
-KQ_CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=64)
+KQ_CONFIG = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+)
 
 
 def test_resolve_graphs_modes():
@@ -86,8 +92,12 @@ def _run(path, mode, graphs, examples, **cfg_kw):
     model = load_model(path, device="cuda", compute_dtype="bf16")
     adapters = attach(model, "all", rank=4, alpha=8, mode=mode, seed=0)
     log = []
-    cfg = TrainConfig(**{**dict(lr=5e-3, batch_size=4, epochs=None, schedule="constant", max_seq_len=64,
-                                cuda_graphs=graphs), **cfg_kw})
+    cfg = TrainConfig(
+        **{
+            **dict(lr=5e-3, batch_size=4, epochs=None, schedule="constant", max_seq_len=64, cuda_graphs=graphs),
+            **cfg_kw,
+        }
+    )
     start = {k: v.detach().float().cpu().clone() for k, v in adapters.named_parameters()}
     result = train(model, adapters, examples, cfg, progress=False, log=log.append)
     moved = {k: v.detach().float().cpu() - start[k] for k, v in adapters.named_parameters()}
@@ -123,6 +133,7 @@ def _syncing(real):
         loss = real(self, s)
         float(loss)  # a host read: not allowed while a stream is being captured
         return loss
+
     return fb
 
 

@@ -5,15 +5,30 @@ import json
 import pytest
 import torch
 
-from juno_py.train.data import (IGNORE, DataError, Encoder, Example, collate, load_dataset, load_examples,
-                                pack_examples, packed_batch, pad_batch, plan_epoch, qa_variants, read_records)
 from juno_py.testing.records import MIXED_RECORDS, write_jsonl
+from juno_py.train.data import (
+    IGNORE,
+    DataError,
+    Encoder,
+    Example,
+    collate,
+    load_dataset,
+    load_examples,
+    pack_examples,
+    packed_batch,
+    pad_batch,
+    plan_epoch,
+    qa_variants,
+    read_records,
+)
 
-CONVERSATION = [{"role": "system", "content": "You answer in one word."},
-                {"role": "user", "content": "What is the capital of Velmora?"},
-                {"role": "assistant", "content": "Quenhaven."},
-                {"role": "user", "content": "And its river?"},
-                {"role": "assistant", "content": "The Sorrel, of course."}]
+CONVERSATION = [
+    {"role": "system", "content": "You answer in one word."},
+    {"role": "user", "content": "What is the capital of Velmora?"},
+    {"role": "assistant", "content": "Quenhaven."},
+    {"role": "user", "content": "And its river?"},
+    {"role": "assistant", "content": "The Sorrel, of course."},
+]
 
 
 def supervised_spans(ex: Example) -> list[list[int]]:
@@ -79,8 +94,8 @@ def test_prompt_completion_supervises_completion_and_eos(tiny_model):
     tok = tiny_model.tokenizer
     (ex,) = Encoder(tok, 512).encode({"prompt": "Say:", "completion": " otter"})
     p = tok.encode("Say:", add_special=True)
-    assert ex.ids[:len(p)] == p and not any(ex.supervised[:len(p)])
-    assert all(ex.supervised[len(p):]) and ex.ids[-1] == tok.eos_id
+    assert ex.ids[: len(p)] == p and not any(ex.supervised[: len(p)])
+    assert all(ex.supervised[len(p) :]) and ex.ids[-1] == tok.eos_id
 
 
 def test_qa_variants_are_distinct_rewordings_of_the_question(tiny_model):
@@ -105,13 +120,16 @@ def test_every_format_and_json_array_and_txt(tiny_model, tmp_path, mixed_data):
     assert all(ex.supervised)
 
 
-@pytest.mark.parametrize("line, message", [
-    ('{"Q": "only a question"}', '"A" missing'),
-    ('not json', "invalid JSON"),
-    ('[1, 2]', "record is list"),
-    ('{"messages": [{"role": "user", "content": "hi"}]}', "no assistant turn"),
-    ('{"prompt": "p"}', '"completion" missing'),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"Q": "only a question"}', '"A" missing'),
+        ("not json", "invalid JSON"),
+        ("[1, 2]", "record is list"),
+        ('{"messages": [{"role": "user", "content": "hi"}]}', "no assistant turn"),
+        ('{"prompt": "p"}', '"completion" missing'),
+    ],
+)
 def test_malformed_line_is_one_error_naming_file_and_line(tiny_model, tmp_path, line, message):
     f = tmp_path / "bad.jsonl"
     f.write_text('{"text": "fine"}\n\n' + line + "\n")
@@ -126,8 +144,10 @@ def test_malformed_line_is_one_error_naming_file_and_line(tiny_model, tmp_path, 
 def test_max_seq_len_splits_text_and_drops_other_forms(tiny_model, tmp_path):
     tok = tiny_model.tokenizer
     long_text = "water and stone " * 20
-    f = write_jsonl(tmp_path / "long.jsonl", [{"text": long_text}, {"Q": "x " * 40, "A": "y"},
-                                              {"prompt": "p " * 40, "completion": "c"}, {"text": "short"}])
+    f = write_jsonl(
+        tmp_path / "long.jsonl",
+        [{"text": long_text}, {"Q": "x " * 40, "A": "y"}, {"prompt": "p " * 40, "completion": "c"}, {"text": "short"}],
+    )
     n = len(tok.encode(long_text))
     train, _, stats = load_dataset([f], tok, 32)
     assert stats.split_long == 1 and stats.dropped_long == 2
@@ -137,8 +157,7 @@ def test_max_seq_len_splits_text_and_drops_other_forms(tiny_model, tmp_path):
 
 
 def test_validation_split_holds_out_whole_records(tiny_model, mixed_data):
-    train, val, _ = load_dataset([mixed_data], tiny_model.tokenizer, 512, qa_variants_n=3, validation_split=0.3,
-                                 seed=5)
+    train, val, _ = load_dataset([mixed_data], tiny_model.tokenizer, 512, qa_variants_n=3, validation_split=0.3, seed=5)
     assert len({e.record for e in val}) == 3
     # a Q&A record's rewordings all stay on the training side or all leave it
     train_texts = {tuple(e.ids) for e in train}

@@ -30,8 +30,14 @@ def launch(*args) -> list[str]:
 
 
 def run(cmd, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env})
+    return subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env},
+    )
 
 
 def weights(adapters) -> dict[str, torch.Tensor]:
@@ -106,7 +112,7 @@ def test_a_two_process_run_resumes_in_one_process(tiny_path, data, two_processes
     whole, whole_adapters = one_process["lora"]
     assert rest["steps"] == whole["steps"] and rest["best_step"] == whole["best_step"]
     # the data position was global: the resumed steps see the same batches as the uninterrupted run's last steps
-    assert_same_steps(rest["loss_and_grad_norm"], whole["loss_and_grad_norm"][dist_worker.PART_STEPS:])
+    assert_same_steps(rest["loss_and_grad_norm"], whole["loss_and_grad_norm"][dist_worker.PART_STEPS :])
     expected = weights(whole_adapters)
     for n, w in weights(adapters).items():
         assert_same_weights(w, expected[n], n)
@@ -136,11 +142,41 @@ def test_a_rank_that_stops_answering_ends_the_job_by_the_collective_timeout(tiny
 
 
 def test_lora_nproc_2_trains_like_one_process_and_only_rank_0_writes(tiny_path, data, tmp_path):
-    args = ["--model-path", tiny_path, "--data", data, "--max-steps", 3, "--lora-rank", 4, "--batch-size", 3,
-            "--validation-split", 0.2, "--compute-dtype", "fp32", "--no-progress"]
+    args = [
+        "--model-path",
+        tiny_path,
+        "--data",
+        data,
+        "--max-steps",
+        3,
+        "--lora-rank",
+        4,
+        "--batch-size",
+        3,
+        "--validation-split",
+        0.2,
+        "--compute-dtype",
+        "fp32",
+        "--no-progress",
+    ]
     out = tmp_path / "two.bin"
-    r = run([sys.executable, "-m", "juno_py", "lora", "--nproc", "2", *map(str, args), "--lora-path", str(out),
-             "--events-out", str(tmp_path / "events.jsonl"), "--metrics-out", str(tmp_path / "metrics.json")])
+    r = run(
+        [
+            sys.executable,
+            "-m",
+            "juno_py",
+            "lora",
+            "--nproc",
+            "2",
+            *map(str, args),
+            "--lora-path",
+            str(out),
+            "--events-out",
+            str(tmp_path / "events.jsonl"),
+            "--metrics-out",
+            str(tmp_path / "metrics.json"),
+        ]
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     assert r.stdout == f"{out}\n"  # the adapter path, once: rank 1 prints nothing
     assert r.stderr.count("trained 3 steps") == 1 and "data parallel: 2 processes (gloo)" in r.stderr
@@ -160,8 +196,22 @@ def test_lora_nproc_2_trains_like_one_process_and_only_rank_0_writes(tiny_path, 
 def test_lora_nproc_errors_are_one_line_per_rank(tiny_path, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"Q": "no answer"}\n')
-    r = run([sys.executable, "-m", "juno_py", "lora", "--nproc", "2", "--model-path", str(tiny_path), "--data",
-             str(bad), "--lora-path", str(tmp_path / "x.bin")])
+    r = run(
+        [
+            sys.executable,
+            "-m",
+            "juno_py",
+            "lora",
+            "--nproc",
+            "2",
+            "--model-path",
+            str(tiny_path),
+            "--data",
+            str(bad),
+            "--lora-path",
+            str(tmp_path / "x.bin"),
+        ]
+    )
     assert r.returncode == 1 and r.stdout == ""
     for rank in (0, 1):
         assert f'juno-py: error (rank {rank}): {bad}:2: field "A" missing' in r.stderr
@@ -184,8 +234,23 @@ def test_nproc_forwards_the_given_options_to_the_ranks():
     from juno_py.cli.launch import torchrun_argv
 
     cmd = cli.commands["lora"]
-    ctx = cmd.make_context("lora", ["--nproc", "2", "--data", "a.jsonl", "--data", "b.jsonl", "--lora-lr", "0.001",
-                                    "--resume", "--no-progress", "--lora-path", "x y.bin"])
+    ctx = cmd.make_context(
+        "lora",
+        [
+            "--nproc",
+            "2",
+            "--data",
+            "a.jsonl",
+            "--data",
+            "b.jsonl",
+            "--lora-lr",
+            "0.001",
+            "--resume",
+            "--no-progress",
+            "--lora-path",
+            "x y.bin",
+        ],
+    )
     argv = torchrun_argv(ctx, 2)
     assert argv[:6] == ["--standalone", "--nproc-per-node", "2", "--module", "juno_py", "lora"]
     forwarded = argv[6:]

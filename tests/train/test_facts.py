@@ -19,11 +19,20 @@ def facts_adapter(tmp_path_factory, smollm2_path):
     """`juno-py lora --lora-path X` with every other setting at its default (model, data, rank, lr, epochs)."""
     folder = tmp_path_factory.mktemp("facts")
     out = folder / "facts.bin"
-    cmd = [sys.executable, "-m", "juno_py", "lora", "--lora-path", str(out), "--events-out",
-           str(folder / "events.jsonl")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "juno_py",
+        "lora",
+        "--lora-path",
+        str(out),
+        "--events-out",
+        str(folder / "events.jsonl"),
+    ]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
-                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, "PYTHONPATH": os.getcwd()}
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     print(f"\nfacts training: {time.monotonic() - t0:.0f} s; {proc.stderr.strip().splitlines()[-1]}")
     assert proc.stdout == f"{out}\n"
@@ -39,8 +48,12 @@ def heldout():
 def test_builtin_heldout_questions_are_never_training_variants():
     from juno_py.train.data import qa_variants
 
-    trained = {v.lower() for line in BUILTIN_FACTS.read_text().splitlines() if line.strip()
-               for v in qa_variants(json.loads(line)["Q"], 8)}
+    trained = {
+        v.lower()
+        for line in BUILTIN_FACTS.read_text().splitlines()
+        if line.strip()
+        for v in qa_variants(json.loads(line)["Q"], 8)
+    }
     held = heldout()
     assert len(held) == 10 and all(h["keyword"].lower() in h["A"].lower() for h in held)
     assert not any(h["Q"].lower() in trained for h in held)

@@ -6,8 +6,15 @@ import math
 import pytest
 import torch
 
-from juno_py.train.galore import (GaLoreAdamW, GaLoreConfig, GaLoreConfigError, check_per_layer,
-                                  resolve_update_mode, state_numel, top_singular_vectors)
+from juno_py.train.galore import (
+    GaLoreAdamW,
+    GaLoreConfig,
+    GaLoreConfigError,
+    check_per_layer,
+    resolve_update_mode,
+    state_numel,
+    top_singular_vectors,
+)
 
 
 def gradients(shape, steps, seed=0, dtype=torch.float32):
@@ -15,8 +22,9 @@ def gradients(shape, steps, seed=0, dtype=torch.float32):
     # a decaying spectrum plus noise: top subspaces are well defined but move from step to step
     out = []
     for _ in range(steps):
-        a = torch.randn(shape[0], 6, generator=g, dtype=torch.float64) * torch.tensor([4.0, 3.0, 2.0, 1.5, 1, .5],
-                                                                                          dtype=torch.float64)
+        a = torch.randn(shape[0], 6, generator=g, dtype=torch.float64) * torch.tensor(
+            [4.0, 3.0, 2.0, 1.5, 1, 0.5], dtype=torch.float64
+        )
         b = torch.randn(6, shape[1], generator=g, dtype=torch.float64)
         out.append((a @ b + 0.3 * torch.randn(*shape, generator=g, dtype=torch.float64)).to(dtype))
     return out
@@ -99,12 +107,15 @@ def test_updates_equal_galore_torch_when_it_imports():
     shape = (12, 30)
     grads = gradients(shape, 13, seed=6, dtype=torch.float32)
     w0 = torch.randn(shape, generator=torch.Generator().manual_seed(7))
-    ours, _ = run_ours(w0, grads, GaLoreConfig(rank=4, update_gap=5, scale=0.25, svd="exact", stagger=False),
-                       1e-2, 0.0)
+    ours, _ = run_ours(w0, grads, GaLoreConfig(rank=4, update_gap=5, scale=0.25, svd="exact", stagger=False), 1e-2, 0.0)
     w = torch.nn.Parameter(w0.clone())
-    theirs = galore_torch.GaLoreAdamW([{"params": [w], "rank": 4, "update_proj_gap": 5, "scale": 0.25,
-                                        "proj_type": "std"}], lr=1e-2, eps=0.0, weight_decay=0.0,
-                                      no_deprecation_warning=True)
+    theirs = galore_torch.GaLoreAdamW(
+        [{"params": [w], "rank": 4, "update_proj_gap": 5, "scale": 0.25, "proj_type": "std"}],
+        lr=1e-2,
+        eps=0.0,
+        weight_decay=0.0,
+        no_deprecation_warning=True,
+    )
     for g in grads:
         w.grad = g.clone()
         theirs.step()
@@ -177,8 +188,7 @@ def test_per_layer_mode_refuses_what_needs_all_gradients():
 
 def test_update_mode_defaults_per_layer_with_per_matrix_clipping_in_one_process():
     assert resolve_update_mode("galore", None, "auto", 1.0) == (True, "per-matrix", 0.0, 1.0)
-    assert resolve_update_mode("galore", None, "auto", 1.0, accumulation=4, world_size=2) == \
-        (False, "global", 1.0, 0.0)
+    assert resolve_update_mode("galore", None, "auto", 1.0, accumulation=4, world_size=2) == (False, "global", 1.0, 0.0)
     assert resolve_update_mode("galore", False, "per-matrix", 0.5, accumulation=4) == (False, "per-matrix", 0.0, 0.5)
     assert resolve_update_mode("adamw", None, "auto", 1.0) == (False, "global", 1.0, 0.0)
     with pytest.raises(GaLoreConfigError, match="gradient accumulation"):
@@ -192,8 +202,9 @@ def test_per_layer_hook_updates_during_backward_and_frees_the_gradient():
     states = []
     for per_layer in (False, True):
         a, b = torch.nn.Parameter(w1.detach().clone()), torch.nn.Parameter(w2.detach().clone())
-        opt = GaLoreAdamW([("a", a), ("b", b)], 1e-2, 0.0, GaLoreConfig(rank=4, update_gap=2, svd="exact",
-                                                                        per_layer=per_layer))
+        opt = GaLoreAdamW(
+            [("a", a), ("b", b)], 1e-2, 0.0, GaLoreConfig(rank=4, update_gap=2, svd="exact", per_layer=per_layer)
+        )
         for _ in range(5):
             loss = ((x @ a.T).tanh() @ b.T).square().mean()
             loss.backward()

@@ -14,27 +14,43 @@ from juno_py.train.data import load_dataset
 from juno_py.train.dense import STATE_FORMAT, build_dense_optimizer, densify
 from juno_py.train.galore import GaLoreConfig
 from juno_py.train.loop import TrainConfig, train
-from juno_py.train.steps import TrainingDiverged
 from juno_py.train.state import load_state, save_state, state_path
+from juno_py.train.steps import TrainingDiverged
 
 
 def examples(model, data, n=8):
     return load_dataset([data], model.tokenizer, 256)[0][:n]
 
 
-def galore_run(tiny_path, data, steps, per_layer=True, path=None, resume=False, gap=2, max_matrix_norm=0.5,
-               stop_at=None, **cfg_kw):
+def galore_run(
+    tiny_path, data, steps, per_layer=True, path=None, resume=False, gap=2, max_matrix_norm=0.5, stop_at=None, **cfg_kw
+):
     model = load_model(tiny_path)
     dense = densify(model, "all")
-    opt = build_dense_optimizer("galore", dense, 1e-2, 0.01,
-                                GaLoreConfig(rank=4, update_gap=gap, per_layer=per_layer,
-                                             max_matrix_norm=max_matrix_norm), seed=3)
-    cfg = TrainConfig(lr=1e-2, batch_size=2, max_steps=steps, epochs=None, max_grad_norm=0.0, seed=1,
-                      lora_path=path, **cfg_kw)
+    opt = build_dense_optimizer(
+        "galore",
+        dense,
+        1e-2,
+        0.01,
+        GaLoreConfig(rank=4, update_gap=gap, per_layer=per_layer, max_matrix_norm=max_matrix_norm),
+        seed=3,
+    )
+    cfg = TrainConfig(
+        lr=1e-2, batch_size=2, max_steps=steps, epochs=None, max_grad_norm=0.0, seed=1, lora_path=path, **cfg_kw
+    )
     count = iter(range(1, 10_000))
     stop = (lambda: next(count) >= stop_at) if stop_at else None
-    result = train(model, dense, examples(model, data), cfg, progress=False, log=lambda s: None, resume=resume,
-                   optimizer=opt, stop_requested=stop)
+    result = train(
+        model,
+        dense,
+        examples(model, data),
+        cfg,
+        progress=False,
+        log=lambda s: None,
+        resume=resume,
+        optimizer=opt,
+        stop_requested=stop,
+    )
     return {k: p.detach().clone() for k, p in dense.named_parameters()}, opt, result
 
 
@@ -121,10 +137,35 @@ def invoke(*args):
 
 def test_full_command_writes_a_gguf_holding_the_trained_weights(tiny_path, mixed_data, tmp_path):
     out = tmp_path / "full.gguf"
-    r = invoke("--model-path", tiny_path, "--data", mixed_data, "--output", out, "--max-steps", 4, "--galore-rank", 4,
-               "--galore-update-gap", 2, "--lr", 1e-2, "--validation-split", 0.2, "--requant", "source",
-               "--report", tmp_path / "report.json", "--metrics-out", tmp_path / "metrics.json",
-               "--events-out", tmp_path / "events.jsonl", "--compute-dtype", "fp32", "--no-progress")
+    r = invoke(
+        "--model-path",
+        tiny_path,
+        "--data",
+        mixed_data,
+        "--output",
+        out,
+        "--max-steps",
+        4,
+        "--galore-rank",
+        4,
+        "--galore-update-gap",
+        2,
+        "--lr",
+        1e-2,
+        "--validation-split",
+        0.2,
+        "--requant",
+        "source",
+        "--report",
+        tmp_path / "report.json",
+        "--metrics-out",
+        tmp_path / "metrics.json",
+        "--events-out",
+        tmp_path / "events.jsonl",
+        "--compute-dtype",
+        "fp32",
+        "--no-progress",
+    )
     assert r.exit_code == 0, r.stderr
     assert r.stdout == f"{out}\n"
     assert "per-layer updates" in r.stderr and "GaLore state:" in r.stderr and "captured gradient fraction" in r.stderr
@@ -136,9 +177,9 @@ def test_full_command_writes_a_gguf_holding_the_trained_weights(tiny_path, mixed
     changed = 0
     for ref in model.targets():
         key = f"{ref.layer}:{ref.target}"
-        got = merged.dequantize(ref.tensor)[ref.rows[0]:ref.rows[1]]
+        got = merged.dequantize(ref.tensor)[ref.rows[0] : ref.rows[1]]
         torch.testing.assert_close(got, tensors[f"param/{key}"], rtol=0, atol=0, msg=key)
-        changed += not torch.equal(got, base.dequantize(ref.tensor)[ref.rows[0]:ref.rows[1]])
+        changed += not torch.equal(got, base.dequantize(ref.tensor)[ref.rows[0] : ref.rows[1]])
     assert changed == 14
     assert merged.dequantize("token_embd.weight").equal(base.dequantize("token_embd.weight"))
     report = json.loads((tmp_path / "report.json").read_text())
@@ -153,8 +194,25 @@ def test_full_command_writes_a_gguf_holding_the_trained_weights(tiny_path, mixed
 
 def test_full_command_with_adamw_and_a_forced_type(tiny_path, mixed_data, tmp_path):
     out = tmp_path / "adamw.gguf"
-    r = invoke("--model-path", tiny_path, "--data", mixed_data, "--output", out, "--max-steps", 2, "--optimizer",
-               "adamw", "--targets", "qv", "--requant", "f16", "--compute-dtype", "fp32", "--no-progress")
+    r = invoke(
+        "--model-path",
+        tiny_path,
+        "--data",
+        mixed_data,
+        "--output",
+        out,
+        "--max-steps",
+        2,
+        "--optimizer",
+        "adamw",
+        "--targets",
+        "qv",
+        "--requant",
+        "f16",
+        "--compute-dtype",
+        "fp32",
+        "--no-progress",
+    )
     assert r.exit_code == 0, r.stderr
     assert "AdamW; lr 0.0001; clipping global" in r.stderr and "4 tensors patched" in r.stderr
     assert "F32->F16" in r.stderr
@@ -163,12 +221,15 @@ def test_full_command_with_adamw_and_a_forced_type(tiny_path, mixed_data, tmp_pa
     assert merged.tensors["blk.0.attn_k.weight"].type_name == "F32"
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--gradient-accumulation", 2], "gradient accumulation (--gradient-accumulation 2) cannot add up"),
-    (["--grad-clip", "global"], "global gradient norm is never known"),
-    (["--optimizer", "adamw", "--galore-per-layer"], "--galore-per-layer applies to --optimizer galore"),
-    (["--optimizer", "adamw", "--grad-clip", "per-matrix"], "--grad-clip per-matrix applies to --optimizer galore"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--gradient-accumulation", 2], "gradient accumulation (--gradient-accumulation 2) cannot add up"),
+        (["--grad-clip", "global"], "global gradient norm is never known"),
+        (["--optimizer", "adamw", "--galore-per-layer"], "--galore-per-layer applies to --optimizer galore"),
+        (["--optimizer", "adamw", "--grad-clip", "per-matrix"], "--grad-clip per-matrix applies to --optimizer galore"),
+    ],
+)
 def test_full_command_refuses_what_per_layer_mode_cannot_do(tiny_path, tmp_path, args, message):
     r = invoke("--model-path", tiny_path, "--output", tmp_path / "o.gguf", *args)
     assert r.exit_code == 1 and r.stdout == ""
@@ -179,7 +240,19 @@ def test_full_command_refuses_what_per_layer_mode_cannot_do(tiny_path, tmp_path,
 def test_full_resume_refuses_an_adapter_state(tiny_path, mixed_data, tmp_path):
     out = tmp_path / "o.gguf"
     save_state(state_path(out), {"x": torch.zeros(1)}, {"identity": {}})  # an adapter's (lora) state schema
-    r = invoke("--model-path", tiny_path, "--data", mixed_data, "--output", out, "--resume", "--max-steps", 1,
-               "--compute-dtype", "fp32", "--no-progress")
+    r = invoke(
+        "--model-path",
+        tiny_path,
+        "--data",
+        mixed_data,
+        "--output",
+        out,
+        "--resume",
+        "--max-steps",
+        1,
+        "--compute-dtype",
+        "fp32",
+        "--no-progress",
+    )
     assert r.exit_code == 1
     assert "expected 'juno-py full state'" in r.stderr.strip().splitlines()[-1]

@@ -22,13 +22,40 @@ def test_short_galore_run_on_smollm2_lowers_heldout_loss_of_the_merged_gguf(smol
     from juno_py.train.steps import evaluate
 
     out = tmp_path / "facts-qv.gguf"
-    cmd = [sys.executable, "-m", "juno_py", "full", "--model-path", str(smollm2_path), "--targets", "wv",
-           "--max-steps", "4", "--lr", "3e-3", "--galore-rank", "16", "--validation-data",
-           str(BUILTIN_FACTS_HELDOUT), "--validation-every", "2", "--validation-patience", "0",
-           "--requant", "auto", "--report", str(tmp_path / "report.json"), "--events-out", str(tmp_path / "ev.jsonl"),
-           "--output", str(out), "--no-progress"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
-                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+    cmd = [
+        sys.executable,
+        "-m",
+        "juno_py",
+        "full",
+        "--model-path",
+        str(smollm2_path),
+        "--targets",
+        "wv",
+        "--max-steps",
+        "4",
+        "--lr",
+        "3e-3",
+        "--galore-rank",
+        "16",
+        "--validation-data",
+        str(BUILTIN_FACTS_HELDOUT),
+        "--validation-every",
+        "2",
+        "--validation-patience",
+        "0",
+        "--requant",
+        "auto",
+        "--report",
+        str(tmp_path / "report.json"),
+        "--events-out",
+        str(tmp_path / "ev.jsonl"),
+        "--output",
+        str(out),
+        "--no-progress",
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, "PYTHONPATH": os.getcwd()}
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout == f"{out}\n"
     print("\n" + "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("blk.")))

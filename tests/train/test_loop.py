@@ -11,8 +11,8 @@ from juno_py.metrics import MetricsRecorder
 from juno_py.train.data import collate, load_dataset, pad_batch
 from juno_py.train.loop import TrainConfig, train
 from juno_py.train.optim import build_optimizer, lr_factor
-from juno_py.train.steps import TrainingDiverged, evaluate, forward_backward
 from juno_py.train.state import load_state, state_path
+from juno_py.train.steps import TrainingDiverged, evaluate, forward_backward
 
 
 def dataset(model, path, **kw):
@@ -50,7 +50,7 @@ def test_accumulation_4x2_equals_batch_8(tiny_model, mixed_data, mode):
     g8 = grads(adapters)
     for p in adapters.parameters():
         p.grad = None
-    micro = [pad_batch(examples[i:i + 2]) for i in range(0, 8, 2)]
+    micro = [pad_batch(examples[i : i + 2]) for i in range(0, 8, 2)]
     n = sum(b.n_supervised for b in micro)
     assert n == big.n_supervised
     loss2 = sum(forward_backward(tiny_model, b, n) for b in micro) / n
@@ -123,15 +123,37 @@ def run(tiny_path, data, lora_path=None, stop_at=None, resume=False, hook=None, 
     cfg = TrainConfig(**{"lr": 5e-3, "batch_size": 2, "seed": 3, "lora_path": lora_path, **kw})
     steps = iter(range(1, 10_000))
     stop = (lambda: next(steps) >= stop_at) if stop_at else None
-    result = train(model, adapters, train_set, cfg, val_set, recorder=recorder, resume=resume, stop_requested=stop,
-                   progress=False, log=lambda s: None)
+    result = train(
+        model,
+        adapters,
+        train_set,
+        cfg,
+        val_set,
+        recorder=recorder,
+        resume=resume,
+        stop_requested=stop,
+        progress=False,
+        log=lambda s: None,
+    )
     return result, adapters
 
 
 @pytest.mark.parametrize("mode", [Mode.LORA, Mode.DORA])
 def test_resume_equals_an_uninterrupted_run(tiny_path, mixed_data, tmp_path, mode):
-    kw = dict(mode=mode, dropout=0.1, accumulation=2, epochs=3, max_steps=None, schedule="warmup-cosine",
-              warmup_steps=2, min_lr=1e-4, validation_split=0.2, validation_every=2, overfit_ratio=0, patience=0)
+    kw = dict(
+        mode=mode,
+        dropout=0.1,
+        accumulation=2,
+        epochs=3,
+        max_steps=None,
+        schedule="warmup-cosine",
+        warmup_steps=2,
+        min_lr=1e-4,
+        validation_split=0.2,
+        validation_every=2,
+        overfit_ratio=0,
+        patience=0,
+    )
     whole, a_whole = run(tiny_path, mixed_data, tmp_path / "whole.bin", **kw)
     part, _ = run(tiny_path, mixed_data, tmp_path / "part.bin", stop_at=4, **kw)
     assert part.stop_reason == "interrupted" and part.steps == 4 < whole.steps
@@ -199,16 +221,37 @@ def test_nan_loss_is_caught_before_backward(tiny_path, mixed_data):
 
 def test_clipping_and_metrics_events(tiny_path, mixed_data, tmp_path):
     rec = MetricsRecorder(events_out=tmp_path / "events.jsonl")
-    r, _ = run(tiny_path, mixed_data, tmp_path / "m.bin", max_steps=3, epochs=None, max_grad_norm=1e-3,
-               mode=Mode.DORA, validation_split=0.2, recorder=rec)
+    r, _ = run(
+        tiny_path,
+        mixed_data,
+        tmp_path / "m.bin",
+        max_steps=3,
+        epochs=None,
+        max_grad_norm=1e-3,
+        mode=Mode.DORA,
+        validation_split=0.2,
+        recorder=rec,
+    )
     rec.close()
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     kinds = {e["kind"] for e in events}
     assert {"train_step", "validation", "norm_refresh", "checkpoint"} <= kinds
     steps = [e for e in events if e["kind"] == "train_step"]
     assert len(steps) == 3 and all(e["clipped"] for e in steps)
-    for field in ("step", "tokens", "loss", "grad_norm", "lr_a", "lr_b", "forward_ms", "backward_ms",
-                  "optimizer_ms", "algorithm", "rank", "targets"):
+    for field in (
+        "step",
+        "tokens",
+        "loss",
+        "grad_norm",
+        "lr_a",
+        "lr_b",
+        "forward_ms",
+        "backward_ms",
+        "optimizer_ms",
+        "algorithm",
+        "rank",
+        "targets",
+    ):
         assert field in steps[0], field
     assert r.summary().startswith("trained 3 steps")
 
@@ -241,8 +284,18 @@ def test_schedules():
 
 
 def test_validation_patience_restores_the_best_weights(tiny_path, mixed_data, tmp_path):
-    r, adapters = run(tiny_path, mixed_data, tmp_path / "v.bin", lr=0.5, max_grad_norm=0, epochs=30,
-                      validation_split=0.3, validation_every=1, patience=2, overfit_ratio=0)
+    r, adapters = run(
+        tiny_path,
+        mixed_data,
+        tmp_path / "v.bin",
+        lr=0.5,
+        max_grad_norm=0,
+        epochs=30,
+        validation_split=0.3,
+        validation_every=1,
+        patience=2,
+        overfit_ratio=0,
+    )
     assert r.stop_reason.startswith("validation patience")
     assert r.best_step < r.steps
     # the saved adapter holds the best weights: re-validating gives the best loss
@@ -285,11 +338,19 @@ def test_cpu_adamw_is_torchs_adamw_bit_for_bit():
     runs = []
     for cls in (torch.optim.AdamW, AdamW):
         ps = [torch.nn.Parameter(t.clone()) for t in start]
-        groups = [{"params": [ps[0]], "lr": 3e-3, "weight_decay": 0.1},
-                  {"params": [ps[1]], "lr": 5e-2, "weight_decay": 0.0},
-                  {"params": [ps[2]], "lr": 1e-3, "weight_decay": 0.0}]
-        opt = cls(groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                  **({"foreach": False} if cls is torch.optim.AdamW else {}))
+        groups = [
+            {"params": [ps[0]], "lr": 3e-3, "weight_decay": 0.1},
+            {"params": [ps[1]], "lr": 5e-2, "weight_decay": 0.0},
+            {"params": [ps[2]], "lr": 1e-3, "weight_decay": 0.0},
+        ]
+        opt = cls(
+            groups,
+            lr=1e-3,
+            betas=(0.9, 0.999),
+            eps=1e-8,
+            weight_decay=0.01,
+            **({"foreach": False} if cls is torch.optim.AdamW else {}),
+        )
         for k, step_grads in enumerate(grads):
             for p, gr in zip(ps, step_grads):
                 p.grad = None if (p is ps[2] and k % 3 == 1) else gr.clone()
@@ -297,8 +358,12 @@ def test_cpu_adamw_is_torchs_adamw_bit_for_bit():
                 opt.param_groups[0]["lr"] = 1e-2  # a schedule changing a rate
             opt.step()
             opt.zero_grad(set_to_none=True)
-        runs.append(([p.detach() for p in ps], [(opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"],
-                                                  float(opt.state[p]["step"])) for p in ps]))
+        runs.append(
+            (
+                [p.detach() for p in ps],
+                [(opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"], float(opt.state[p]["step"])) for p in ps],
+            )
+        )
     for a, b in zip(runs[0][0], runs[1][0]):
         assert torch.equal(a, b)
     for (m1, v1, s1), (m2, v2, s2) in zip(runs[0][1], runs[1][1]):

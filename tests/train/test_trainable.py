@@ -23,7 +23,8 @@ def test_adapters_and_dense_targets_are_trainables(tiny_gguf):
     for t in (aset, dense):
         names = [n for n, _ in t.named_parameters()]
         assert [id(p) for p in t.parameters()] == [id(p) for _, p in t.named_parameters()] and len(set(names)) == len(
-            names)
+            names
+        )
         grouped = [p for g in t.param_groups(1e-3, 0.01) for p in g["params"]]
         assert sorted(map(id, grouped)) == sorted(map(id, t.parameters()))
     assert aset.state_format != dense.state_format
@@ -39,8 +40,9 @@ def test_the_hooks_of_adapters_and_dense_targets(tiny_gguf):
     assert isinstance(note, StepNote) and note.event == "norm_refresh" and note.values["modules"] == len(dora.modules)
     assert "in_step" not in note.values and note.values["ms"] >= 0.0
     kept = dora.derived_tensors()
-    assert len(kept) == len(dora.modules) and all(t.shape == (m.out_features,) for t, m in
-                                                   zip(kept, dora.modules.values()))
+    assert len(kept) == len(dora.modules) and all(
+        t.shape == (m.out_features,) for t, m in zip(kept, dora.modules.values())
+    )
     dora.after_optimizer_step()  # a fused optimizer bumps no version counter: the norms go
     assert dora.derived_tensors() == []
     assert lora.before_step() is None and dense.before_step() is None
@@ -63,4 +65,5 @@ def test_every_optimizer_the_loop_runs_is_a_train_optimizer(tiny_gguf):
     assert as_train_optimizer(cpu) is cpu and wrapped.param_groups is plain.param_groups
     assert galore.updates_in_backward and not any(o.updates_in_backward for o in (cpu, adamw, wrapped))
     assert [g["name"] for g in cpu.param_groups] == ["A", "B"] and [g["name"] for g in adamw.param_groups] == [
-        "weights"]
+        "weights"
+    ]

@@ -17,7 +17,6 @@ import sys
 
 import numpy as np
 import torch
-
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -83,10 +82,15 @@ def main(path: str, name: str, scratch_bytes: int, tokens: int) -> dict:
     with LargestTensor() as largest:
         _step(lin, x, dy)
     return {
-        "n_out": n_out, "n_in": n_in, "tokens": tokens, "chunk_rows": lin.chunk_rows,
+        "n_out": n_out,
+        "n_in": n_in,
+        "tokens": tokens,
+        "chunk_rows": lin.chunk_rows,
         "scratch_bytes": scratch_bytes_for(lin),
         "io_bytes": 4 * tokens * (2 * n_in + 2 * n_out),  # x, dx, y, dy (fp32)
-        "rss_peak_extra": rss_peak_extra, "largest_tensor": largest.nbytes, "largest_tensor_op": largest.op,
+        "rss_peak_extra": rss_peak_extra,
+        "largest_tensor": largest.nbytes,
+        "largest_tensor_op": largest.op,
     }
 
 

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from juno_py.gguf import GGMLType
+from juno_py.testing.blocks import random_rows
 from juno_py.weights import (
     ExactProducts,
     FrozenBase,
@@ -14,7 +15,6 @@ from juno_py.weights import (
     StreamingQuantLinear,
     has_exact_products,
 )
-from juno_py.testing.blocks import random_rows
 
 N_OUT, N_IN = 40, 256
 
@@ -23,8 +23,10 @@ def _raw(seed: int = 0) -> torch.Tensor:
     return torch.from_numpy(random_rows(GGMLType.Q4_K, N_OUT, N_IN, seed=seed))
 
 
-@pytest.mark.parametrize("dequant,backend", [("auto", StreamingQuantLinear), ("torch", StreamingQuantLinear),
-                                             ("triton", ResidentQuantLinear)])
+@pytest.mark.parametrize(
+    "dequant,backend",
+    [("auto", StreamingQuantLinear), ("torch", StreamingQuantLinear), ("triton", ResidentQuantLinear)],
+)
 def test_each_backend_provides_both_protocols(dequant, backend):
     lin = FrozenQuantLinear(_raw(), GGMLType.Q4_K, N_IN, torch.randn(N_OUT), dequant=dequant)
     assert type(lin) is backend and lin.resident == (backend is ResidentQuantLinear)

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from juno_py.gguf import GGMLType
-from juno_py.weights import BF16_MIN_TOKENS, FrozenQuantLinear
 from juno_py.testing.blocks import (
     ALL_TYPES,
     FUSED,
@@ -18,6 +17,7 @@ from juno_py.testing.blocks import (
     layer_name,
     random_rows,
 )
+from juno_py.weights import BF16_MIN_TOKENS, FrozenQuantLinear
 
 CHUNK = 7  # smaller than every test layer and not a divisor of it: several chunks and a ragged last one
 
@@ -57,8 +57,9 @@ def test_streaming_transpose_is_adjoint_of_forward(layers_gguf, ggml_type):
     assert rel(lin.matmul_transposed(v.double()), wtv_ref) <= 1e-12
 
 
-@pytest.mark.parametrize("ggml_type", [GGMLType.F16, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K],
-                         ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "ggml_type", [GGMLType.F16, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name
+)
 @pytest.mark.parametrize("chunk_rows", [None, 1, CHUNK])
 def test_forward_matches_dense_matmul(layers_gguf, ggml_type, chunk_rows):
     lin = layer(layers_gguf, ggml_type, chunk_rows=chunk_rows)

@@ -28,18 +28,28 @@ def big_layer(tmp_path_factory):
 
 
 def probe(path, tensor: str, scratch_bytes: int, tokens: int) -> dict:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    out = subprocess.run([sys.executable, "-m", "tests.weights.memory_probe", str(path), tensor,
-                          str(scratch_bytes), str(tokens)], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=600)
+    env = dict(
+        os.environ,
+        MALLOC_MMAP_THRESHOLD_="65536",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.weights.memory_probe", str(path), tensor, str(scratch_bytes), str(tokens)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the high-water mark from /proc")
-@pytest.mark.parametrize("ggml_type, scratch_mib", [(GGMLType.Q4_0, 2), (GGMLType.Q4_K, 8)],
-                         ids=["Q4_0-2MiB", "Q4_K-8MiB"])
+@pytest.mark.parametrize(
+    "ggml_type, scratch_mib", [(GGMLType.Q4_0, 2), (GGMLType.Q4_K, 8)], ids=["Q4_0-2MiB", "Q4_K-8MiB"]
+)
 def test_forward_and_transpose_of_a_large_layer_stay_within_the_scratch_budget(big_layer, ggml_type, scratch_mib):
     r = probe(big_layer, f"big.{ggml_type.name}.weight", scratch_mib << 20, tokens=4)
     scratch = r["scratch_bytes"]

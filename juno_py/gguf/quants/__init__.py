@@ -8,17 +8,18 @@ for float32 `[n_blocks, block_size]`. Modules in this package register their cod
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
-from typing import Callable, Optional
 
 import numpy as np
 import torch
 
 from juno_py.errors import UnsupportedQuantType
-from juno_py.gguf.constants import GGML_BLOCK_SIZES, GGMLType, type_name
-
-from juno_py.gguf.quants.registry import (BlockFn, Codec, get_codec, quantizable_types, register,  # noqa: F401
-                                        register_quantizer, supported_types)
+from juno_py.gguf.quants.registry import BlockFn as BlockFn
+from juno_py.gguf.quants.registry import Codec as Codec
+from juno_py.gguf.quants.registry import get_codec as get_codec
+from juno_py.gguf.quants.registry import quantizable_types as quantizable_types
+from juno_py.gguf.quants.registry import register as register
+from juno_py.gguf.quants.registry import register_quantizer as register_quantizer
+from juno_py.gguf.quants.registry import supported_types as supported_types
 
 
 def _as_uint8_tensor(raw) -> torch.Tensor:
@@ -38,8 +39,28 @@ def _as_uint8_tensor(raw) -> torch.Tensor:
 
 # decoders that write a bfloat16 result themselves (their last float32 pass rounds): `dequantize_blocks(raw,
 # out_dtype=torch.bfloat16)`; others decode to float32, then convert
-NARROW_OUTPUT = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS",
-                 "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"}
+NARROW_OUTPUT = {
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q8_0",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "IQ2_XXS",
+    "IQ2_XS",
+    "IQ2_S",
+    "IQ3_XXS",
+    "IQ3_S",
+    "IQ1_S",
+    "IQ1_M",
+    "TQ1_0",
+    "TQ2_0",
+    "MXFP4",
+}
 
 
 def dequantize(ggml_type: int, raw, n_cols: int, what: str = "", dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -50,8 +71,10 @@ def dequantize(ggml_type: int, raw, n_cols: int, what: str = "", dtype: torch.dt
     off), everything else through the torch codecs."""
     codec = get_codec(ggml_type, what)
     if n_cols % codec.block_size:
-        raise UnsupportedQuantType(f"{codec.name}{' tensor ' + what if what else ''}: row length {n_cols} is not a "
-                                   f"multiple of the block size {codec.block_size}")
+        raise UnsupportedQuantType(
+            f"{codec.name}{' tensor ' + what if what else ''}: row length {n_cols} is not a "
+            f"multiple of the block size {codec.block_size}"
+        )
     data = _as_uint8_tensor(raw)
     rows = data.numel() // codec.row_bytes(n_cols) if n_cols else 0
     blocks = data.reshape(-1, codec.type_size)
@@ -73,8 +96,10 @@ def quantize(ggml_type: int, x, what: str = "") -> np.ndarray:
     """Encode a 2-D float tensor `[rows, n_cols]` into uint8 `[rows, bytes_per_row]` (numpy)."""
     codec = get_codec(ggml_type, what, action="encode")
     if codec.quantize_blocks is None:
-        raise UnsupportedQuantType(f"cannot encode GGML type {codec.name}{' (tensor ' + what + ')' if what else ''}: "
-                                   f"encodable types are {', '.join(quantizable_types())}")
+        raise UnsupportedQuantType(
+            f"cannot encode GGML type {codec.name}{' (tensor ' + what + ')' if what else ''}: "
+            f"encodable types are {', '.join(quantizable_types())}"
+        )
     t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x))
     if t.dim() == 1:
         t = t.unsqueeze(0)
@@ -82,18 +107,20 @@ def quantize(ggml_type: int, x, what: str = "") -> np.ndarray:
         raise ValueError(f"quantize expects a 2-D tensor, got shape {tuple(t.shape)}")
     rows, n_cols = t.shape
     if n_cols % codec.block_size:
-        raise UnsupportedQuantType(f"{codec.name}{' tensor ' + what if what else ''}: row length {n_cols} is not a "
-                                   f"multiple of the block size {codec.block_size}")
+        raise UnsupportedQuantType(
+            f"{codec.name}{' tensor ' + what if what else ''}: row length {n_cols} is not a "
+            f"multiple of the block size {codec.block_size}"
+        )
     blocks = t.detach().to("cpu", torch.float32).contiguous().reshape(-1, codec.block_size)
     out = codec.quantize_blocks(blocks)
     return out.reshape(rows, codec.row_bytes(n_cols)).numpy()
 
 
 # codec modules register themselves on import
-from juno_py.gguf.quants import native  # noqa: E402
-from juno_py.gguf.quants import simple as _simple  # noqa: E402,F401
-from juno_py.gguf.quants import kquants as _kquants  # noqa: E402,F401
+from juno_py.gguf.quants import codebooks as _codebooks  # noqa: E402,F401
 from juno_py.gguf.quants import iquants as _iquants  # noqa: E402,F401
 from juno_py.gguf.quants import kquant_quantize as _kquant_quantize  # noqa: E402,F401
-from juno_py.gguf.quants import codebooks as _codebooks  # noqa: E402,F401
+from juno_py.gguf.quants import kquants as _kquants  # noqa: E402,F401
+from juno_py.gguf.quants import native  # noqa: E402
+from juno_py.gguf.quants import simple as _simple  # noqa: E402,F401
 from juno_py.gguf.quants import ternary as _ternary  # noqa: E402,F401

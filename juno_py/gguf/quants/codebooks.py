@@ -63,19 +63,19 @@ def _rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def _u16(blocks: torch.Tensor, start: int, length: int) -> torch.Tensor:
     """The little-endian uint16s in bytes `start:start + length`, as int32 `[n, length // 2]`."""
-    b = blocks[:, start:start + length].int()
+    b = blocks[:, start : start + length].int()
     return b[:, 0::2] | (b[:, 1::2] << 8)
 
 
 def _u32(blocks: torch.Tensor, start: int, length: int) -> torch.Tensor:
     """The little-endian uint32s in bytes `start:start + length`, as int64 `[n, length // 4]`."""
-    b = blocks[:, start:start + length].long()
+    b = blocks[:, start : start + length].long()
     return b[:, 0::4] | (b[:, 1::4] << 8) | (b[:, 2::4] << 16) | (b[:, 3::4] << 24)
 
 
 def _nibbles(blocks: torch.Tensor, start: int, length: int) -> torch.Tensor:
     """The 4-bit fields of bytes `start:start + length`, low nibble first, int32 `[n, 2 * length]`."""
-    b = blocks[:, start:start + length].int()
+    b = blocks[:, start : start + length].int()
     return torch.stack([b & 0x0F, b >> 4], dim=2).view(b.shape[0], -1)
 
 
@@ -91,6 +91,7 @@ def _signed_points(scale: torch.Tensor, points: torch.Tensor, signs: torch.Tenso
 
 
 # ---- IQ2 ---------------------------------------------------------------------------------------------------------
+
 
 def _iq2_xxs(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # d, then 8 pairs of uint32: 4 grid indices (bytes), then 4 × 7 sign bits and a 4-bit scale
@@ -126,6 +127,7 @@ def _iq2_s(blocks: torch.Tensor, out: torch.Tensor) -> None:
 
 # ---- IQ3 ---------------------------------------------------------------------------------------------------------
 
+
 def _iq3_xxs(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # d, 64 grid index bytes (4 values each), 8 uint32s of 4 × 7 sign bits and a 4-bit scale
     n = blocks.shape[0]
@@ -150,6 +152,7 @@ def _iq3_s(blocks: torch.Tensor, out: torch.Tensor) -> None:
 
 
 # ---- IQ1 ---------------------------------------------------------------------------------------------------------
+
 
 def _iq1_values(scale: torch.Tensor, points: torch.Tensor, negative_delta: torch.Tensor, out: torch.Tensor) -> None:
     """out `[n, S·G·8]` = scale `[n, S]` · (points + ±delta): points `[n, S, G, 8]`, the offset's sign per group

@@ -15,14 +15,14 @@ IQ4_LEVELS = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 
 
 def _iq4_xs_scales(blocks: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, None]:
     # 8 scales: low nibbles in bytes 4-7, high 2-bit pairs in the uint16 at byte 2
-    return signed_6bit_scales(d, unpack_fields(blocks, 4, 4, 1, 4),
-                              unpack_fields(blocks, 2, 2, 1, 2, at=4))
+    return signed_6bit_scales(d, unpack_fields(blocks, 4, 4, 1, 4), unpack_fields(blocks, 2, 2, 1, 2, at=4))
 
 
 I_LAYOUTS = (
     BlockLayout(GGMLType.IQ4_NL, 32, PackedCodes(2, 16, 16, 4), (0,), scale_only, lookup=IQ4_LEVELS),
-    BlockLayout(GGMLType.IQ4_XS, 256, PackedCodes(8, 128, 16, 4), (0,), _iq4_xs_scales, sub_blocks=8,
-                lookup=IQ4_LEVELS),
+    BlockLayout(
+        GGMLType.IQ4_XS, 256, PackedCodes(8, 128, 16, 4), (0,), _iq4_xs_scales, sub_blocks=8, lookup=IQ4_LEVELS
+    ),
 )
 
 for _layout in I_LAYOUTS:

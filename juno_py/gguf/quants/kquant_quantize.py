@@ -29,6 +29,7 @@ _ONE = _f32(1.0)
 
 # ----------------------------------------------------------------------------------------- float32 helpers
 
+
 def nearest_int(v: torch.Tensor) -> torch.Tensor:
     """llama.cpp's `nearest_int` (int32): add 12582912.f and keep the low mantissa bits. Round half to even for
     |v| < 2^22, and the same bits as the C code outside that range."""
@@ -71,8 +72,10 @@ def _as_int8(v: torch.Tensor) -> torch.Tensor:
 # Sub-block tensors are element-major: x is [n, S] for S sub-blocks of n values, so that x[i] is contiguous and
 # the sums over a sub-block are n vector adds. Candidate scales are tried one after another, as in C.
 
-def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int,
-                     use_mad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+
+def make_qkx2_quants(
+    x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Affine (scale, min) fit of each sub-block with levels 0..nmax: returns L [n, S] (int32), scale [S], and
     the negated min [S], as llama.cpp's `make_qkx2_quants`.
 
@@ -94,7 +97,7 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
     kept_iscale, kept_from = iscale, mn
 
     steps = torch.arange(nstep + 1, dtype=torch.float32)
-    k = (_f32(rmin) + _f32(rdelta) * steps) + nmax                      # (rmin + rdelta*is + nmax), float32
+    k = (_f32(rmin) + _f32(rdelta) * steps) + nmax  # (rmin + rdelta*is + nmax), float32
     l = torch.empty_like(x)
     terms = torch.empty((n, 3, S), dtype=torch.float32)
     for c in range(nstep + 1):
@@ -118,10 +121,10 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, r
         clipped = this_min > 0
         this_min = torch.where(clipped, _ZERO, this_min)
         this_scale = torch.where(clipped, sum_xl / sum_l2, this_scale)
-        err = l.mul_(this_scale).add_(this_min).sub_(x)                # the levels are not needed any more
+        err = l.mul_(this_scale).add_(this_min).sub_(x)  # the levels are not needed any more
         cur = _seqsum(_error(err, use_mad).mul_(w))
 
-        take = (D > 0) & (cur < best)                                  # `if (cur_error < best_error)`
+        take = (D > 0) & (cur < best)  # `if (cur_error < best_error)`
         best = torch.where(take, cur, best)
         scale = torch.where(take, this_scale, scale)
         kept_iscale = torch.where(take, iscale, kept_iscale)
@@ -148,7 +151,7 @@ def make_qx_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tens
     mx = _first_absmax(x, 0)
     zero = mx.abs() < _GROUP_MAX_EPS
     steps = torch.tensor([0] + list(range(-9, 0)) + list(range(1, 10)), dtype=torch.float32)
-    k = _f32(0.1) * steps + nmax                                        # initial guess first, then is = -9..9
+    k = _f32(0.1) * steps + nmax  # initial guess first, then is = -9..9
     w = x * x
     wx = w * x
     l = torch.empty_like(x)
@@ -156,16 +159,16 @@ def make_qx_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tens
     terms = torch.empty((n, 2, S), dtype=torch.float32)
     for c in range(k.numel()):
         iscale = torch.div(-k[c], mx)
-        torch.mul(x, iscale, out=l).round_().clamp_(-nmax, nmax - 1)   # |iscale*x| <= nmax + 1
-        torch.mul(wx, l, out=terms[:, 0])                               # w*x[i]*l
-        torch.mul(w, l, out=terms[:, 1]).mul_(l)                        # w*l*l
+        torch.mul(x, iscale, out=l).round_().clamp_(-nmax, nmax - 1)  # |iscale*x| <= nmax + 1
+        torch.mul(wx, l, out=terms[:, 0])  # w*x[i]*l
+        torch.mul(w, l, out=terms[:, 1]).mul_(l)  # w*l*l
         sumlx, suml2 = _seqsum(terms).unbind(0)
         if c == 0:
             scale = torch.where(suml2 != 0, sumlx / suml2, _ZERO)
             best = scale * sumlx
             L.copy_(l)
             continue
-        take = (suml2 > 0) & (sumlx * sumlx > best * suml2)            # `if (suml2 > 0 && sumlx*sumlx > best*suml2)`
+        take = (suml2 > 0) & (sumlx * sumlx > best * suml2)  # `if (suml2 > 0 && sumlx*sumlx > best*suml2)`
         scale = torch.where(take, sumlx / suml2, scale)
         best = torch.where(take, scale * sumlx, best)
         torch.where(take, l, L, out=L)
@@ -181,7 +184,7 @@ def make_q3_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tens
     mx = _first_absmax(x, 0)
     zero = mx.abs() < _GROUP_MAX_EPS
     iscale = torch.div(_f32(-nmax), mx)
-    L = (iscale * x).round_().clamp_(-nmax, nmax - 1)                  # |iscale*x| <= nmax + 1: plain rounding
+    L = (iscale * x).round_().clamp_(-nmax, nmax - 1)  # |iscale*x| <= nmax + 1: plain rounding
     w = x * x
     wx = w * x
     sumlx = _seqsum(wx * L)
@@ -210,8 +213,10 @@ def make_q3_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tens
 
 # ---------------------------------------------------------------------------------------- block encoders
 
-def _requantize(x: torch.Tensor, L: torch.Tensor, d: torch.Tensor, dm: torch.Tensor | None, lo: int, hi: int,
-                offset: int) -> torch.Tensor:
+
+def _requantize(
+    x: torch.Tensor, L: torch.Tensor, d: torch.Tensor, dm: torch.Tensor | None, lo: int, hi: int, offset: int
+) -> torch.Tensor:
     """Second pass of every k-quant: re-round each value with the stored (fp16 × 6-bit) sub-block scale and
     min; sub-blocks whose scale decodes to 0 keep the levels of the search. x, L: [nb, n_sub, n]; d, dm:
     [nb, n_sub]."""
@@ -236,11 +241,12 @@ def _from_sub_blocks(t: torch.Tensor, nb: int) -> torch.Tensor:
     return t.t().reshape(nb, QK_K // t.shape[0], t.shape[0])
 
 
-def _unsigned_scale_codes(values: torch.Tensor, top: int, clamp: bool) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                 torch.Tensor]:
+def _unsigned_scale_codes(
+    values: torch.Tensor, top: int, clamp: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sub-block scales (or mins) [nb, k] → integer codes of `top/max · v` (as stored in uint8) and the fp16
     super-block factor `max/top`: returns codes (int32), the factor as float32 and its bytes."""
-    vmax = torch.where(values.isnan(), _ZERO, values).amax(1).clamp(min=0)   # `if (v > vmax)` from 0
+    vmax = torch.where(values.isnan(), _ZERO, values).amax(1).clamp(min=0)  # `if (v > vmax)` from 0
     pos = vmax > 0
     inv = torch.where(pos, torch.div(_f32(top), vmax), _ZERO)
     codes = nearest_int(inv[:, None] * values) & 0xFF
@@ -258,8 +264,15 @@ def quantize_q2_k(x: torch.Tensor) -> torch.Tensor:
     ls, d, d_bytes = _unsigned_scale_codes(scales.reshape(nb, 16), 15, clamp=False)
     lm, dmin, dmin_bytes = _unsigned_scale_codes(mins.reshape(nb, 16), 15, clamp=False)
     sc = ls | ((lm << 4) & 0xFF)
-    L = _requantize(x.reshape(nb, 16, 16), _from_sub_blocks(L, nb), d[:, None] * (sc & 0xF).float(),
-                    dmin[:, None] * (sc >> 4).float(), 0, 3, 0)
+    L = _requantize(
+        x.reshape(nb, 16, 16),
+        _from_sub_blocks(L, nb),
+        d[:, None] * (sc & 0xF).float(),
+        dmin[:, None] * (sc >> 4).float(),
+        0,
+        3,
+        0,
+    )
     qs = _pack_bits(L.reshape(nb, 2, 4, 32), 2).reshape(nb, 64)
     return torch.cat([sc.to(torch.uint8), qs, d_bytes, dmin_bytes], 1)
 
@@ -274,13 +287,12 @@ def quantize_q3_k(x: torch.Tensor) -> torch.Tensor:
     codes = _as_int8(nearest_int(iscale[:, None] * scales)).clamp(-32, 31) + 32
     codes = torch.where(nz[:, None], codes, 0)
     d, d_bytes = _fp16(torch.where(nz, torch.div(_ONE, iscale), _ZERO))
-    L = _requantize(x.reshape(nb, 16, 16), _from_sub_blocks(L, nb), d[:, None] * (codes - 32).float(), None,
-                    -4, 3, 4)
+    L = _requantize(x.reshape(nb, 16, 16), _from_sub_blocks(L, nb), d[:, None] * (codes - 32).float(), None, -4, 3, 4)
     L = L.reshape(nb, 8, 32)
     hmask = _pack_bits((L > 3).to(torch.int32), 1)
     qs = _pack_bits((L & 3).reshape(nb, 2, 4, 32), 2).reshape(nb, 64)
     low = (codes[:, :8] & 0xF) | ((codes[:, 8:] & 0xF) << 4)
-    high = _pack_bits((codes >> 4).reshape(nb, 4, 4), 2)               # byte 8+m: code 4g+m at bits 2g
+    high = _pack_bits((codes >> 4).reshape(nb, 4, 4), 2)  # byte 8+m: code 4g+m at bits 2g
     return torch.cat([hmask, qs, low.to(torch.uint8), high, d_bytes], 1)
 
 
@@ -293,11 +305,17 @@ def _quantize_qkx_k(x: torch.Tensor, nmax: int, rmin: float, nstep: int) -> tupl
     L, scales, mins = make_qkx2_quants(xs, av_x + xs.abs(), nmax, rmin, 0.1, nstep, use_mad=False)
     ls, d, d_bytes = _unsigned_scale_codes(scales.reshape(nb, 8), 63, clamp=True)
     lm, dmin, dmin_bytes = _unsigned_scale_codes(mins.reshape(nb, 8), 63, clamp=True)
-    L = _requantize(x.reshape(nb, 8, 32), _from_sub_blocks(L, nb), d[:, None] * ls.float(),
-                    dmin[:, None] * lm.float(), 0, nmax, 0)
-    packed = torch.cat([ls[:, :4] | ((ls[:, 4:] >> 4) << 6),
-                        lm[:, :4] | ((lm[:, 4:] >> 4) << 6),
-                        (ls[:, 4:] & 0xF) | ((lm[:, 4:] & 0xF) << 4)], 1).to(torch.uint8)
+    L = _requantize(
+        x.reshape(nb, 8, 32), _from_sub_blocks(L, nb), d[:, None] * ls.float(), dmin[:, None] * lm.float(), 0, nmax, 0
+    )
+    packed = torch.cat(
+        [
+            ls[:, :4] | ((ls[:, 4:] >> 4) << 6),
+            lm[:, :4] | ((lm[:, 4:] >> 4) << 6),
+            (ls[:, 4:] & 0xF) | ((lm[:, 4:] & 0xF) << 4),
+        ],
+        1,
+    ).to(torch.uint8)
     return torch.cat([d_bytes, dmin_bytes, packed], 1), L
 
 
@@ -309,7 +327,7 @@ def quantize_q4_k(x: torch.Tensor) -> torch.Tensor:
 
 def quantize_q5_k(x: torch.Tensor) -> torch.Tensor:
     header, L = _quantize_qkx_k(x, 31, -0.5, 15)
-    qh = _pack_bits((L >> 4), 1)                                        # bit 2n+h for sub-block 2n+h
+    qh = _pack_bits((L >> 4), 1)  # bit 2n+h for sub-block 2n+h
     qs = _pack_bits((L & 0xF).reshape(-1, 4, 2, 32), 4).reshape(-1, 128)
     return torch.cat([header, qh, qs], 1)
 
@@ -323,9 +341,8 @@ def quantize_q6_k(x: torch.Tensor) -> torch.Tensor:
     iscale = torch.div(_f32(-128.0), max_scale)
     d, d_bytes = _fp16(torch.div(_ONE, iscale))
     codes = _as_int8(nearest_int(iscale[:, None] * scales).clamp(max=127))
-    L = _requantize(x.reshape(nb, 16, 16), _from_sub_blocks(L, nb), d[:, None] * codes.float(), None,
-                    -32, 31, 32)
-    L = L.reshape(nb, 2, 4, 32)                                         # halves of 128, quarters of 32
+    L = _requantize(x.reshape(nb, 16, 16), _from_sub_blocks(L, nb), d[:, None] * codes.float(), None, -32, 31, 32)
+    L = L.reshape(nb, 2, 4, 32)  # halves of 128, quarters of 32
     ql = _pack_bits((L & 0xF).reshape(nb, 2, 2, 2, 32).transpose(2, 3), 4).reshape(nb, 128)
     qh = _pack_bits(L >> 4, 2).reshape(nb, 64)
     out = torch.cat([ql, qh, (codes & 0xFF).to(torch.uint8), d_bytes], 1)
@@ -335,20 +352,24 @@ def quantize_q6_k(x: torch.Tensor) -> torch.Tensor:
 def _chunked(fn, chunk_blocks: int):
     """Encode in chunks of blocks: large enough to amortize per-op overhead over the sequential loops, small
     enough for the working tensors (~10 per chunk, 1 MB each at 1024 blocks) to stay in cache."""
+
     def quantize_blocks(x: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.float32).reshape(-1, QK_K)
         if x.shape[0] <= chunk_blocks:
             return fn(x)
-        return torch.cat([fn(x[i:i + chunk_blocks]) for i in range(0, x.shape[0], chunk_blocks)])
+        return torch.cat([fn(x[i : i + chunk_blocks]) for i in range(0, x.shape[0], chunk_blocks)])
+
     quantize_blocks.__name__ = fn.__name__
-    quantize_blocks.__doc__ = f"float32 [n_blocks, 256] → uint8 [n_blocks, type_size], as llama.cpp's " \
-                              f"{fn.__name__.replace('quantize_', 'quantize_row_').replace('_k', '_K')}_ref."
+    quantize_blocks.__doc__ = (
+        f"float32 [n_blocks, 256] → uint8 [n_blocks, type_size], as llama.cpp's "
+        f"{fn.__name__.replace('quantize_', 'quantize_row_').replace('_k', '_K')}_ref."
+    )
     return quantize_blocks
 
 
 KQUANT_QUANTIZERS = {
     GGMLType.Q2_K: _chunked(quantize_q2_k, 1024),
-    GGMLType.Q3_K: _chunked(quantize_q3_k, 4096),   # its coordinate descent is 80 small steps per chunk
+    GGMLType.Q3_K: _chunked(quantize_q3_k, 4096),  # its coordinate descent is 80 small steps per chunk
     GGMLType.Q4_K: _chunked(quantize_q4_k, 1024),
     GGMLType.Q5_K: _chunked(quantize_q5_k, 1024),
     GGMLType.Q6_K: _chunked(quantize_q6_k, 1024),

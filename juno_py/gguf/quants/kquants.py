@@ -32,7 +32,7 @@ _PAIRS = 0x03030303
 
 def _words(blocks: torch.Tensor, start: int, length: int) -> torch.Tensor:
     # a fresh copy: a view may start at any byte, and a single block counts as contiguous whatever its stride
-    return blocks[:, start:start + length].clone(memory_format=torch.contiguous_format).view(torch.int32)
+    return blocks[:, start : start + length].clone(memory_format=torch.contiguous_format).view(torch.int32)
 
 
 def signed_6bit_scales(d: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -80,13 +80,36 @@ def _q6_k_scales(blocks: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, N
 
 K_LAYOUTS = (
     BlockLayout(GGMLType.Q2_K, QK_K, PackedCodes(16, 64, 32, 2), (80, 82), _q2_k_scales, sub_blocks=16),
-    BlockLayout(GGMLType.Q3_K, QK_K, PackedCodes(32, 64, 32, 2), (108,), _q3_k_scales, sub_blocks=16,
-                high=PackedCodes(0, 32, 32, 1), code_offset=4),
+    BlockLayout(
+        GGMLType.Q3_K,
+        QK_K,
+        PackedCodes(32, 64, 32, 2),
+        (108,),
+        _q3_k_scales,
+        sub_blocks=16,
+        high=PackedCodes(0, 32, 32, 1),
+        code_offset=4,
+    ),
     BlockLayout(GGMLType.Q4_K, QK_K, PackedCodes(16, 128, 32, 4), (0, 2), _q4_k_scales, sub_blocks=8),
-    BlockLayout(GGMLType.Q5_K, QK_K, PackedCodes(48, 128, 32, 4), (0, 2), _q4_k_scales, sub_blocks=8,
-                high=PackedCodes(16, 32, 32, 1)),
-    BlockLayout(GGMLType.Q6_K, QK_K, PackedCodes(0, 128, 64, 4), (208,), _q6_k_scales, sub_blocks=16,
-                high=PackedCodes(128, 64, 32, 2), code_offset=32),
+    BlockLayout(
+        GGMLType.Q5_K,
+        QK_K,
+        PackedCodes(48, 128, 32, 4),
+        (0, 2),
+        _q4_k_scales,
+        sub_blocks=8,
+        high=PackedCodes(16, 32, 32, 1),
+    ),
+    BlockLayout(
+        GGMLType.Q6_K,
+        QK_K,
+        PackedCodes(0, 128, 64, 4),
+        (208,),
+        _q6_k_scales,
+        sub_blocks=16,
+        high=PackedCodes(128, 64, 32, 2),
+        code_offset=32,
+    ),
 )
 
 for _layout in K_LAYOUTS:

@@ -32,10 +32,31 @@ from juno_py.gguf.constants import GGML_BLOCK_SIZES, GGMLType
 SOURCE = Path(__file__).with_name("native_decode.c")
 ABI = 2  # juno_native_abi() of the source this module speaks to
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off")
-TYPES = frozenset(int(t) for t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
-                                   GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K,
-                                   GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S, GGMLType.IQ3_XXS, GGMLType.IQ3_S,
-                                   GGMLType.IQ1_S, GGMLType.IQ1_M, GGMLType.TQ1_0, GGMLType.TQ2_0, GGMLType.MXFP4))
+TYPES = frozenset(
+    int(t)
+    for t in (
+        GGMLType.Q4_0,
+        GGMLType.Q4_1,
+        GGMLType.Q5_0,
+        GGMLType.Q5_1,
+        GGMLType.Q8_0,
+        GGMLType.Q2_K,
+        GGMLType.Q3_K,
+        GGMLType.Q4_K,
+        GGMLType.Q5_K,
+        GGMLType.Q6_K,
+        GGMLType.IQ2_XXS,
+        GGMLType.IQ2_XS,
+        GGMLType.IQ2_S,
+        GGMLType.IQ3_XXS,
+        GGMLType.IQ3_S,
+        GGMLType.IQ1_S,
+        GGMLType.IQ1_M,
+        GGMLType.TQ1_0,
+        GGMLType.TQ2_0,
+        GGMLType.MXFP4,
+    )
+)
 OUT_DTYPES = (torch.float32, torch.bfloat16)
 # threads one decode is split over (pthreads inside the library): one, because a training step ran slower with
 # two (measured in the training loop): right after a matmul torch's threads hold the cores
@@ -80,8 +101,12 @@ def cache_dir() -> Path:
 def library_path(compiler: str) -> Path:
     """Where the library built by `compiler` for this source and this CPU lives."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), _compiler_version(compiler).encode(), " ".join(FLAGS).encode(),
-                 _cpu_flags().encode()):
+    for part in (
+        SOURCE.read_bytes(),
+        _compiler_version(compiler).encode(),
+        " ".join(FLAGS).encode(),
+        _cpu_flags().encode(),
+    ):
         key.update(hashlib.sha256(part).digest())
     return cache_dir() / f"native_decode-{key.hexdigest()[:20]}.so"
 
@@ -101,8 +126,9 @@ def build(compiler: str, path: Path, flags: tuple[str, ...] = FLAGS) -> None:
     fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.so", dir=path.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE), "-lpthread"], capture_output=True,
-                              text=True, timeout=300)
+        proc = subprocess.run(
+            [compiler, *flags, "-o", tmp, str(SOURCE), "-lpthread"], capture_output=True, text=True, timeout=300
+        )
         if proc.returncode != 0:
             raise OSError(f"{compiler} exited with {proc.returncode}: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, path)
@@ -117,8 +143,15 @@ def open_library(path: Path) -> ctypes.CDLL:
     if lib.juno_native_abi() != ABI:
         raise OSError(f"{path} speaks ABI {lib.juno_native_abi()}, expected {ABI}")
     lib.juno_decode_blocks.restype = ctypes.c_int
-    lib.juno_decode_blocks.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                       ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.juno_decode_blocks.argtypes = [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
     lib.juno_set_f16_table.restype = None
     lib.juno_set_f16_table.argtypes = [ctypes.c_void_p]
     # every float16 bit pattern through torch's own (vectorized) conversion: the scales' NaN, infinity and
@@ -140,8 +173,9 @@ def open_library(path: Path) -> ctypes.CDLL:
     return lib
 
 
-def decode_with(lib: ctypes.CDLL, ggml_type: int, blocks: torch.Tensor, dtype: torch.dtype,
-                threads: int = 1) -> torch.Tensor:
+def decode_with(
+    lib: ctypes.CDLL, ggml_type: int, blocks: torch.Tensor, dtype: torch.dtype, threads: int = 1
+) -> torch.Tensor:
     """`decode` through a given library (tests compare builds for other vector widths)."""
     from juno_py.gguf.quants.simple import new_result
 
@@ -149,8 +183,13 @@ def decode_with(lib: ctypes.CDLL, ggml_type: int, blocks: torch.Tensor, dtype: t
     blocks = blocks.contiguous()
     n_blocks = blocks.numel() // type_size
     out = new_result((n_blocks, block_size), dtype)
-    if n_blocks and lib.juno_decode_blocks(int(ggml_type), blocks.data_ptr(), 0, n_blocks, out.data_ptr(),
-                                           int(dtype == torch.bfloat16), threads) != 0:
+    if (
+        n_blocks
+        and lib.juno_decode_blocks(
+            int(ggml_type), blocks.data_ptr(), 0, n_blocks, out.data_ptr(), int(dtype == torch.bfloat16), threads
+        )
+        != 0
+    ):
         raise ValueError(f"the native decoder has no GGML type {ggml_type}")
     return out
 

@@ -46,16 +46,19 @@ def register(ggml_type: GGMLType, dequantize_blocks: BlockFn, quantize_blocks: O
 def register_quantizer(ggml_type: GGMLType, quantize_blocks: BlockFn) -> None:
     """Add an encoder to a type whose decoder is already registered."""
     codec = _REGISTRY[ggml_type]
-    _REGISTRY[ggml_type] = Codec(codec.ggml_type, codec.block_size, codec.type_size, codec.dequantize_blocks,
-                                 quantize_blocks)
+    _REGISTRY[ggml_type] = Codec(
+        codec.ggml_type, codec.block_size, codec.type_size, codec.dequantize_blocks, quantize_blocks
+    )
 
 
 def get_codec(ggml_type: int, what: str = "", action: str = "decode") -> Codec:
     codec = _REGISTRY.get(int(ggml_type))
     if codec is None:
         where = f" (tensor {what})" if what else ""
-        raise UnsupportedQuantType(f"cannot {action} GGML type {type_name(ggml_type)}{where}: "
-                                   f"supported types are {', '.join(supported_types())}")
+        raise UnsupportedQuantType(
+            f"cannot {action} GGML type {type_name(ggml_type)}{where}: "
+            f"supported types are {', '.join(supported_types())}"
+        )
     return codec
 
 

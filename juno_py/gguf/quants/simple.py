@@ -27,6 +27,7 @@ ScaleFn = Callable[..., "tuple[torch.Tensor, Optional[torch.Tensor]]"]
 
 # ---- chunking ----------------------------------------------------------------------------------------------------
 
+
 def for_each_chunk(n_blocks: int, block_size: int, step: Callable[[slice], None]) -> None:
     """Call `step(blocks)` on consecutive slices of blocks covering `n_blocks`, each about CHUNK_ELEMENTS long."""
     per_chunk = max(1, CHUNK_ELEMENTS // block_size)
@@ -54,9 +55,12 @@ def aligned_blocks(raw: torch.Tensor) -> torch.Tensor:
     return raw if raw.storage_offset() % 4 == 0 else raw.clone()
 
 
-def decode_in_chunks(raw: torch.Tensor, block_size: int,
-                     decode_chunk: Callable[[torch.Tensor, torch.Tensor], None],
-                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def decode_in_chunks(
+    raw: torch.Tensor,
+    block_size: int,
+    decode_chunk: Callable[[torch.Tensor, torch.Tensor], None],
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Allocate the result `[n_blocks, block_size]` and fill it chunk by chunk: `decode_chunk(raw, out)`. A
     narrower `out_dtype` (bf16) is written by the chunk's last float32 operation (`torch.mul(..., out=)`), one
     rounding to nearest even of the float32 value."""
@@ -70,8 +74,9 @@ def decode_in_chunks(raw: torch.Tensor, block_size: int,
     return out
 
 
-def encode_in_chunks(x: torch.Tensor, type_size: int,
-                     encode_chunk: Callable[[torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+def encode_in_chunks(
+    x: torch.Tensor, type_size: int, encode_chunk: Callable[[torch.Tensor, torch.Tensor], None]
+) -> torch.Tensor:
     """Allocate the uint8 result `[n_blocks, type_size]` and fill it chunk by chunk: `encode_chunk(x, out)`."""
     x = x.contiguous()
     out = new_result((x.shape[0], type_size), torch.uint8)
@@ -80,6 +85,7 @@ def encode_in_chunks(x: torch.Tensor, type_size: int,
 
 
 # ---- bit fields --------------------------------------------------------------------------------------------------
+
 
 def _byte_field_table(bits: int, at: int) -> torch.Tensor:
     """For every byte value, its 8/bits fields (low bits first) moved to bit `at`, packed into one integer whose
@@ -102,8 +108,9 @@ _UNIT = 16
 
 
 @lru_cache(maxsize=64)
-def _unit_order(n_fields: int, n_rows: int, row_units: int, first_unit: int, n_groups: int,
-                group_units: int) -> torch.Tensor:
+def _unit_order(
+    n_fields: int, n_rows: int, row_units: int, first_unit: int, n_groups: int, group_units: int
+) -> torch.Tensor:
     """Index of the 16-byte units of field planes `[n_fields, n_rows, row_units]` in the order
     `[row, group, field, unit of the group]`, starting at unit `first_unit` of each row."""
     field = torch.arange(n_fields, dtype=torch.int32).view(1, 1, -1, 1) * (n_rows * row_units)
@@ -126,11 +133,11 @@ def unpack_fields(rows: torch.Tensor, start: int, length: int, group: int, bits:
         table = _BYTE_FIELD_TABLES.get((bits, at))
         if table is None:
             table = _BYTE_FIELD_TABLES[(bits, at)] = _byte_field_table(bits, at)
-        region = rows[:, start:start + length].reshape(-1).int()
+        region = rows[:, start : start + length].reshape(-1).int()
         return table.index_select(0, region).view(torch.uint8).view(n, length * n_fields)
     if m % _UNIT or start % _UNIT or (m > 2 * length and length % _UNIT == 0):
         # cut the region out first: the planes of whole rows could not be moved in units, or would be mostly waste
-        rows, start, m = rows[:, start:start + length].contiguous(), 0, length
+        rows, start, m = rows[:, start : start + length].contiguous(), 0, length
     # one shift for all fields runs as a single contiguous pass: planes [field, row, byte]
     planes = rows.contiguous() >> _FIELD_SHIFTS[bits]
     planes[:-1].bitwise_and_((1 << bits) - 1)  # the top field has nothing above it
@@ -138,7 +145,7 @@ def unpack_fields(rows: torch.Tensor, start: int, length: int, group: int, bits:
         order = _unit_order(n_fields, n, m // _UNIT, start // _UNIT, length // group, group // _UNIT)
         codes = planes.view(torch.complex128).view(-1).index_select(0, order).view(torch.uint8)
     else:
-        regions = planes[:, :, start:start + length].unflatten(2, (length // group, group))
+        regions = planes[:, :, start : start + length].unflatten(2, (length // group, group))
         codes = torch.stack(regions.unbind(0), dim=2)
     codes = codes.view(n, length * n_fields)
     return codes.mul_(1 << at) if at else codes
@@ -181,10 +188,11 @@ class PackedCodes:
 
 # ---- scales ------------------------------------------------------------------------------------------------------
 
+
 def f16_field(blocks: torch.Tensor, byte_offset: int) -> torch.Tensor:
     """The float16 at `byte_offset` of every block, as float32 `[n, 1]`."""
     column = byte_offset // 2
-    return blocks.view(torch.float16)[:, column:column + 1].float()
+    return blocks.view(torch.float16)[:, column : column + 1].float()
 
 
 def may_hold_nan(x: torch.Tensor) -> bool:
@@ -223,6 +231,7 @@ def safe_reciprocal(d: torch.Tensor) -> torch.Tensor:
 
 # ---- block layouts -----------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class BlockLayout:
     """How a block type stores its codes and how a code becomes a value.
@@ -240,7 +249,7 @@ class BlockLayout:
     sub_blocks: int = 1
     high: Optional[PackedCodes] = None
     code_offset: int = 0
-    lookup: Optional[torch.Tensor] = None      # int8 values indexed by code
+    lookup: Optional[torch.Tensor] = None  # int8 values indexed by code
 
     def codes(self, blocks: torch.Tensor) -> torch.Tensor:
         """Integer codes of the blocks, `[n, block_size]`, int8 where the format is signed."""
@@ -267,8 +276,11 @@ class BlockLayout:
         scale = scale.contiguous().view(n, self.sub_blocks, 1)
         bias = None if bias is None else bias.contiguous().view(n, self.sub_blocks, 1)
         narrow = out_dtype != torch.float32
-        out = torch.empty(n, self.block_size, dtype=out_dtype) if narrow else new_result((n, self.block_size),
-                                                                                           torch.float32)
+        out = (
+            torch.empty(n, self.block_size, dtype=out_dtype)
+            if narrow
+            else new_result((n, self.block_size), torch.float32)
+        )
         sub_shape = (self.sub_blocks, self.block_size // self.sub_blocks)
         tmp = torch.empty(min(n, max(1, CHUNK_ELEMENTS // self.block_size)), self.block_size) if narrow else None
 
@@ -276,13 +288,11 @@ class BlockLayout:
 
         def decode_chunk(chunk: slice) -> None:
             if nibbles:
-                self._decode_nibbles(raw[chunk], scale[chunk], None if bias is None else bias[chunk], out[chunk],
-                                     tmp)
+                self._decode_nibbles(raw[chunk], scale[chunk], None if bias is None else bias[chunk], out[chunk], tmp)
                 return
             codes = self.codes(raw[chunk])
             dest = out[chunk].view(-1, *sub_shape)
-            scale_codes(codes.view(-1, *sub_shape), scale[chunk], dest,
-                        None if bias is None else bias[chunk], tmp)
+            scale_codes(codes.view(-1, *sub_shape), scale[chunk], dest, None if bias is None else bias[chunk], tmp)
 
         for_each_chunk(n, self.block_size, decode_chunk)
         return out
@@ -291,12 +301,23 @@ class BlockLayout:
         """Whether the codes are plain 4-bit nibbles, planar per group (low nibbles of a group's bytes, then their
         high nibbles: Q4_0, Q4_1, Q4_K), with one scale per block or per half-group: then `_decode_nibbles`."""
         low = self.low
-        return (low.bits == 4 and self.high is None and self.lookup is None and 2 * low.length == self.block_size
-                and low.length % low.group == 0
-                and (self.sub_blocks == 1 or self.block_size // self.sub_blocks == low.group))
+        return (
+            low.bits == 4
+            and self.high is None
+            and self.lookup is None
+            and 2 * low.length == self.block_size
+            and low.length % low.group == 0
+            and (self.sub_blocks == 1 or self.block_size // self.sub_blocks == low.group)
+        )
 
-    def _decode_nibbles(self, blocks: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
-                        out: torch.Tensor, tmp: Optional[torch.Tensor]) -> None:
+    def _decode_nibbles(
+        self,
+        blocks: torch.Tensor,
+        scale: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        out: torch.Tensor,
+        tmp: Optional[torch.Tensor],
+    ) -> None:
         """Nibble layouts without the general unpacking: per half, mask or shift the code bytes in place of a
         gather; `scale_codes` then writes each half of `out` `[n, block_size]` in place."""
         low = self.low
@@ -306,7 +327,7 @@ class BlockLayout:
         for width, dtype, mask in ((4, torch.int32, 0x0F0F0F0F), (2, torch.int16, 0x0F0F), (1, torch.uint8, 0x0F)):
             if low.offset % width == 0 and blocks.shape[1] % width == 0 and blocks.storage_offset() % width == 0:
                 break
-        words = blocks.view(dtype)[:, low.offset // width:(low.offset + low.length) // width]
+        words = blocks.view(dtype)[:, low.offset // width : (low.offset + low.length) // width]
         halves = out.view(n, groups, 2, low.group)
         per_half = self.sub_blocks != 1  # one scale per half-group (Q4_K) or one per block
         for h in (0, 1):
@@ -327,8 +348,13 @@ class BlockLayout:
 F16_SCALE_OFFSETS: dict[GGMLType, tuple[int, ...]] = {}
 
 
-def scale_codes(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
-                bias: Optional[torch.Tensor] = None, tmp: Optional[torch.Tensor] = None) -> None:
+def scale_codes(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    out: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    tmp: Optional[torch.Tensor] = None,
+) -> None:
     """out = scale · codes (+ bias): codes `[n, S, L]` of an integer type, scale and bias `[n, S, 1]` float32.
 
     scale · code is exact in float32 for every GGML type (an f16, 11 significant bits, times integers whose
@@ -342,12 +368,13 @@ def scale_codes(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
     if bias is None:
         torch.mul(codes, scale, out=out)
         return
-    work = out if out.dtype == torch.float32 else tmp.reshape(-1)[:codes.numel()].view(codes.shape)
+    work = out if out.dtype == torch.float32 else tmp.reshape(-1)[: codes.numel()].view(codes.shape)
     torch.mul(codes, scale, out=work)
     torch.add(work, bias, out=out)
 
 
 # ---- element types -----------------------------------------------------------------------------------------------
+
 
 def _element_decoder(dtype: torch.dtype):
     # F32 too is copied: callers own the result and may write into it, while raw often lies in a read-only mapping
@@ -373,6 +400,7 @@ def _encode_bf16(x: torch.Tensor) -> torch.Tensor:
 
 # ---- 32-element block types --------------------------------------------------------------------------------------
 
+
 def scale_only(blocks: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, None]:
     return d, None
 
@@ -389,9 +417,15 @@ def _legacy_layout(ggml_type: GGMLType, bits: int, affine: bool) -> BlockLayout:
     if bits == 5:
         high = PackedCodes(offset, 4, 1, 1)
         offset += 4
-    return BlockLayout(ggml_type, 32, PackedCodes(offset, 16, 16, 4), (0, 2) if affine else (0,),
-                       _scale_and_minimum if affine else scale_only, high=high,
-                       code_offset=0 if affine else 1 << (bits - 1))
+    return BlockLayout(
+        ggml_type,
+        32,
+        PackedCodes(offset, 16, 16, 4),
+        (0, 2) if affine else (0,),
+        _scale_and_minimum if affine else scale_only,
+        high=high,
+        code_offset=0 if affine else 1 << (bits - 1),
+    )
 
 
 LEGACY_LAYOUTS = {
@@ -463,15 +497,16 @@ def _legacy_encoder(layout: BlockLayout):
         codes = float_codes_to_uint8(y, max_code)
         out[:, 0:2] = float32_to_f16_bits(d)
         low = layout.low
-        out[:, low.offset:low.offset + low.length] = pack_fields(codes, low.group, low.bits)
+        out[:, low.offset : low.offset + low.length] = pack_fields(codes, low.group, low.bits)
         if layout.high is not None:
             high = layout.high
-            out[:, high.offset:high.offset + high.length] = pack_fields(codes >> low.bits, high.group, high.bits)
+            out[:, high.offset : high.offset + high.length] = pack_fields(codes >> low.bits, high.group, high.bits)
 
     return lambda x: encode_in_chunks(x, type_size, encode_chunk)
 
 
 # ---- Q8_0 --------------------------------------------------------------------------------------------------------
+
 
 def _decode_q8_0_chunk(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # converting whole blocks (scale bytes included, then ignored) runs vectorized, unlike a cast of the
@@ -506,9 +541,11 @@ def _register() -> None:
     for layout in LEGACY_LAYOUTS.values():
         layout.register(_legacy_encoder(layout))
     F16_SCALE_OFFSETS[GGMLType.Q8_0] = (0,)
-    register(GGMLType.Q8_0, lambda raw, out_dtype=torch.float32: decode_in_chunks(raw, 32, _decode_q8_0_chunk,
-                                                                                  out_dtype),
-             lambda x: encode_in_chunks(x, 34, _encode_q8_0_chunk))
+    register(
+        GGMLType.Q8_0,
+        lambda raw, out_dtype=torch.float32: decode_in_chunks(raw, 32, _decode_q8_0_chunk, out_dtype),
+        lambda x: encode_in_chunks(x, 34, _encode_q8_0_chunk),
+    )
 
 
 _register()

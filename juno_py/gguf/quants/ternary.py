@@ -41,8 +41,14 @@ def _tq1_0_chunk(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # of four values, the float16 scale
     n = blocks.shape[0]
     trits = TRITS.index_select(0, blocks[:, 0:52].reshape(-1).int()).view(n, 52, 5)
-    codes = torch.cat([trits[:, 0:32].transpose(1, 2).reshape(n, 160), trits[:, 32:48].transpose(1, 2).reshape(n, 80),
-                       trits[:, 48:52, 0:4].transpose(1, 2).reshape(n, 16)], dim=1)
+    codes = torch.cat(
+        [
+            trits[:, 0:32].transpose(1, 2).reshape(n, 160),
+            trits[:, 32:48].transpose(1, 2).reshape(n, 80),
+            trits[:, 48:52, 0:4].transpose(1, 2).reshape(n, 16),
+        ],
+        dim=1,
+    )
     torch.mul(codes, f16_field(blocks, 52), out=out)
 
 
