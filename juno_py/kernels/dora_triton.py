@@ -272,7 +272,7 @@ def _norm_rows_gram_kernel(
     split A `[2r, r]` (G = P_top + P_bot + P_botᵀ). FINISH (one rank tile): the norm itself, as `_norm_rows_kernel`
     ends; else the tile's row sums go to `part[j, rows]` for `_norm_finish_kernel`. Each program reads one column
     tile of G, so G is read n/BLOCK_D times in all, not once per row tile and column tile pair (the L2 traffic that
-    bounded the one-dimensional grid of session 5)."""
+    bounds a one-dimensional grid of row tiles)."""
     rows = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     j = tl.program_id(1)
     row_ok = rows < n
@@ -389,7 +389,7 @@ class TileConfig:
 # and writes at copy bandwidth; the backward, which loops over row tiles to keep d_g's partials few, does best
 # with narrow, tall tiles (3.8 TB/s against 3.2 TB/s for 16 x 256; the copy: 4.2 TB/s)
 FORWARD_CONFIG = TileConfig()
-# the backward with inner loaded before its stores (session 9, H200, bf16, 134 M elements; `dora_layer.py --tiles`
+# the backward with inner loaded before its stores (H200, bf16, 134 M elements; `dora_layer.py --tiles`
 # sweeps these): 32 x 128 with about 4096 programs moved 96.0 % of the copy's bandwidth with d_lora and 97.5 %
 # without (about 1024 programs: 89.6 and 99.2 %; 64 x 128, 8 warps: 94.9 and 78.9 %)
 BACKWARD_CONFIG = TileConfig(block_m=32, block_n=128, num_warps=4, groups_target=4096)
@@ -405,8 +405,8 @@ class NormGramConfig:
     rows per program: one launch, no finishing kernel.
 
     Defaults measured on the H200 (benchmarks/norm_gram_sweep.py, GPU time): 128 × 32 × 32 tiles ran 65 µs at
-    8192 rows and r = 384 and 37 µs at 4096 rows (session 5's one-dimensional grid: 134 and 96 µs); r ≤ 64 kept
-    session 5's 64-row tiles (2.4 and 5.0 µs at 4096 rows, r = 16 and 64; 128-row tiles were slower)."""
+    8192 rows and r = 384 and 37 µs at 4096 rows (a one-dimensional grid of row tiles: 134 and 96 µs); r ≤ 64 keeps
+    64-row tiles (2.4 and 5.0 µs at 4096 rows, r = 16 and 64; 128-row tiles were slower)."""
 
     block_d: int = 128
     block_r: int = 32

@@ -1,7 +1,7 @@
 """Launching Triton kernels cheaply: `launch(kernel, grid, args, ...)` is `kernel[grid](*args, ...)` with the
 compiled kernel of each specialization kept and launched directly the second time.
 
-`kernel[grid](...)` cost about 31 µs of CPU a launch on the H200's host in session 5, a direct launch about 6
+`kernel[grid](...)` costs about 31 µs of CPU a launch on the H200's host, a direct launch about 6
 (docs/kernels.md, "Launching Triton kernels"): triton binds and specializes every argument and builds a cache key
 on each call. For a kernel launched every step (the DoRA composition and norm, the decode of each quantized tile,
 the loss chunk) that is most of the CPU time a training or playback step spends on it. `launch` keeps the compiled kernel (`CompiledKernel[grid]`) under
