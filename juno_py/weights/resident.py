@@ -302,4 +302,10 @@ if TYPE_CHECKING:  # mypy checks that the backend provides both Protocols
     _exact_products: type[ExactProducts] = ResidentQuantLinear
 
 
+# Declared, not only structural: since Python 3.12 a runtime Protocol check looks attributes up statically
+# (inspect.getattr_static), which misses nn.Module buffers (`raw`, `bias`, `weight_cache`); mypy checks the
+# structure.
+FrozenBase.register(ResidentQuantLinear)
+ExactProducts.register(ResidentQuantLinear)
+
 __all__ = ["ResidentQuantLinear", "MATVEC_MAX_TOKENS"]
