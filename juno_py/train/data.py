@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
@@ -58,6 +59,7 @@ class DataStats:
     records: int = 0
     examples: int = 0
     skipped_bad: int = 0
+    skipped_empty: int = 0  # records that left nothing to learn from (no tokens, or none supervised)
     dropped_long: int = 0
     split_long: int = 0
     tokens: int = 0
@@ -69,6 +71,8 @@ class DataStats:
         extra = []
         if self.skipped_bad:
             extra.append(f"{self.skipped_bad} bad records skipped")
+        if self.skipped_empty:
+            extra.append(f"{self.skipped_empty} records with nothing to learn skipped")
         if self.dropped_long:
             extra.append(f"{self.dropped_long} over-long chat/prompt records dropped")
         if self.split_long:
@@ -80,38 +84,102 @@ class DataStats:
 
 
 # ---------------------------------------------------------------------------------------------- reading files
+MAX_LINE_BYTES = 16 * 2**20  # one JSONL record; far above any real training record, low enough to refuse junk
+MAX_DEPTH = 64  # JSON nesting; a chat record needs 4 levels (record, messages, message, content)
+
+
+def _depth_ok(value) -> bool:
+    """Whether `value` nests at most MAX_DEPTH containers deep (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            if d > MAX_DEPTH:
+                return False
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return True
+
+
+def _parse_json(text: str, where: str):
+    """json.loads with hostile input turned into DataErrors naming `where` (JSONDecodeError passes through)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise
+    except RecursionError:
+        raise DataError(f"{where}: JSON nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError:  # an integer literal longer than Python converts (sys.get_int_max_str_digits)
+        raise DataError(f"{where}: a number with more than {sys.get_int_max_str_digits()} digits") from None
+    if not _depth_ok(value):
+        raise DataError(f"{where}: JSON nested deeper than {MAX_DEPTH} levels")
+    return value
+
+
+def _jsonl_lines(path: Path, f, skip_bad: bool, stats: DataStats) -> Iterable[tuple[int, str]]:
+    """(line number, decoded line) of a JSONL file, each line read with a size bound: a longer line is refused
+    (or, with skip_bad, skipped) without holding it in memory."""
+    lineno = 0
+    while True:
+        raw = f.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        lineno += 1
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            if not skip_bad:
+                raise DataError(
+                    f"{path}:{lineno}: line longer than {MAX_LINE_BYTES // 2**20} MiB; expected one "
+                    f"JSON record per line"
+                )
+            stats.skipped_bad += 1
+            while raw and not raw.endswith(b"\n"):  # drop the rest of the line in bounded pieces
+                raw = f.readline(MAX_LINE_BYTES)
+            continue
+        try:
+            yield lineno, raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}:{lineno}: not UTF-8 text (byte {e.start} of the line)") from None
+
+
 def read_records(path, skip_bad: bool = False, stats: Optional[DataStats] = None) -> list[tuple[int, dict]]:
     """(line number, record) pairs from a JSONL file, a JSON array, or a plain text file (one text record)."""
     path = Path(path)
     stats = stats if stats is not None else DataStats()
+    records: list[tuple[int, dict]] = []
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text (byte {e.start})") from None
+        with open(path, "rb") as f:
+            head = f.read(4096).lstrip()
+            f.seek(0)
+            whole = path.suffix.lower() in (".txt", ".md", ".text") or head.startswith(b"[")
+            if whole:
+                try:
+                    text = f.read().decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}: not UTF-8 text (byte {e.start})") from None
+                if path.suffix.lower() in (".txt", ".md", ".text"):
+                    return [(1, {"text": text})]
+                try:
+                    arr = _parse_json(text, str(path))
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{e.lineno}: invalid JSON array: {e.msg}") from None
+                for i, rec in enumerate(arr):
+                    records.append((i + 1, rec))
+            else:
+                for lineno, line in _jsonl_lines(path, f, skip_bad, stats):
+                    if not line.strip():
+                        continue
+                    try:
+                        records.append((lineno, _parse_json(line, f"{path}:{lineno}")))
+                    except (json.JSONDecodeError, DataError) as e:
+                        if skip_bad:
+                            stats.skipped_bad += 1
+                            continue
+                        if isinstance(e, DataError):
+                            raise
+                        raise DataError(
+                            f"{path}:{lineno}: invalid JSON ({e.msg}); expected one JSON object per line"
+                        ) from None
     except OSError as e:
         raise DataError(f"{path}: cannot read: {e.strerror}") from None
-    if path.suffix.lower() in (".txt", ".md", ".text"):
-        return [(1, {"text": text})]
-    stripped = text.lstrip()
-    records: list[tuple[int, dict]] = []
-    if stripped.startswith("["):
-        try:
-            arr = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{e.lineno}: invalid JSON array: {e.msg}") from None
-        for i, rec in enumerate(arr):
-            records.append((i + 1, rec))
-    else:
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                records.append((lineno, json.loads(line)))
-            except json.JSONDecodeError as e:
-                if skip_bad:
-                    stats.skipped_bad += 1
-                    continue
-                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg}); expected one JSON object per line") from None
     out = []
     for lineno, rec in records:
         problem = record_problem(rec)
@@ -304,12 +372,15 @@ def build_examples(
             exs = encoder.encode(rec, idx)
         except (DataError, TokenizerError) as e:
             raise DataError(f"{where}: {e}") from None
-        for ex in exs:
-            for piece in encoder.fit(ex, form, stats):
-                out.append(piece)
-                stats.examples += 1
-                stats.tokens += len(piece.ids)
-                stats.supervised_tokens += piece.n_supervised
+        fitted = [piece for ex in exs for piece in encoder.fit(ex, form, stats)]
+        pieces = [piece for piece in fitted if piece.n_supervised > 0]  # a sequence with no target teaches nothing
+        if fitted and not pieces or not exs:
+            stats.skipped_empty += 1
+        for piece in pieces:
+            out.append(piece)
+            stats.examples += 1
+            stats.tokens += len(piece.ids)
+            stats.supervised_tokens += piece.n_supervised
     return out
 
 
@@ -448,6 +519,15 @@ def _read_all(paths: Sequence, skip_bad: bool, stats: DataStats) -> list[tuple[s
     return records
 
 
+def _refuse_if_nothing_to_learn(examples: list, stats: DataStats, paths: Sequence) -> None:
+    """A one-line error when every record came out empty (no tokens, or none the loss predicts)."""
+    if not examples and stats.skipped_empty and stats.skipped_empty + stats.dropped_long == stats.records:
+        raise DataError(
+            f"{', '.join(map(str, paths))}: no usable records: {stats.skipped_empty} of {stats.records} have no "
+            f"tokens to learn from after tokenization (empty text or answer)"
+        )
+
+
 def load_dataset(
     paths: Iterable,
     tokenizer,
@@ -471,6 +551,7 @@ def load_dataset(
     else:
         train_recs, val_recs = split_validation(records, validation_split, seed)
     train = build_examples(train_recs, Encoder(tokenizer, max_seq_len, qa_variants_n, system), stats)
+    _refuse_if_nothing_to_learn(train, stats, paths)
     val = build_examples(val_recs, Encoder(tokenizer, max_seq_len, 1, system), DataStats())
     return train, val, stats
 
@@ -480,5 +561,8 @@ def load_examples(
 ) -> tuple[list[Example], DataStats]:
     """Every record of `paths` encoded once (no rephrasings, no split): what `juno-py eval` scores."""
     stats = DataStats()
-    records = _read_all(list(paths), skip_bad, stats)
-    return build_examples(records, Encoder(tokenizer, max_seq_len, 1, system), stats), stats
+    paths = list(paths)
+    records = _read_all(paths, skip_bad, stats)
+    examples = build_examples(records, Encoder(tokenizer, max_seq_len, 1, system), stats)
+    _refuse_if_nothing_to_learn(examples, stats, paths)
+    return examples, stats
