@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import signal
 import sys
@@ -14,6 +15,30 @@ from pathlib import Path
 import click
 
 from juno_py.errors import JunoError
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click.FloatRange that also refuses NaN and +-Inf: NaN compares false to every bound and Inf passes an
+    open upper end, so a plain FloatRange lets both through into the arithmetic. Every float flag uses it."""
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return rv
+
+
+def lora_targets_option(ctx, param, value):
+    """Check --lora-targets when the flags are parsed, before the model or data load; the value stays the
+    string the commands parse later."""
+    from juno_py.lora import parse_targets
+
+    if value is not None:
+        try:
+            parse_targets(value)
+        except ValueError as e:
+            raise click.BadParameter(str(e), ctx, param) from None
+    return value
 
 
 def one_line_errors(fn):

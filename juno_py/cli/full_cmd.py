@@ -12,9 +12,11 @@ import click
 from click.core import ParameterSource
 
 from juno_py.cli.common import (
+    FiniteFloatRange,
     StopFlag,
     load_training_data,
     load_training_model,
+    lora_targets_option,
     one_line_errors,
     say,
     warnings_to_stderr,
@@ -104,7 +106,7 @@ def world_size() -> int:
 @click.option(
     "--lr",
     default=None,
-    type=click.FloatRange(0, min_open=True),
+    type=FiniteFloatRange(0, min_open=True),
     help="Peak learning rate (default: 1e-3 for galore, whose steps are further scaled by --galore-scale; "
     "1e-4 for adamw).",
 )
@@ -112,14 +114,14 @@ def world_size() -> int:
     "--weight-decay",
     default=0.0,
     show_default=True,
-    type=click.FloatRange(0),
+    type=FiniteFloatRange(0),
     help="Decoupled weight decay on every trained matrix.",
 )
 @click.option(
     "--max-grad-norm",
     default=1.0,
     show_default=True,
-    type=click.FloatRange(0),
+    type=FiniteFloatRange(0),
     help="Clip gradients to this L2 norm (0: no clipping): globally or per matrix, see --grad-clip.",
 )
 @click.option(
@@ -148,7 +150,7 @@ def world_size() -> int:
     "--galore-scale",
     default=DEFAULTS["scale"],
     show_default=True,
-    type=click.FloatRange(0, min_open=True),
+    type=FiniteFloatRange(0, min_open=True),
     help="α: the lifted update is multiplied by this (independent of the rank).",
 )
 @click.option(
@@ -177,7 +179,7 @@ def world_size() -> int:
     "--min-retention",
     default=0.9,
     show_default=True,
-    type=click.FloatRange(0, 1),
+    type=FiniteFloatRange(0, 1),
     help="Target of --requant auto: 1 - |ΔW - ΔW_kept| / |ΔW| per tensor.",
 )
 @click.option(
@@ -305,6 +307,8 @@ def _deprecated(ctx, param, value):
     if value is not None and ctx.get_parameter_source(param.name) == ParameterSource.COMMANDLINE:
         new = next(n for n, old in RENAMED.items() if old == param.name).replace("_", "-")
         click.echo(f"juno-py: note: juno-py full: {param.opts[0]} is deprecated; use --{new}", err=True)
+    if param.name == "lora_targets":
+        value = lora_targets_option(ctx, param, value)
     return value
 
 

@@ -7,7 +7,7 @@ import time
 
 import click
 
-from juno_py.cli.common import one_line_errors
+from juno_py.cli.common import FiniteFloatRange, one_line_errors
 from juno_py.cli.options import model_options, open_model
 
 
@@ -49,9 +49,13 @@ def _reply(model, messages, max_tokens, temperature, top_k, top_p, seed, stream_
 @click.option("--prompt", help="Answer this one prompt (only the reply goes to stdout) instead of chatting.")
 @click.option("--system", help="A system message placed before the conversation.")
 @click.option("--max-tokens", default=256, show_default=True, help="Most tokens generated per reply.")
-@click.option("--temperature", default=0.7, show_default=True, help="Sampling temperature; 0 is greedy.")
+@click.option(
+    "--temperature", default=0.7, show_default=True, type=FiniteFloatRange(), help="Sampling temperature; 0 is greedy."
+)
 @click.option("--top-k", default=40, show_default=True, help="Sample among the k most likely tokens (0: all).")
-@click.option("--top-p", default=0.95, show_default=True, help="Nucleus sampling mass (1: off).")
+@click.option(
+    "--top-p", default=0.95, show_default=True, type=FiniteFloatRange(), help="Nucleus sampling mass (1: off)."
+)
 @click.option("--seed", default=None, type=int, help="Seed for sampling (default: random).")
 @one_line_errors
 def local(prompt, system, max_tokens, temperature, top_k, top_p, seed, **model_kw) -> None:

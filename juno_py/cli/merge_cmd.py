@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from juno_py.cli.common import one_line_errors, warnings_to_stderr
+from juno_py.cli.common import FiniteFloatRange, one_line_errors, warnings_to_stderr
 from juno_py.store import DEFAULT_MODEL
 
 
@@ -41,7 +41,7 @@ def default_output(lora_path: str) -> Path:
     "--min-retention",
     default=0.9,
     show_default=True,
-    type=click.FloatRange(0, 1),
+    type=FiniteFloatRange(0, 1),
     help="Target of --requant auto: 1 - |ΔW - ΔW_kept| / |ΔW| per tensor.",
 )
 @click.option(

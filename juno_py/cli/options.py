@@ -6,6 +6,7 @@ import functools
 
 import click
 
+from juno_py.cli.common import FiniteFloatRange, lora_targets_option
 from juno_py.store import DEFAULT_MODEL
 
 
@@ -84,7 +85,7 @@ def training_options(fn):
         "--validation-split",
         default=0.0,
         show_default=True,
-        type=click.FloatRange(0, 0.9),
+        type=FiniteFloatRange(0, 0.9),
         help="Fraction of the records (whole records) held out for validation.",
     )
     @click.option(
@@ -105,6 +106,7 @@ def training_options(fn):
         "--lora-targets",
         default=LORA_DEFAULTS["targets"],
         show_default=True,
+        callback=lora_targets_option,
         help="qv, all, attn, mlp, or a comma list of wq,wk,wv,wo,wgate,wup,wdown.",
     )
     @click.option(
@@ -114,7 +116,7 @@ def training_options(fn):
         "--lora-alpha",
         default=LORA_DEFAULTS["alpha"],
         show_default=True,
-        type=float,
+        type=FiniteFloatRange(),
         help="Alpha: the scale is alpha/r (standard) or alpha/sqrt(r) (rslora).",
     )
     @click.option(
@@ -135,28 +137,28 @@ def training_options(fn):
         "--lora-dropout",
         default=0.0,
         show_default=True,
-        type=click.FloatRange(0, 1, max_open=True),
+        type=FiniteFloatRange(0, 1, max_open=True),
         help="Dropout on the adapter's input.",
     )
     @click.option(
         "--lora-lr",
         default=LORA_DEFAULTS["lr"],
         show_default=True,
-        type=click.FloatRange(0, min_open=True),
+        type=FiniteFloatRange(0, min_open=True),
         help="Peak learning rate.",
     )
     @click.option(
         "--lora-weight-decay",
         default=0.01,
         show_default=True,
-        type=click.FloatRange(0),
+        type=FiniteFloatRange(0),
         help="AdamW decoupled weight decay, on A only (never B or the DoRA magnitude).",
     )
     @click.option(
         "--lora-plus-ratio",
         default=1.0,
         show_default=True,
-        type=click.FloatRange(0, min_open=True),
+        type=FiniteFloatRange(0, min_open=True),
         help="LoRA+: B's learning rate is this many times the rate of A.",
     )
     @click.option(
@@ -173,7 +175,7 @@ def training_options(fn):
         "--lora-min-lr",
         default=0.0,
         show_default=True,
-        type=click.FloatRange(0),
+        type=FiniteFloatRange(0),
         help="Learning rate at the end of the cosine.",
     )
     @click.option(
@@ -194,7 +196,7 @@ def training_options(fn):
         "--lora-max-grad-norm",
         default=1.0,
         show_default=True,
-        type=click.FloatRange(0),
+        type=FiniteFloatRange(0),
         help="Clip the global gradient L2 norm to this (0: no clipping).",
     )
     @click.option(
@@ -215,7 +217,7 @@ def training_options(fn):
     @click.option(
         "--lora-loss-target",
         default=None,
-        type=click.FloatRange(0),
+        type=FiniteFloatRange(0),
         help="Stop once the training loss over the last epoch's worth of steps is at or below this.",
     )
     @click.option(
@@ -235,14 +237,14 @@ def training_options(fn):
         "--lora-validation-min-delta",
         default=0.0,
         show_default=True,
-        type=click.FloatRange(0),
+        type=FiniteFloatRange(0),
         help="Smallest decrease of the validation loss that counts as an improvement.",
     )
     @click.option(
         "--lora-overfit-ratio",
         default=1.25,
         show_default=True,
-        type=click.FloatRange(0),
+        type=FiniteFloatRange(0),
         help="Overfit guard: stop at once when the validation loss exceeds its best by this factor "
         "(0: off); the best weights are kept.",
     )

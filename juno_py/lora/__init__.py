@@ -33,18 +33,14 @@ TARGET_ALIASES = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "wgate", "
 
 def parse_targets(spec: Union[str, Sequence[str]]) -> tuple[str, ...]:
     """'qv' | 'all' | 'attn' | 'mlp' | a comma list of targets ('wq,wv' or 'q,v,gate')."""
-    if not isinstance(spec, str):
-        names = list(spec)
-    elif spec == "qv":
-        names = ["wq", "wv"]
-    elif spec == "all":
-        names = list(TARGETS)
-    elif spec == "attn":
-        names = ["wq", "wk", "wv", "wo"]
-    elif spec == "mlp":
-        names = ["wgate", "wup", "wdown"]
-    else:
-        names = [n.strip() for n in spec.split(",") if n.strip()]
+    groups = {
+        "qv": ["wq", "wv"],
+        "all": list(TARGETS),
+        "attn": ["wq", "wk", "wv", "wo"],
+        "mlp": ["wgate", "wup", "wdown"],
+    }
+    items = list(spec) if not isinstance(spec, str) else [n.strip() for n in spec.split(",") if n.strip()]
+    names = [t for n in items for t in groups.get(n, [n])]  # a group may stand alone or in a comma list
     out = []
     for n in names:
         t = TARGET_ALIASES.get(n, n)
