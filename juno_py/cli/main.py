@@ -4,6 +4,7 @@ that command runs or shows its help, so `juno-py --help` loads neither torch nor
 from __future__ import annotations
 
 import importlib
+import sys
 
 import click
 
@@ -47,6 +48,33 @@ COMMANDS = {
 }
 
 
+REPORT_DETAIL = 200  # characters of an internal error's message shown on stderr; the report holds all of it
+
+
+def write_report(e: BaseException) -> str:
+    """The traceback of `e` and the command line, written atomically to $JUNO_PY_HOME/reports/ (the temp dir if
+    that cannot be written); returns the report's path, or a note that none could be written."""
+    import os
+    import tempfile
+    import time
+    import traceback
+    from pathlib import Path
+
+    from juno_py.atomic import atomic_write_bytes
+    from juno_py.store import home
+
+    text = f"juno-py {' '.join(sys.argv[1:])}\n\n" + "".join(traceback.format_exception(e))
+    name = f"internal-error-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
+    for folder in (home() / "reports", Path(tempfile.gettempdir())):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(folder / name, text.encode("utf-8", "replace"))
+            return str(folder / name)
+        except OSError:
+            continue
+    return "none written: no writable folder"
+
+
 class LazyGroup(click.Group):
     """A group whose commands are `module:attribute` entries, imported on first use."""
 
@@ -62,6 +90,27 @@ class LazyGroup(click.Group):
             module, attr, _ = self.lazy[name]
             self.add_command(getattr(importlib.import_module(f"juno_py.cli.{module}"), attr), name)
         return super().get_command(ctx, name)
+
+    def invoke(self, ctx):
+        """Run the command; an exception no command turned into a message (a bug, not a user error) becomes one
+        line on stderr and exit status 1, its traceback kept in a report file."""
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.ClickException, click.exceptions.Abort, click.exceptions.Exit, KeyboardInterrupt):
+            raise
+        except Exception as e:
+            from juno_py.errors import JunoError
+
+            if isinstance(e, JunoError):  # a user error that escaped its command's handler: still one line
+                click.echo(f"juno-py: error: {e}", err=True)
+            else:
+                detail = " ".join(str(e).split())
+                detail = detail if len(detail) <= REPORT_DETAIL else detail[: REPORT_DETAIL - 3] + "..."
+                click.echo(
+                    f"juno-py: internal error: {type(e).__name__}: {detail} (full report: {write_report(e)})",
+                    err=True,
+                )
+            sys.exit(1)
 
     def format_commands(self, ctx, formatter) -> None:
         rows = [

@@ -1,0 +1,43 @@
+"""An exception no command expected is one line on stderr, exit status 1, and a report file with the traceback."""
+
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from juno_py.cli import inspect_cmd
+from juno_py.cli.main import cli
+
+
+def test_unexpected_exception_is_one_line_and_a_report(tmp_path, monkeypatch):
+    monkeypatch.setenv("JUNO_PY_HOME", str(tmp_path / "home"))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the reader broke\n" + "x" * 1000)
+
+    monkeypatch.setattr(inspect_cmd, "resolve_model", broken)
+    r = CliRunner().invoke(cli, ["inspect", "whatever.gguf"])
+    assert r.exit_code == 1 and r.stdout == "" and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1
+    prefix = "juno-py: internal error: RuntimeError: the reader broke xxx"
+    assert lines[0].startswith(prefix) and "x" * 300 not in lines[0]
+    report = Path(lines[0].rsplit("(full report: ", 1)[1].rstrip(")"))
+    assert report.parent == tmp_path / "home" / "reports"
+    text = report.read_text()
+    assert "Traceback" in text and "RuntimeError: the reader broke" in text and "x" * 1000 in text
+    assert "in broken" in text
+
+
+def test_user_errors_and_interrupts_are_not_internal_errors(tmp_path, monkeypatch):
+    monkeypatch.setenv("JUNO_PY_HOME", str(tmp_path / "home"))
+    r = CliRunner().invoke(cli, ["inspect", str(tmp_path / "missing.gguf")])
+    assert r.exit_code == 1 and "internal error" not in r.stderr
+    r = CliRunner().invoke(cli, ["lora", "--lora-rank", "0"])
+    assert r.exit_code == 2 and "internal error" not in r.stderr
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(inspect_cmd, "resolve_model", interrupted)
+    r = CliRunner().invoke(cli, ["inspect", "whatever.gguf"])
+    assert "internal error" not in r.stderr and not (tmp_path / "home" / "reports").exists()
