@@ -24,6 +24,14 @@ MAGIC = 0x4C4F5241  # "LORA"
 MAX_KEY_BYTES = 1 << 20
 MAX_FLOATS = 100_000_000
 MAX_FP_DIMS = 8
+# |value| bound of every element of A, B and the magnitude. Trained factors stay near their init scale
+# (kaiming-uniform A is below 1/sqrt(in_dim), B starts at 0 and moves by lr-sized steps) and a DoRA magnitude is
+# a row norm of the base weight, single digits to a few hundred in real models; 1e4 is orders of magnitude above
+# all of that, so only a corrupt or hostile file (say +-3.4e38, which loads and then plays back as garbage)
+# crosses it.
+MAX_ABS_VALUE = 1e4
+# |alpha| bound: the scale is alpha/r or alpha/sqrt(r), and alpha is a small multiple of the rank in practice
+MAX_ABS_ALPHA = 1e6
 
 
 class AdapterFormatError(JunoError, ValueError):
@@ -142,6 +150,13 @@ class _Reader:
             raise self.fail(fld, f"value {v} is not finite")
         return v
 
+    def alpha(self) -> float:
+        v = self.f32("alpha")
+        if abs(v) > MAX_ABS_ALPHA:
+            self.pos -= 4
+            raise self.fail("alpha", f"value {v:g}, expected |alpha| <= {MAX_ABS_ALPHA:g}")
+        return v
+
     def boolean(self, fld: str) -> bool:
         b = self.take(1, fld)[0]
         if b > 1:
@@ -173,6 +188,10 @@ class _Reader:
             bad = int(np.flatnonzero(~np.isfinite(arr))[0])
             self.pos -= 4 * n
             raise self.fail(fld, f"element {bad} is {arr[bad]}, expected finite floats")
+        if arr.size and float(np.abs(arr).max()) > MAX_ABS_VALUE:
+            bad = int(np.flatnonzero(np.abs(arr) > MAX_ABS_VALUE)[0])
+            self.pos -= 4 * n
+            raise self.fail(fld, f"element {bad} is {arr[bad]:g}, expected |value| <= {MAX_ABS_VALUE:g}")
         return arr
 
     def key(self) -> str:
@@ -191,7 +210,7 @@ def _read_dense(r: _Reader) -> AdapterEntry:
     key = r.key()
     r.entry = key
     rank, in_dim, out_dim = r.dim("rank"), r.dim("in_dim"), r.dim("out_dim")
-    alpha = r.f32("alpha")
+    alpha = r.alpha()
     scaling = r.enum("scaling", Scaling)
     init = r.enum("initialization", Init)
     mode = r.enum("mode", Mode)
@@ -224,7 +243,7 @@ def _read_v1(r: _Reader) -> AdapterEntry:
     key = r.key()
     r.entry = key
     rank, in_dim, out_dim = r.dim("rank"), r.dim("in_dim"), r.dim("out_dim")
-    alpha = r.f32("alpha")
+    alpha = r.alpha()
     A = r.floats(rank * in_dim, "A").reshape(rank, in_dim)
     B = r.floats(out_dim * rank, "B").reshape(out_dim, rank)
     return AdapterEntry(key, A, B, alpha, Scaling.STANDARD, Init.LEGACY_NORMAL, Mode.LORA)

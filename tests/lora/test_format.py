@@ -170,6 +170,37 @@ def test_corrupted_files_refused_with_one_line(tmp_path, blob, expect):
     assert "\n" not in msg and expect in msg and str(p) in msg
 
 
+A1_AT = ENUMS_AT + 12
+B1_AT = A1_AT + 4 * len(A1)
+M1_AT = B1_AT + 4 * len(B1) + 1  # after has_magnitude
+
+
+@pytest.mark.parametrize(
+    "blob,expect",
+    [
+        (_patch(V2, A1_AT + 8, struct.pack(">f", 3.4e38)), ("A", "element 2 is 3.4e+38")),
+        (_patch(V2, B1_AT, struct.pack(">f", -3.4e38)), ("B", "element 0 is -3.4e+38")),
+        (_patch(V2, M1_AT + 4, struct.pack(">f", 2e4)), ("magnitude", "element 1 is 20000")),
+        (_patch(V2, ENTRY1_AT + 8 + 12, struct.pack(">f", 3.4e38)), ("alpha", "3.4e+38")),
+        (_patch(V1, 12 + 11 + 12 + 4, struct.pack(">f", 1e5)), ("A", "element 0 is 100000")),
+    ],
+)
+def test_finite_but_absurd_values_refused(tmp_path, blob, expect):
+    p = tmp_path / "c.bin"
+    p.write_bytes(blob)
+    with pytest.raises(AdapterFormatError) as e:
+        read_adapter(p)
+    msg, (field, value) = str(e.value), expect
+    assert "\n" not in msg and f"field {field} at offset" in msg and value in msg and str(p) in msg
+
+
+def test_values_at_the_bound_load(tmp_path):
+    p = tmp_path / "ok.bin"
+    p.write_bytes(_patch(_patch(V2, A1_AT, struct.pack(">f", -1e4)), B1_AT, struct.pack(">f", 1e4)))
+    _, entries = read_adapter(p)
+    assert entries[0].A[0, 0] == -1e4 and entries[0].B[0, 0] == 1e4
+
+
 def test_dora_without_magnitude_refused(tmp_path):
     no_mag = ENTRY1.replace(b"\x01" + be_floats(M1), b"\x00")
     p = tmp_path / "d.bin"
