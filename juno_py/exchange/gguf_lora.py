@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
+import torch
 
 from juno_py.exchange.interop import (
     Part,
@@ -33,7 +34,7 @@ from juno_py.exchange.interop import (
     stack_parts,
 )
 from juno_py.gguf import GGMLType, GGUFFile, GGUFWriter, ValueType
-from juno_py.gguf.quants import quantize
+from juno_py.gguf.quants import dequantize, quantize
 from juno_py.lora.format import AdapterEntry, Init, Mode, Scaling, read_adapter
 from juno_py.merge.targets import MergeError, ModelTargets, entries_by_tensor
 
@@ -96,8 +97,14 @@ def export_gguf_lora(base, adapter, output, dtype: str = "f32") -> Path:
             for tensor, n_rows, parts, _ in pairs:
                 factors = [None if alpha else p.entry.scale for p in parts]
                 A, B, cols = stack_parts(parts, n_rows, factors)
-                w.add_tensor(f"{tensor}.lora_a", quantize(qtype, A), qtype, A.shape)
-                w.add_tensor(f"{tensor}.lora_b", quantize(qtype, B), qtype, B.shape)
+                for suffix, x in (("lora_a", A), ("lora_b", B)):
+                    raw = quantize(qtype, x)
+                    if not torch.isfinite(dequantize(qtype, raw, x.shape[-1])).all():
+                        raise MergeError(
+                            f"{adapter}: tensor {tensor}.{suffix} is not finite in {dtype} (values up to "
+                            f"{float(np.abs(x).max()):g}); nothing written"
+                        )
+                    w.add_tensor(f"{tensor}.{suffix}", raw, qtype, x.shape)
                 records[tensor] = part_records(parts, cols, factors)
             w.add_field(RECORD_KEY, dump_record(records), ValueType.STRING)
     return output

@@ -9,6 +9,7 @@ no partial file. Memory holds one tensor's float values (in chunks of rows for v
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -135,6 +136,12 @@ def merge_model(
                 for p in patches:
                     p.release()
                 enc = choice.encoding
+                # the error is computed from the decoded output, so it is finite only if every written value is
+                if not (math.isfinite(enc.max_abs_error) and math.isfinite(enc.delta_sq)):
+                    raise MergeError(
+                        f"tensor {name!r}: the merged weights are not finite in {enc.ggml_type.name} (the adapter's "
+                        f"delta overflows it); nothing written"
+                    )
                 writer.add_tensor(name, enc.raw, enc.ggml_type, info.shape)
                 base_extreme = extreme_code_count(info.ggml_type, info.raw)
                 report.tensors.append(
