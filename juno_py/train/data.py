@@ -135,9 +135,14 @@ def _jsonl_lines(path: Path, f, skip_bad: bool, stats: DataStats) -> Iterable[tu
                 raw = f.readline(MAX_LINE_BYTES)
             continue
         try:
-            yield lineno, raw.decode("utf-8")
+            text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
             raise DataError(f"{path}:{lineno}: not UTF-8 text (byte {e.start} of the line)") from None
+        # str.splitlines' line breaks (a lone \r, U+2028, ...) end a line too, as they always have here
+        pieces = text.splitlines() or [""]
+        for i, piece in enumerate(pieces):
+            yield lineno + i, piece
+        lineno += len(pieces) - 1
 
 
 def read_records(path, skip_bad: bool = False, stats: Optional[DataStats] = None) -> list[tuple[int, dict]]:

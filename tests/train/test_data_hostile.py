@@ -70,3 +70,11 @@ def test_over_long_line_is_refused(tmp_path):
     with pytest.raises(DataError, match=f"^{data}:1: line longer than 16 MiB"):
         read_records(data)
     assert [n for n, _ in read_records(data, skip_bad=True)] == [2]
+
+
+def test_line_numbers_follow_every_line_break(tmp_path):
+    data = tmp_path / "cr.jsonl"
+    data.write_bytes(b'{"text": "a"}\r{"text": "b"}\r\n\n{"text": "c"}\n{"Q": "x"}\n')
+    with pytest.raises(DataError, match=f"^{data}:5: "):
+        read_records(data)
+    assert [n for n, _ in read_records(data, skip_bad=True)] == [1, 2, 4]
