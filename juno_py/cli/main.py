@@ -96,7 +96,14 @@ class LazyGroup(click.Group):
         line on stderr and exit status 1, its traceback kept in a report file."""
         try:
             return super().invoke(ctx)
-        except (click.exceptions.ClickException, click.exceptions.Abort, click.exceptions.Exit, KeyboardInterrupt):
+        except (
+            click.exceptions.ClickException,
+            click.exceptions.Abort,
+            click.exceptions.Exit,
+            KeyboardInterrupt,
+            EOFError,
+        ):
+            # click itself turns these into messages (EOFError and Ctrl-C: "Aborted!")
             raise
         except Exception as e:
             from juno_py.errors import JunoError

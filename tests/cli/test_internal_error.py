@@ -38,6 +38,11 @@ def test_user_errors_and_interrupts_are_not_internal_errors(tmp_path, monkeypatc
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(inspect_cmd, "resolve_model", interrupted)
-    r = CliRunner().invoke(cli, ["inspect", "whatever.gguf"])
-    assert "internal error" not in r.stderr and not (tmp_path / "home" / "reports").exists()
+    def end_of_input(*args, **kwargs):
+        raise EOFError
+
+    for raiser in (interrupted, end_of_input):  # click's own "Aborted!", not an internal error
+        monkeypatch.setattr(inspect_cmd, "resolve_model", raiser)
+        r = CliRunner().invoke(cli, ["inspect", "whatever.gguf"])
+        assert r.exit_code == 1 and "Aborted!" in r.stderr and "internal error" not in r.stderr
+    assert not (tmp_path / "home" / "reports").exists()
