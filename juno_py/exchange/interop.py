@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from juno_py.lora.format import AdapterEntry, Init, Mode, Scaling, sort_key, write_adapter
+from juno_py.lora.format import MAX_ABS_VALUE, AdapterEntry, Init, Mode, Scaling, sort_key, write_adapter
 from juno_py.merge.targets import MergeError, ModelTargets
 
 RECORD_FORMAT = "juno-py adapter parts"
@@ -115,6 +115,12 @@ def finish_import(targets: ModelTargets, entries: list[AdapterEntry], source, ou
         if e.key in seen:
             raise MergeError(f"{source}: two adapters for {e.key!r}")
         seen.add(e.key)
+        for field, x in (("A", e.A), ("B", e.B), ("magnitude", e.magnitude)):
+            if x is not None and x.size and not float(np.abs(x).max()) <= MAX_ABS_VALUE:  # NaN fails too
+                raise MergeError(
+                    f"{source}: entry {e.key!r}: {field} holds values beyond +-{MAX_ABS_VALUE:g} or not finite "
+                    f"(largest {float(np.abs(x).max()):g}); adapter.bin refuses them"
+                )
         slot = targets.slot(e.key, f"{source}: entry {e.key!r}: ")
         e.fingerprint = targets.fingerprint(slot.tensor)
         targets.check_entry(e, source)

@@ -43,3 +43,21 @@ def test_gguf_lora_export_refuses_non_finite_output(tiny_gguf, tmp_path):
         export_gguf_lora(base, adapter, out, dtype="f16")
     assert not out.exists()
     assert export_gguf_lora(base, adapter, out, dtype="f32").exists()
+
+
+def test_peft_import_refuses_what_adapter_bin_would_refuse(tiny_gguf, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    from juno_py.exchange import export_peft, import_peft
+    from juno_py.exchange.peft import WEIGHTS_FILE
+
+    base = tiny_gguf("llama", GGMLType.F16)
+    folder = export_peft(base, make_adapter(base, tmp_path / "a.bin", targets="qv"), tmp_path / "peft")
+    tensors = load_file(folder / WEIGHTS_FILE)
+    name = next(k for k in tensors if k.endswith("lora_A.weight"))
+    tensors[name][0, 0] = 3.4e38
+    save_file(tensors, folder / WEIGHTS_FILE)
+    out = tmp_path / "back.bin"
+    with pytest.raises(MergeError, match=r"A holds values beyond \+-10000 or not finite \(largest 3\.4e\+38\)"):
+        import_peft(base, folder, out)
+    assert not out.exists()
