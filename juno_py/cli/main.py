@@ -105,6 +105,14 @@ class LazyGroup(click.Group):
         ):
             # click itself turns these into messages (EOFError and Ctrl-C: "Aborted!")
             raise
+        except BrokenPipeError:
+            # the reader of stdout went away (`juno-py inspect ... | head`): as for any Unix tool, no message; stdout
+            # is pointed at devnull so that the interpreter's flush at exit does not fail again
+            import os
+
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            sys.exit(141)  # 128 + SIGPIPE, what a shell reports for a tool killed by the signal
         except Exception as e:
             from juno_py.errors import JunoError
 

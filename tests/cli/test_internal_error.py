@@ -46,3 +46,18 @@ def test_user_errors_and_interrupts_are_not_internal_errors(tmp_path, monkeypatc
         r = CliRunner().invoke(cli, ["inspect", "whatever.gguf"])
         assert r.exit_code == 1 and "Aborted!" in r.stderr and "internal error" not in r.stderr
     assert not (tmp_path / "home" / "reports").exists()
+
+
+def test_a_closed_stdout_ends_quietly():
+    """`juno-py models list | head -0`: the reader goes away; no internal error, no report, no traceback."""
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        f"{sys.executable} -m juno_py models list | head -c 0",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "internal error" not in p.stderr and "Traceback" not in p.stderr, p.stderr
