@@ -113,13 +113,14 @@ class ExactProducts(Protocol):
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]: ...
 
 
+# the names of ExactProducts' methods: what `has_exact_products` asks for
 EXACT_PRODUCTS = ("matmul_exact", "matmul_with_exact", "matmul_with_update")
 
 
 def has_exact_products(base: Any) -> TypeGuard[ExactProducts]:
     """Whether `base` has the exact products (`isinstance(base, ExactProducts)`, without the Protocol machinery's
     cost on a path that runs every training step)."""
-    return hasattr(base, "matmul_exact") and hasattr(base, "matmul_with_exact") and hasattr(base, "matmul_with_update")
+    return all(hasattr(base, name) for name in EXACT_PRODUCTS)
 
 
 __all__ = ["FrozenBase", "ExactProducts", "EXACT_PRODUCTS", "has_exact_products"]

@@ -1,4 +1,5 @@
-"""Codec registry: per GGML type, the block geometry and the functions that decode and encode blocks.
+"""The codecs: per GGML type, the block geometry and the functions that decode and encode blocks
+(registered in `registry.py`), and `dequantize`/`quantize` over whole tensors.
 
 Each codec works on many blocks at once: `dequantize_blocks(raw)` takes a uint8 tensor
 `[n_blocks, type_size]` and returns float32 `[n_blocks, block_size]`; `quantize_blocks(x)` is the inverse
