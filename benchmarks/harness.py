@@ -28,7 +28,7 @@ from typing import Callable, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
-SOFTWARE = ("torch", "triton", "transformers", "peft", "numpy", "gguf")
+SOFTWARE = ("torch", "triton", "transformers", "peft", "numpy", "gguf", "bitsandbytes", "liger_kernel")
 
 
 # ------------------------------------------------------------------------------------------------- CPU timing

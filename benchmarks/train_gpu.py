@@ -1,27 +1,33 @@
-"""Training on one GPU: whole-model tokens/s and peak GPU memory of juno-py against transformers (the same weights
-dequantized to bf16) with PEFT, in one run; and, with `--scale-70b`, one DoRA step of a Llama-70B-shaped model.
+"""Training on one GPU: whole-model tokens/s and peak GPU memory of juno-py against the strongest peers a user can
+pick, in one run; and, with `--scale-70b`, one DoRA step of a Llama-70B-shaped model.
 
 Models, all built on the GPU from random valid blocks (no file, no download: the device has no network and a real
 model does not fit the 64 MiB that travels to it), in the exact shapes and per-tensor quant types of:
-  smollm2-135m   the store's SmolLM2-135M-Instruct Q4_1 file (Q4_1 blocks, Q8_0 tied embedding)
+  llama8b        Llama-3-8B, all 32 layers (hidden 4096, MLP 14336, 32/8 heads, vocab 128256) as a Q4_K_M file holds
+                 them: Q4_K, with Q6_K attn_v and ffn_down on the layers llama.cpp gives more bits, a Q6_K output
+  qwen3-8b       Qwen3-8B, 36 layers (hidden 4096, MLP 12288, 32/8 heads of 128, per-head q/k norms, vocab 151936),
+                 Q4_K_M as above
   gemma3-270m    the store's Gemma-3-270M Q4_K_M file (Q5_0/Q8_0/Q4_K/Q6_K mix, 262144-token tied embedding)
-  llama8b-4l     four Llama-3-8B-shaped layers (hidden 4096, MLP 14336, 32/8 heads, vocab 128256), Q4_K with a
-                 Q6_K output, as a Q4_K_M file would hold them
-The first two tables are read from `benchmarks/shapes/*.json` (metadata and tensor table of the real files, made
+  smollm2-135m   the store's SmolLM2-135M-Instruct Q4_1 file (Q4_1 blocks, Q8_0 tied embedding)
+The last two tables are read from `benchmarks/shapes/*.json` (metadata and tensor table of the real files, made
 with `juno-py inspect --tensors`); the blocks come from `juno_py.testing.synthetic.random_blocks`, generated on the GPU.
 juno-py trains through its real loop (`juno_py.train.loop.train`) with the base quantized on the GPU (weights
-cache none) or with a resident bf16 copy (cache bf16); the peer is transformers (bf16 weights, the same decoded
-values; Q/K rows un-permuted, Gemma's norms minus one) with PEFT adapters in their default fp32, fused AdamW, a plain
-step (forward with labels, backward, clip, step). Configurations: DoRA on all linears at rank 64 (alpha 128) and
-LoRA on q,v at rank 8 (alpha 16); 8 x 512 tokens a step. A step time is the median of `--steps` steps after
-`--warmup`; peak memory is torch's max_memory_allocated over the configuration's whole life (weights included).
+cache none) or with a resident bf16 copy (cache bf16). The peers are transformers holding the same decoded values
+(Gemma's norms minus one) with PEFT adapters in their default fp32, fused AdamW and a plain step (forward with
+labels, backward, clip, step): with bf16 weights; with Liger's kernels (RMSNorm, RoPE, SwiGLU, fused linear
+cross-entropy) patched in; QLoRA (every decoder linear a bitsandbytes NF4 `Linear4bit`, bf16 compute); and QLoRA
+with Liger. Configurations: LoRA on q,v at rank 8 (alpha 16), LoRA on all linears at rank 16 (alpha 32), DoRA on
+all linears at rank 64 (alpha 128); 8 x 512 tokens a step. A step time is the median of `--steps` steps after
+`--warmup`; peak memory is torch's max_memory_allocated from the built model on (weights included, the
+construction of a peer's model not). Roofline: the step's counted matrix FLOPs (`step_flops`) per second over the
+bf16 GEMM rate cuBLAS reaches on the same model's product shapes, measured in the same run (`gemm_rate`).
 "Busy" is the share of one profiled step's wall time that the GPU spent in kernels: well under 100 % means the
 step is bound by kernel launches and Python, not by the GPU (small models).
 
     python -m benchmarks.train_gpu               # every model and configuration: benchmarks/results/gpu-training.json
     python -m benchmarks.train_gpu --scale-70b   # benchmarks/results/gpu-scale-70b.json
     python -m benchmarks.train_gpu --device cpu --layers 1 --models smollm2-135m --configs lora-qv-r8 \
-        --impls juno-none --steps 1 --warmup 1 --out /tmp/smoke.json          # smoke test of the script on the CPU
+        --impls peft juno-none --steps 1 --warmup 1 --out /tmp/smoke.json     # smoke test of the script on the CPU
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from juno_py.testing.synthetic import llama_metadata, llama_tensors, random_bloc
 
 SHAPES = Path(__file__).resolve().parent / "shapes"
 SHAPE_8B = dict(
-    n_layer=4,
+    n_layer=32,
     n_embd=4096,
     n_ff=14336,
     n_head=32,
@@ -53,6 +59,23 @@ SHAPE_8B = dict(
     matrix_type=GGMLType.Q4_K,
     embd_type=GGMLType.Q4_K,
     output_type=GGMLType.Q6_K,
+    q4_k_m=True,
+)
+SHAPE_QWEN3_8B = dict(
+    arch="qwen3",
+    n_layer=36,
+    n_embd=4096,
+    n_ff=12288,
+    n_head=32,
+    n_head_kv=8,
+    head_dim=128,
+    n_vocab=151936,
+    rope_base=1000000.0,
+    rms_eps=1e-6,
+    matrix_type=GGMLType.Q4_K,
+    embd_type=GGMLType.Q4_K,
+    output_type=GGMLType.Q6_K,
+    q4_k_m=True,
 )
 SHAPE_70B = dict(
     n_layer=80,
@@ -67,8 +90,22 @@ SHAPE_70B = dict(
     output_type=GGMLType.Q6_K,
 )
 CONFIGS = {
-    "dora-all-r64": dict(mode="dora", targets="all", rank=64, alpha=128.0),
     "lora-qv-r8": dict(mode="lora", targets="qv", rank=8, alpha=16.0),
+    "lora-all-r16": dict(mode="lora", targets="all", rank=16, alpha=32.0),
+    "dora-all-r64": dict(mode="dora", targets="all", rank=64, alpha=128.0),
+}
+SHAPES_BY_NAME = {"llama8b": SHAPE_8B, "qwen3-8b": SHAPE_QWEN3_8B, "llama70b": None}
+# the peers: (implementation label, NF4 base through bitsandbytes, Liger kernels patched into transformers)
+PEERS = {
+    "peft": ("transformers + PEFT", False, False),
+    "qlora": ("QLoRA (bitsandbytes NF4) + PEFT", True, False),
+    "peft-liger": ("transformers + PEFT + Liger", False, True),
+    "qlora-liger": ("QLoRA + PEFT + Liger", True, True),
+}
+LIGER_PATCH = {
+    "llama": "apply_liger_kernel_to_llama",
+    "qwen3": "apply_liger_kernel_to_qwen3",
+    "gemma3": "apply_liger_kernel_to_gemma3_text",
 }
 PEFT_TARGETS = {
     "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
@@ -81,8 +118,8 @@ GIB = 2**30
 def model_spec(name: str, layers: int = 0) -> tuple[dict, list]:
     """(metadata {key: value}, [(tensor name, GGML type, shape, is the embedding)]); `layers` > 0 keeps only the
     first blocks (smoke tests)."""
-    if name in ("llama8b-4l", "llama70b"):
-        shape = SHAPE_8B if name == "llama8b-4l" else SHAPE_70B
+    if name in SHAPES_BY_NAME:
+        shape = SHAPES_BY_NAME[name] or SHAPE_70B
         meta, tensors = {k: v for k, v, _ in llama_metadata(shape)}, llama_tensors(shape)
     else:
         doc = json.loads((SHAPES / f"{name}.json").read_text())
@@ -144,6 +181,9 @@ def hf_model(meta: dict, tensors: dict, device: str = "cuda", dtype=torch.bfloat
             sliding_window=a("attention.sliding_window"), query_pre_attn_scalar=head_dim, **common
         )
         names = GEMMA_LAYER_NAMES
+    elif arch == "qwen3":
+        config = transformers.Qwen3Config(**common)
+        names = LAYER_NAMES
     else:
         config = transformers.LlamaConfig(**common)
         names = LAYER_NAMES
@@ -174,6 +214,41 @@ def hf_model(meta: dict, tensors: dict, device: str = "cuda", dtype=torch.bfloat
             p.copy_(w.reshape(p.shape))
             w = None  # freed
     return model
+
+
+def to_nf4(model) -> None:
+    """QLoRA's base: every linear of the decoder layers replaced by a bitsandbytes NF4 `Linear4bit` (double-quantized
+    statistics, bf16 compute), quantized from the bf16 weights on the GPU; embeddings, norms and the head stay bf16."""
+    import bitsandbytes as bnb
+
+    for layer in model.model.layers:
+        for parent in list(layer.modules()):
+            for child_name, child in list(parent.named_children()):
+                if type(child) is not torch.nn.Linear:
+                    continue
+                q = bnb.nn.Linear4bit(
+                    child.in_features,
+                    child.out_features,
+                    bias=child.bias is not None,
+                    compute_dtype=torch.bfloat16,
+                    quant_type="nf4",
+                    compress_statistics=True,
+                    device="meta",
+                )
+                w = bnb.nn.Params4bit(
+                    child.weight.data, requires_grad=False, quant_type="nf4", compress_statistics=True
+                )
+                q.weight = w.to(child.weight.device)
+                setattr(parent, child_name, q)
+                child.weight = None  # the bf16 copy is freed as each layer is converted
+
+
+def patch_liger(arch: str) -> None:
+    """Liger's kernels (RMSNorm, RoPE, SwiGLU/GeGLU, fused linear cross-entropy) patched into transformers' classes
+    of `arch`. The patch is process-wide, so the Liger peers run after every other implementation."""
+    import liger_kernel.transformers as liger
+
+    getattr(liger, LIGER_PATCH[arch])()
 
 
 # ------------------------------------------------------------------------------------------------ one run
@@ -229,6 +304,9 @@ def run_juno(
     model = juno_model(meta, build_tensors(tensors_spec, dev), cache, dev)
     adapters = attach(model, cfg["targets"], rank=cfg["rank"], alpha=cfg["alpha"], mode=Mode[cfg["mode"].upper()])
     build_s = time.perf_counter() - t_build
+    if dev.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()  # peak from here: the built model, not its construction
     n_steps = args.warmup + args.steps
     rows = token_rows(model.embed.n_vocab, batch, seq, n_steps)
     examples = [Example(r.tolist(), [True] * seq) for r in rows]
@@ -297,15 +375,23 @@ def run_juno(
     return row
 
 
-def run_peft(meta, tensors_spec, cfg: dict, args) -> dict:
+def run_peft(meta, tensors_spec, cfg: dict, args, nf4: bool = False, liger: bool = False) -> dict:
     from peft import LoraConfig, get_peft_model
 
     t_build = time.perf_counter()
     dev = args.device
+    if liger:
+        patch_liger(meta["general.architecture"])
     tensors = build_tensors(tensors_spec, dev)
     base = hf_model(meta, tensors, dev)
     del tensors  # the peer keeps only its bf16 weights (the bytes would be a file on disk)
     gc.collect()
+    if nf4:
+        to_nf4(base)
+        gc.collect()
+    if dev.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()  # peak from here: the built model, not its construction
     model = get_peft_model(
         base,
         LoraConfig(
@@ -371,6 +457,75 @@ def measured(fn, *a, **kw) -> dict:
     return row
 
 
+# ------------------------------------------------------------------------------------------------ roofline
+def linear_shapes(meta: dict, tensors_spec: list) -> list[tuple[str, int, int]]:
+    """(tensor name, n_out, n_in) of every matrix a step multiplies by: each layer's linears and the output head
+    (the tied embedding when the file has no output.weight)."""
+    out = [(n, dims[0], dims[1]) for n, _, dims, _ in tensors_spec if n.startswith("blk.") and len(dims) == 2]
+    by_name = {t[0]: t for t in tensors_spec}
+    head = by_name.get("output.weight") or by_name["token_embd.weight"]
+    return out + [("output.weight", head[2][0], head[2][1])]
+
+
+TARGET_SUFFIXES = {
+    "qv": ("attn_q.weight", "attn_v.weight"),
+    "all": tuple(
+        f"{k}.weight" for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    ),
+}
+
+
+def step_flops(meta: dict, tensors_spec: list, cfg: dict, batch: int, seq: int) -> float:
+    """The matrix FLOPs a step needs, counted from the shapes: every frozen product forward and its input gradient
+    (2·2·T·n_out·n_in; no weight gradient), the adapters' products (forward, and both gradients: 6·T·r·(n_in+n_out)),
+    and causal attention (QKᵀ and PV forward, 2.5 times that backward; Gemma's local layers over their window).
+    Recomputation under activation checkpointing is not counted: it is overhead, not the step's work."""
+    arch = meta["general.architecture"]
+    a = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
+    tokens = batch * seq
+    flops = 0.0
+    for name, n_out, n_in in linear_shapes(meta, tensors_spec):
+        flops += 4.0 * tokens * n_out * n_in
+        if name.endswith(TARGET_SUFFIXES[cfg["targets"]]):
+            flops += 6.0 * tokens * cfg["rank"] * (n_in + n_out)
+    n_head, n_layer = a("attention.head_count"), a("block_count")
+    head_dim = a("attention.key_length") or a("embedding_length") // n_head
+    window = a("attention.sliding_window")
+    for layer in range(n_layer):
+        local = arch == "gemma3" and window and (layer + 1) % 6 != 0
+        span = min(seq, window) if local else seq
+        pairs = seq * span - span * span / 2  # query-key pairs a causal (windowed) row sees, summed over rows
+        flops += 3.5 * 4.0 * batch * pairs * n_head * head_dim
+    return flops
+
+
+def gemm_rate(meta: dict, tensors_spec: list, tokens: int, device: str, repeats: int = 10) -> float:
+    """cuBLAS's bf16 FLOP/s on the step's own products, measured here: for every distinct (n_out, n_in) of the
+    model, the forward product [T, n_in]·[n_in, n_out] and the input gradient [T, n_out]·[n_out, n_in], timed
+    after a warm-up and weighted by how often the model holds that shape. Bytes are random: the rate does not
+    depend on the values."""
+    shapes: dict[tuple[int, int], int] = {}
+    for _, n_out, n_in in linear_shapes(meta, tensors_spec):
+        shapes[(n_out, n_in)] = shapes.get((n_out, n_in), 0) + 1
+    total_flops = total_s = 0.0
+    for (n_out, n_in), count in shapes.items():
+        w = torch.randn(n_out, n_in, device=device, dtype=torch.bfloat16)
+        x = torch.randn(tokens, n_in, device=device, dtype=torch.bfloat16)
+        g = torch.randn(tokens, n_out, device=device, dtype=torch.bfloat16)
+        for _ in range(2):
+            torch.mm(x, w.t()), torch.mm(g, w)
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            torch.mm(x, w.t())
+            torch.mm(g, w)
+        sync(device)
+        total_s += count * (time.perf_counter() - t0) / repeats
+        total_flops += count * 4.0 * tokens * n_out * n_in
+        w = x = g = None  # freed
+    return total_flops / total_s
+
+
 # ------------------------------------------------------------------------------------------------ tables
 COLUMNS = [
     "model",
@@ -380,31 +535,34 @@ COLUMNS = [
     "ms/step",
     "tokens/s",
     "peak GiB",
-    "tokens/s vs PEFT",
-    "memory vs PEFT",
+    "roofline",
+    "tokens/s vs best peer",
+    "memory vs lowest peer",
     "busy",
 ]
 
 
 def compare_rows(rows: list[dict], args) -> list[list]:
+    """One table row per measured row; juno-py's rows carry their ratios to the fastest peer and to the peer with
+    the lowest peak memory of the same model and configuration (each named)."""
     out = []
     for r in rows:
-        peer = next(
-            (
-                p
-                for p in rows
-                if p["model"] == r["model"] and p["config"] == r["config"] and p["impl"] == "transformers + PEFT"
-            ),
-            None,
-        )
+        peers = [
+            p
+            for p in rows
+            if p["model"] == r["model"] and p["config"] == r["config"] and p["impl"] != "juno-py" and "error" not in p
+        ]
         if "error" in r:
-            out.append([r["model"], r["config"], r["impl"], r["cache"], f"failed: {r['error']}", "", "", "", "", ""])
+            out.append([r["model"], r["config"], r["impl"], r["cache"], f"failed: {r['error']}", *[""] * 6])
             continue
         tok = args.batch * args.seq / r["step_s"]
         vs_t = vs_m = "-"
-        if peer and "error" not in peer and r is not peer:
-            vs_t = f"{tok / (args.batch * args.seq / peer['step_s']):.2f}x"
-            vs_m = f"{r['peak_gib'] / peer['peak_gib']:.2f}x"
+        if peers and r["impl"] == "juno-py":
+            fast = min(peers, key=lambda p: p["step_s"])
+            lean = min(peers, key=lambda p: p["peak_gib"])
+            vs_t = f"{fast['step_s'] / r['step_s']:.2f}x ({fast['impl']})"
+            vs_m = f"{r['peak_gib'] / lean['peak_gib']:.2f}x ({lean['impl']})"
+        roof = f"{100 * r['roofline']:.0f} %" if "roofline" in r else "-"
         busy = f"{100 * r['busy']:.0f} %" if "busy" in r else "-"
         out.append(
             [
@@ -415,6 +573,7 @@ def compare_rows(rows: list[dict], args) -> list[list]:
                 round(1e3 * r["step_s"], 1),
                 f"{tok:,.0f}",
                 round(r["peak_gib"], 2),
+                roof,
                 vs_t,
                 vs_m,
                 busy,
@@ -425,14 +584,15 @@ def compare_rows(rows: list[dict], args) -> list[list]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="*", default=["smollm2-135m", "gemma3-270m", "llama8b-4l"])
+    ap.add_argument("--models", nargs="*", default=["llama8b", "qwen3-8b", "gemma3-270m", "smollm2-135m"])
     ap.add_argument("--configs", nargs="*", default=list(CONFIGS))
     ap.add_argument(
         "--impls",
         nargs="*",
-        default=["peft", "juno-none"],
-        help="peft, juno-none (quantized base on the GPU), juno-bf16 (resident bf16 copy); a suffix "
-        "-eager turns CUDA graphs off (juno-none-eager)",
+        default=["peft", "qlora", "peft-liger", "qlora-liger", "juno-none"],
+        help="peers: peft, qlora (bitsandbytes NF4 base), peft-liger, qlora-liger (Liger kernels); juno-none "
+        "(quantized base on the GPU), juno-bf16 (resident bf16 copy); a suffix -eager turns CUDA graphs off "
+        "(juno-none-eager)",
     )
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
@@ -449,6 +609,14 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cuda (the measurement); cpu only smoke-tests the script")
     ap.add_argument("--layers", type=int, default=0, help="keep only the first N blocks (smoke tests)")
     ap.add_argument("--rows-json", type=Path, help="also write every measured row, as JSON, here")
+    ap.add_argument(
+        "--include-rows",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="rows JSON of earlier runs of this script on the same machine (--rows-json), tabled with this run's: "
+        "one table from runs split to fit a time limit",
+    )
     harness.add_output_args(ap)
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -503,29 +671,43 @@ def main() -> None:
             env=env,
         )
     else:
-        rows = []
-        for name in args.models:
+        rows = [r for path in args.include_rows for r in json.loads(path.read_text())["rows"]]
+        models = list(dict.fromkeys([r["model"] for r in rows] + args.models))
+        # the Liger peers patch transformers process-wide, so they run after every other implementation
+        impls = sorted(args.impls, key=lambda i: i.endswith("-liger"))
+        plan = [(impl, name, cname) for impl in impls for name in args.models for cname in args.configs]
+        plan.sort(key=lambda x: (x[0].endswith("-liger"), args.models.index(x[1]), args.configs.index(x[2])))
+        rates: dict[str, float] = {}
+        for impl, name, cname in plan:
             meta, spec = model_spec(name, args.layers)
-            for cname in args.configs:
-                cfg = CONFIGS[cname]
-                for impl in args.impls:
-                    sub = argparse.Namespace(**{**vars(args), "profile": args.profile and name != "llama8b-4l"})
-                    if impl == "peft":
-                        row = measured(run_peft, meta, spec, cfg, sub)
-                    else:
-                        _, cache, *eager = impl.split("-")
-                        row = measured(run_juno, meta, spec, cfg, cache, sub, graphs="off" if eager else "auto")
-                    row.update(
-                        model=name,
-                        config=cname,
-                        impl="transformers + PEFT" if impl == "peft" else "juno-py",
-                        cache={"peft": "bf16 (dense)", "juno-none": "quantized on GPU", "juno-bf16": "bf16 cache"}[
-                            impl.removesuffix("-eager")
-                        ]
-                        + (", eager steps" if impl.endswith("-eager") else ""),
-                    )
-                    rows.append(row)
-                    print(json.dumps(row), file=sys.stderr, flush=True)
+            cfg = CONFIGS[cname]
+            if name not in rates and args.device.startswith("cuda"):
+                rates[name] = gemm_rate(meta, spec, args.batch * args.seq, args.device)
+                print(f"{name}: bf16 GEMM rate {rates[name] / 1e12:.0f} TFLOP/s on its shapes", file=sys.stderr)
+            sub = argparse.Namespace(
+                **{**vars(args), "profile": args.profile and not name.startswith(("llama8b", "qwen3-8b"))}
+            )
+            if impl in PEERS:
+                label, nf4, liger = PEERS[impl]
+                row = measured(run_peft, meta, spec, cfg, sub, nf4=nf4, liger=liger)
+                row.update(impl=label, cache="NF4 (bitsandbytes)" if nf4 else "bf16 (dense)")
+            else:
+                _, cache, *eager = impl.split("-")
+                row = measured(run_juno, meta, spec, cfg, cache, sub, graphs="off" if eager else "auto")
+                row.update(
+                    impl="juno-py",
+                    cache={"none": "quantized on GPU", "bf16": "bf16 cache"}[cache]
+                    + (", eager steps" if eager else ""),
+                )
+            row.update(model=name, config=cname)
+            if "step_s" in row and name in rates:
+                flops = step_flops(meta, spec, cfg, args.batch, args.seq)
+                row.update(step_tflop=flops / 1e12, gemm_tflops=rates[name] / 1e12)
+                row["roofline"] = flops / row["step_s"] / rates[name]
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+        order = {k: i for i, k in enumerate(models)}
+        rows.sort(key=lambda r: (order[r["model"]], list(CONFIGS).index(r["config"])))
         record = harness.results(
             "gpu-training",
             "Whole-model training on one GPU",

@@ -94,42 +94,62 @@ def random_blocks(ggml_type: GGMLType, n_rows: int, n_cols: int, rng, embedding:
 
 
 def llama_metadata(shape: dict) -> list:
-    """(key, value, ValueType) of a llama-architecture model of `shape` (see SHAPE_7B)."""
+    """(key, value, ValueType) of a model of `shape` (see SHAPE_7B): llama architecture unless `shape["arch"]` names
+    another of the same layout (`qwen3`: per-head q/k norms, `shape["head_dim"]` wide)."""
     s, u32, f32 = shape, ValueType.UINT32, ValueType.FLOAT32
-    return [
-        ("general.architecture", "llama", ValueType.STRING),
+    arch = s.get("arch", "llama")
+    head_dim = s.get("head_dim", s["n_embd"] // s["n_head"])
+    meta = [
+        ("general.architecture", arch, ValueType.STRING),
         ("general.name", "synthetic", ValueType.STRING),
-        ("llama.context_length", 4096, u32),
-        ("llama.embedding_length", s["n_embd"], u32),
-        ("llama.block_count", s["n_layer"], u32),
-        ("llama.feed_forward_length", s["n_ff"], u32),
-        ("llama.attention.head_count", s["n_head"], u32),
-        ("llama.attention.head_count_kv", s["n_head_kv"], u32),
-        ("llama.attention.layer_norm_rms_epsilon", 1e-5, f32),
-        ("llama.rope.freq_base", s["rope_base"], f32),
-        ("llama.rope.dimension_count", s["n_embd"] // s["n_head"], u32),
-        ("llama.vocab_size", s["n_vocab"], u32),
+        (f"{arch}.context_length", 4096, u32),
+        (f"{arch}.embedding_length", s["n_embd"], u32),
+        (f"{arch}.block_count", s["n_layer"], u32),
+        (f"{arch}.feed_forward_length", s["n_ff"], u32),
+        (f"{arch}.attention.head_count", s["n_head"], u32),
+        (f"{arch}.attention.head_count_kv", s["n_head_kv"], u32),
+        (f"{arch}.attention.layer_norm_rms_epsilon", s.get("rms_eps", 1e-5), f32),
+        (f"{arch}.rope.freq_base", s["rope_base"], f32),
+        (f"{arch}.rope.dimension_count", head_dim, u32),
+        (f"{arch}.vocab_size", s["n_vocab"], u32),
     ]
+    if "head_dim" in s:
+        meta += [(f"{arch}.attention.key_length", head_dim, u32), (f"{arch}.attention.value_length", head_dim, u32)]
+    return meta
+
+
+def use_more_bits(layer: int, n_layer: int) -> bool:
+    """llama.cpp's rule for the layers a Q4_K_M or Q5_K_M file gives more bits (Q6_K) in attn_v and ffn_down: the
+    first and last eighth of the layers, and every third layer between."""
+    return layer < n_layer // 8 or layer >= 7 * n_layer // 8 or (layer - n_layer // 8) % 3 == 2
 
 
 def llama_tensors(shape: dict) -> list:
-    """(name, GGML type, shape, is the embedding) of every tensor, in file order; F32 tensors are norms (ones)."""
+    """(name, GGML type, shape, is the embedding) of every tensor, in file order; F32 tensors are norms (ones).
+    `shape["q4_k_m"]`: attn_v and ffn_down in Q6_K on the layers `use_more_bits` picks, as llama.cpp's Q4_K_M."""
     s = shape
-    d, ff, kv = s["n_embd"], s["n_ff"], s["n_embd"] // s["n_head"] * s["n_head_kv"]
+    head_dim = s.get("head_dim", s["n_embd"] // s["n_head"])
+    d, ff, q, kv = s["n_embd"], s["n_ff"], head_dim * s["n_head"], head_dim * s["n_head_kv"]
     t = s["matrix_type"]
     out = [("token_embd.weight", s["embd_type"], (s["n_vocab"], d), True)]
     for il in range(s["n_layer"]):
         p = f"blk.{il}."
+        more = GGMLType.Q6_K if s.get("q4_k_m") and use_more_bits(il, s["n_layer"]) else t
+        out += [(p + "attn_norm.weight", GGMLType.F32, (d,), False)]
+        if s.get("arch") == "qwen3":
+            out += [
+                (p + "attn_q_norm.weight", GGMLType.F32, (head_dim,), False),
+                (p + "attn_k_norm.weight", GGMLType.F32, (head_dim,), False),
+            ]
         out += [
-            (p + "attn_norm.weight", GGMLType.F32, (d,), False),
-            (p + "attn_q.weight", t, (d, d), False),
+            (p + "attn_q.weight", t, (q, d), False),
             (p + "attn_k.weight", t, (kv, d), False),
-            (p + "attn_v.weight", t, (kv, d), False),
-            (p + "attn_output.weight", t, (d, d), False),
+            (p + "attn_v.weight", more, (kv, d), False),
+            (p + "attn_output.weight", t, (d, q), False),
             (p + "ffn_norm.weight", GGMLType.F32, (d,), False),
             (p + "ffn_gate.weight", t, (ff, d), False),
             (p + "ffn_up.weight", t, (ff, d), False),
-            (p + "ffn_down.weight", t, (d, ff), False),
+            (p + "ffn_down.weight", more, (d, ff), False),
         ]
     out.append(("output_norm.weight", GGMLType.F32, (d,), False))
     if s["output_type"] is not None:
