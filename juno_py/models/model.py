@@ -547,11 +547,15 @@ class Transformer(nn.Module):
         else:
             blk.moe.experts[target][expert] = module
 
-    def expert_load(self) -> dict[int, Tensor]:
-        """Tokens the last forward routed to each expert, per MoE block: `{layer: counts [n_expert]}`."""
-        return {
-            blk.layer: blk.moe.last_load for blk in self.blocks if blk.moe is not None and blk.moe.last_load is not None
-        }
+    def expert_load(self, reset: bool = False) -> dict[int, Tensor]:
+        """Tokens routed to each expert per MoE block since the load was last reset: `{layer: counts [n_expert]}`
+        (`reset`: and start counting afresh)."""
+        out = {blk.layer: blk.moe.load for blk in self.blocks if blk.moe is not None and blk.moe.load is not None}
+        if reset:
+            for blk in self.blocks:
+                if blk.moe is not None:
+                    blk.moe.load = None
+        return out
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache(self.args, batch, max_len, device=self.embed.device, dtype=self.act_dtype)

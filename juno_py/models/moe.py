@@ -47,8 +47,8 @@ class MoEFeedForward(nn.Module):
         self.n_expert, self.k = args.n_expert, args.n_expert_used
         self.experts = nn.ModuleDict({t: nn.ModuleList(experts[t]) for t in EXPERT_TARGETS})
         self.act = ACTIVATIONS[spec.activation]
-        # tokens routed to each expert by the last forward (detached, on the model's device): the router's load
-        self.last_load: Optional[Tensor] = None
+        # tokens routed to each expert since the load was last taken (detached, on the model's device)
+        self.load: Optional[Tensor] = None
 
     def forward(self, x: Tensor, router: Callable[[Tensor], Tensor]) -> Tensor:
         shape, d = x.shape, x.shape[-1]
@@ -58,7 +58,7 @@ class MoEFeedForward(nn.Module):
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.n_expert)
-        self.last_load = counts.detach()
+        self.load = counts.detach() if self.load is None else self.load + counts.detach()
         tokens = order // self.k
         w = weights.reshape(-1)[order].to(x.dtype).unsqueeze(-1)
         out = torch.zeros_like(xf)
@@ -105,3 +105,22 @@ def build_moe(
         for t in EXPERT_TARGETS
     }
     return MoEFeedForward(args, spec, experts)
+
+
+def load_summary(load: dict[int, Tensor]) -> dict[str, Any]:
+    """The router's load over some steps, for the metrics: per block the tokens each expert took (`counts`), and
+    over all blocks the worst imbalance (the busiest expert's share over the mean share: 1 is perfectly even),
+    the mean of the blocks' imbalances and the number of (block, expert) pairs no token chose."""
+    if not load:
+        return {}
+    counts = {layer: [int(c) for c in v.tolist()] for layer, v in sorted(load.items())}
+    imbalance = []
+    for c in counts.values():
+        total = sum(c)
+        imbalance.append(max(c) * len(c) / total if total else 0.0)
+    return {
+        "imbalance_max": max(imbalance),
+        "imbalance_mean": sum(imbalance) / len(imbalance),
+        "idle_experts": sum(1 for c in counts.values() for n in c if n == 0),
+        "counts": counts,
+    }
