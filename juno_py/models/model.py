@@ -325,7 +325,9 @@ class Transformer(nn.Module):
             if bl.experts:
                 from juno_py.models.moe import build_moe
 
-                moe = build_moe(gguf, args, spec, bl, weights_cache, compute_dtype)
+                moe = build_moe(
+                    gguf, args, partial(gated, ACTIVATIONS[spec.activation]), bl, weights_cache, compute_dtype
+                )
             self.blocks.append(Block(args, spec, il, linears, norms, moe))
         self.norm = RMSNorm(vector(layout.output_norm), args.norm_eps)
         self.output = linear(layout.output, None, layout.output_bias)

@@ -20,10 +20,13 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from juno_py.models.config import ArchSpec, ModelArgs
+from juno_py.models.config import ModelArgs
 from juno_py.models.layout import EXPERT_TARGETS, BlockLayout
-from juno_py.models.model import ACTIVATIONS, gated
 from juno_py.weights.frozen import FrozenQuantLinear
+
+# act(gate) · up for the expert's gate and up outputs: the block's gated activation (`model.gated` with the
+# architecture's activation), passed in so this module does not import the decoder's
+GatedFn = Callable[[Tensor, Tensor], Tensor]
 
 # llama.cpp clamps the sum of the chosen probabilities at the smallest normal fp16 before dividing by it
 WEIGHTS_SUM_MIN = 6.103515625e-5
@@ -40,13 +43,13 @@ def route(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
 class MoEFeedForward(nn.Module):
     """The experts of one block: `experts[target][e]` is expert e's linear for `wgate_exps`, `wup_exps` and
     `wdown_exps` (a FrozenQuantLinear, or an adapter wrapping one). The router is the block's `wrouter` linear,
-    passed to `forward`."""
+    passed to `forward`; `gated` computes act(gate) · up."""
 
-    def __init__(self, args: ModelArgs, spec: ArchSpec, experts: dict[str, list[nn.Module]]):
+    def __init__(self, args: ModelArgs, gated: GatedFn, experts: dict[str, list[nn.Module]]):
         super().__init__()
         self.n_expert, self.k = args.n_expert, args.n_expert_used
         self.experts = nn.ModuleDict({t: nn.ModuleList(experts[t]) for t in EXPERT_TARGETS})
-        self.act = ACTIVATIONS[spec.activation]
+        self.gated = gated
         # tokens routed to each expert since the load was last taken (detached, on the model's device)
         self.load: Optional[Tensor] = None
 
@@ -69,7 +72,7 @@ class MoEFeedForward(nn.Module):
                 continue
             rows = tokens[start:end]
             xe = xf.index_select(0, rows)
-            h = gated(self.act, gate[e](xe).to(x.dtype), up[e](xe).to(x.dtype))
+            h = self.gated(gate[e](xe).to(x.dtype), up[e](xe).to(x.dtype))
             out.index_add_(0, rows, down[e](h).to(x.dtype) * w[start:end])
             start = end
         return out.view(shape)
@@ -98,13 +101,13 @@ def expert_linears(
 
 
 def build_moe(
-    gguf: Any, args: ModelArgs, spec: ArchSpec, bl: BlockLayout, weights_cache: str, compute_dtype: torch.dtype
+    gguf: Any, args: ModelArgs, gated: GatedFn, bl: BlockLayout, weights_cache: str, compute_dtype: torch.dtype
 ) -> MoEFeedForward:
     experts = {
         t: expert_linears(gguf, bl.experts[t].tensor, args.n_expert, weights_cache, compute_dtype)
         for t in EXPERT_TARGETS
     }
-    return MoEFeedForward(args, spec, experts)
+    return MoEFeedForward(args, gated, experts)
 
 
 def load_summary(load: dict[int, Tensor]) -> dict[str, Any]:
