@@ -24,6 +24,8 @@ _HYPER = (
     "attention.sliding_window",
     "vocab_size",
     "expert_count",
+    "expert_used_count",
+    "expert_feed_forward_length",
 )
 
 

@@ -18,7 +18,7 @@ def lora(**o) -> None:
     """Train an adapter on a quantized GGUF model; the base stays quantized. Prints the adapter's path."""
     import torch
 
-    from juno_py.lora import attach, parse_targets
+    from juno_py.lora import attach, model_targets, parse_targets
     from juno_py.metrics import MetricsRecorder
     from juno_py.store import resolve_model
     from juno_py.train import distributed
@@ -44,8 +44,8 @@ def lora(**o) -> None:
     train_set, val_set = load_training_data(o, model)
 
     config = adapter_config_from_options(o)
-    targets = parse_targets(o["lora_targets"])
-    adapters = attach(model, targets, config, seed=o["seed"])
+    targets = model_targets(model, parse_targets(o["lora_targets"]))
+    adapters = attach(model, targets, config, seed=o["seed"], experts=o["lora_experts"])
     say(
         f"adapter: {o['lora_mode']} r={config.rank} alpha={config.alpha} on {','.join(targets)}, "
         f"{adapters.n_parameters():,} trainable parameters"

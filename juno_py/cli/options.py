@@ -107,7 +107,16 @@ def training_options(fn):
         default=LORA_DEFAULTS["targets"],
         show_default=True,
         callback=lora_targets_option,
-        help="qv, all, attn, mlp, or a comma list of wq,wk,wv,wo,wgate,wup,wdown.",
+        help="qv, all, attn, mlp, experts, or a comma list of wq,wk,wv,wo,wgate,wup,wdown,router (on a "
+        "mixture-of-experts model the MLP targets are the experts' projections).",
+    )
+    @click.option(
+        "--lora-experts",
+        type=click.Choice(["per-expert", "shared"]),
+        default="per-expert",
+        show_default=True,
+        help="Mixture-of-experts models: one adapter per expert and projection, or one shared by all experts "
+        "of a block.",
     )
     @click.option(
         "--lora-rank", default=LORA_DEFAULTS["rank"], show_default=True, type=click.IntRange(1), help="Rank r."

@@ -75,6 +75,12 @@ def export_gguf_lora(base, adapter, output, dtype: str = "f32") -> Path:
             f"{adapter}: entry {dora[0]!r} is DoRA; llama.cpp's LoRA adapters cannot express DoRA's "
             f"magnitude: merge it into the model instead (juno-py merge --lora-path {adapter})"
         )
+    experts = [e.key for e in entries if e.on_experts]
+    if experts:
+        raise MergeError(
+            f"{adapter}: entry {experts[0][:80]!r} adapts experts; juno-py writes llama.cpp adapters for 2-D "
+            f"tensors only (attention, dense MLP, router): merge it instead (juno-py merge --lora-path {adapter})"
+        )
     check_output_path(output, [base_path, Path(adapter)])
     with GGUFFile(base_path) as gguf:
         targets = ModelTargets(gguf)

@@ -33,7 +33,7 @@ from juno_py.exchange.interop import (
 from juno_py.gguf import GGUFFile
 from juno_py.lora.format import AdapterEntry, Init, Mode, Scaling, read_adapter
 from juno_py.merge.targets import MergeError, ModelTargets
-from juno_py.models.layout import TARGETS
+from juno_py.models.layout import MOE_TARGETS, TARGETS
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -116,6 +116,13 @@ def export_peft(base, adapter, output) -> Path:
     output = Path(output)
     if output.exists() and not output.is_dir():
         raise MergeError(f"output {output}: exists and is not a folder (a PEFT adapter is a folder)")
+    moe = [e.key for e in entries if e.target in MOE_TARGETS]
+    if moe:
+        raise MergeError(
+            f"{adapter}: entry {moe[0][:80]!r} adapts a mixture-of-experts router or expert: PEFT export covers the "
+            f"attention and dense MLP targets only (transformers keeps the experts in fused 3-D parameters, which "
+            f"PEFT's LoRA layers do not wrap): merge it instead (juno-py merge --lora-path {adapter})"
+        )
     modes = {e.mode for e in entries}
     if len(modes) > 1:
         raise MergeError(f"{adapter}: mixes LoRA and DoRA entries; PEFT's use_dora is one flag per adapter")

@@ -2,55 +2,101 @@
 
 `attach(model, targets=..., config=...)` wraps each chosen frozen linear in an `AdaptedLinear` and returns an
 `AdapterSet`, the trainable side of the model. `load_adapters(model, ["a.bin:0.5", "b.bin"])` plays files back.
+
+On a mixture-of-experts model the MLP targets (`wgate wup wdown`, as in `mlp` and `all`) mean the experts'
+projections (`wgate_exps wup_exps wdown_exps`), each with one adapter per expert (`experts="per-expert"`, keys
+`<layer>:<target>.<expert>`) or one adapter shared by all experts of the block (`experts="shared"`, keys
+`<layer>:<target>.*`); the router (`wrouter`, `router`) is a target of its own.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from typing import Iterable, Optional, Sequence, Union
+from typing import Iterable, Optional, Sequence, Union, cast
 
 import torch
 from torch import nn
 
 from juno_py.errors import AdapterMismatch
-from juno_py.lora.adapters import AdaptedLinear, AdapterConfig, AdapterSet, LoraAdapter, TensorFingerprints
+from juno_py.lora.adapters import (
+    AdaptedLinear,
+    AdapterConfig,
+    AdapterSet,
+    LoraAdapter,
+    TensorFingerprints,
+    ref_tensor,
+)
 from juno_py.lora.format import (
+    EVERY_EXPERT,
     AdapterEntry,
     Fingerprint,
     Init,
     Mode,
     Scaling,
-    parse_key,
+    parse_entry_key,
     read_adapter,
-    sort_key,
     write_adapter,
 )
-from juno_py.models.layout import TARGETS
+from juno_py.models.layout import ALL_TARGETS, EXPERT_TARGETS, MOE_TARGETS, TARGETS
 
-TARGET_ALIASES = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "wgate", "up": "wup", "down": "wdown"}
+TARGET_ALIASES = {
+    "q": "wq",
+    "k": "wk",
+    "v": "wv",
+    "o": "wo",
+    "gate": "wgate",
+    "up": "wup",
+    "down": "wdown",
+    "router": "wrouter",
+}
+# how the adapters of expert targets are laid out: one per expert, or one shared by every expert of a block
+EXPERT_MODES = ("per-expert", "shared")
+# on a mixture-of-experts model the dense MLP targets name the experts' projections
+MLP_TO_EXPERTS = {"wgate": "wgate_exps", "wup": "wup_exps", "wdown": "wdown_exps"}
 
 
 def parse_targets(spec: Union[str, Sequence[str]]) -> tuple[str, ...]:
-    """'qv' | 'all' | 'attn' | 'mlp' | a comma list of targets ('wq,wv' or 'q,v,gate')."""
+    """'qv' | 'all' | 'attn' | 'mlp' | 'experts' | a comma list of targets ('wq,wv' or 'q,v,gate,router')."""
     groups = {
         "qv": ["wq", "wv"],
         "all": list(TARGETS),
         "attn": ["wq", "wk", "wv", "wo"],
         "mlp": ["wgate", "wup", "wdown"],
+        "experts": list(EXPERT_TARGETS),
     }
     items = list(spec) if not isinstance(spec, str) else [n.strip() for n in spec.split(",") if n.strip()]
     names = [t for n in items for t in groups.get(n, [n])]  # a group may stand alone or in a comma list
     out = []
     for n in names:
         t = TARGET_ALIASES.get(n, n)
-        if t not in TARGETS:
+        if t not in ALL_TARGETS:
             raise ValueError(
-                f"unknown target {n!r}: expected qv, all, attn, mlp or a comma list of {', '.join(TARGETS)}"
+                f"unknown target {n!r}: expected qv, all, attn, mlp, experts or a comma list of "
+                f"{', '.join(ALL_TARGETS)}"
             )
         if t not in out:
             out.append(t)
-    return tuple(sorted(out, key=TARGETS.index))
+    return tuple(sorted(out, key=ALL_TARGETS.index))
+
+
+def model_targets(model, names: Sequence[str]) -> tuple[str, ...]:
+    """The targets `names` mean on `model`: on a mixture-of-experts model the dense MLP targets are the experts'
+    projections; on a dense model the router and expert targets do not exist (AdapterMismatch)."""
+    if getattr(model.args, "n_expert", 0):
+        out = []
+        for n in names:
+            t = MLP_TO_EXPERTS.get(n, n)
+            if t not in out:
+                out.append(t)
+        return tuple(sorted(out, key=ALL_TARGETS.index))
+    bad = [n for n in names if n in MOE_TARGETS]
+    if bad:
+        raise AdapterMismatch(
+            f"target {bad[0]} needs a mixture-of-experts model; {model.args.architecture} here has a dense MLP "
+            f"(targets {', '.join(TARGETS)})"
+        )
+    return tuple(names)
 
 
 def _base_of(module: nn.Module) -> nn.Module:
@@ -73,17 +119,28 @@ def attach(
     config: Optional[AdapterConfig] = None,
     seed: int = 0,
     layers: Optional[Iterable[int]] = None,
+    experts: str = "per-expert",
     **overrides,
 ) -> AdapterSet:
     """Wrap the chosen targets of every (or the given) layer in fresh adapters; returns the trainable set.
 
     `config` (or keyword overrides such as rank=, alpha=, mode=Mode.DORA) sets rank, alpha, scaling, init,
-    dropout and mode. A is initialised from `seed`; B is zero, so the model's outputs are unchanged.
+    dropout and mode. A is initialised from `seed`; B is zero, so the model's outputs are unchanged. `experts`
+    (one of EXPERT_MODES) lays out the adapters of expert targets: one per expert, or one shared by the block's
+    experts (LoRA only: a DoRA magnitude belongs to one weight).
     """
     config = config or AdapterConfig()
     if overrides:
         config = AdapterConfig(**{**config.__dict__, **overrides})
-    names = parse_targets(targets)
+    if experts not in EXPERT_MODES:
+        raise ValueError(f"experts {experts!r}: expected one of {', '.join(EXPERT_MODES)}")
+    names = model_targets(model, parse_targets(targets))
+    shared = experts == "shared"
+    if shared and config.mode == Mode.DORA and any(n in EXPERT_TARGETS for n in names):
+        raise AdapterMismatch(
+            "DoRA on experts needs one adapter per expert (--lora-experts per-expert): a shared adapter has no "
+            "single magnitude"
+        )
     layer_set = set(layers) if layers is not None else None
     gen = torch.Generator().manual_seed(seed)
     modules: dict[str, AdaptedLinear] = {}
@@ -91,15 +148,25 @@ def attach(
         if layer_set is not None and ref.layer not in layer_set:
             continue
         base = _base_of(ref.module)
-        mag = base.row_norms_sq().sqrt() if config.mode == Mode.DORA else None
-        # initialised on the CPU (the same A for a given seed on every device), then moved beside its base
-        ad = LoraAdapter(
-            base.in_features, base.out_features, config, generator=gen, magnitude=None if mag is None else mag.cpu()
-        ).to(_device_of(base))
-        key = f"{ref.layer}:{ref.target}"
+        if ref.expert is None:
+            key = f"{ref.layer}:{ref.target}"
+        else:
+            key = f"{ref.layer}:{ref.target}.{EVERY_EXPERT if shared else ref.expert}"
+        if key in modules:  # a shared adapter, played on one more expert
+            ad = cast(LoraAdapter, modules[key].adapters[0])
+        else:
+            mag = base.row_norms_sq().sqrt() if config.mode == Mode.DORA else None
+            # initialised on the CPU (the same A for a given seed on every device), then moved beside its base
+            ad = LoraAdapter(
+                base.in_features,
+                base.out_features,
+                config,
+                generator=gen,
+                magnitude=None if mag is None else mag.cpu(),
+            ).to(_device_of(base))
         wrapped = AdaptedLinear(base, [ad], name=key)
-        model.blocks[ref.layer].linears[ref.target] = wrapped
-        modules[key] = wrapped
+        model.set_linear(ref.layer, ref.target, wrapped, ref.expert)
+        modules.setdefault(key, wrapped)
     for p in model.parameters():
         p.requires_grad_(False)
     aset = AdapterSet(model, modules)
@@ -114,6 +181,12 @@ def detach(model) -> None:
         for name, mod in list(blk.linears.items()):
             if isinstance(mod, AdaptedLinear):
                 blk.linears[name] = mod.base
+        moe = getattr(blk, "moe", None)
+        if moe is not None:
+            for mods in moe.experts.values():
+                for e, mod in enumerate(mods):
+                    if isinstance(mod, AdaptedLinear):
+                        mods[e] = mod.base
 
 
 def parse_adapter_spec(spec: str) -> tuple[str, float]:
@@ -131,22 +204,32 @@ def check_entry_fits(
     model, e: AdapterEntry, path, fps: TensorFingerprints, force: bool = False
 ) -> AdaptedLinear | nn.Module:
     """Check one adapter entry against the model's layout; returns the frozen base linear it applies to."""
-    where = f"{path}: entry {e.key!r}"
+    where = f"{path}: entry {e.key[:80]!r}"
     try:
-        layer, target = parse_key(e.key)
+        layer, target, expert = parse_entry_key(e.key)
     except ValueError as err:
         raise AdapterMismatch(f"{where}: {err}") from None
     n_layer = len(model.blocks)
     if layer >= n_layer:
         raise AdapterMismatch(f"{where}: layer {layer} does not exist, the model has {n_layer} layers")
-    base = _base_of(model.blocks[layer].linears[target])
+    bl = model.layout.blocks[layer]
+    if target not in bl.targets and target not in bl.experts:
+        have = ", ".join([*bl.targets, *bl.experts])
+        raise AdapterMismatch(f"{where}: block {layer} has no {target} (its targets: {have})")
+    if target in bl.experts:
+        n_expert = model.args.n_expert
+        if expert is not None and expert >= n_expert:
+            raise AdapterMismatch(f"{where}: expert {expert} does not exist, the model has {n_expert} experts")
+        if expert is None and e.mode == Mode.DORA:
+            raise AdapterMismatch(f"{where}: a DoRA adapter on every expert ('.*') has no single magnitude")
+    base = _base_of(model.linear(layer, target, None if target not in bl.experts else expert or 0))
     if (e.in_dim, e.out_dim) != (base.in_features, base.out_features):
         raise AdapterMismatch(
             f"{where}: shape in {e.in_dim} x out {e.out_dim} does not fit the model's "
             f"{target} (in {base.in_features} x out {base.out_features})"
         )
     if e.fingerprint is not None:
-        tensor = model.layout.blocks[layer].targets[target].tensor
+        tensor = ref_tensor(model, e.key)
         mine = fps.of(tensor)
         if mine != e.fingerprint:
             what = (
@@ -179,21 +262,31 @@ def load_adapters(
             f"scales {[s for _, s, _ in files]}); merge it instead to combine"
         )
     fps = TensorFingerprints(model)
-    grouped: dict[str, list[tuple[LoraAdapter, float]]] = defaultdict(list)
-    bases: dict[str, nn.Module] = {}
+    # by where each adapter plays: (layer, target, expert or None); an every-expert entry plays on each expert
+    grouped: dict[tuple[int, str, Optional[int]], list[tuple[LoraAdapter, float]]] = defaultdict(list)
     for path, scale, entries in files:
         for e in entries:
-            bases[e.key] = check_entry_fits(model, e, path, fps, force)
-            grouped[e.key].append((LoraAdapter.from_entry(e).to(_device_of(bases[e.key])), scale))
+            base = check_entry_fits(model, e, path, fps, force)
+            ad = LoraAdapter.from_entry(e).to(_device_of(base))
+            layer, target, expert = parse_entry_key(e.key)
+            if target not in EXPERT_TARGETS:
+                places: list[Optional[int]] = [None]
+            else:
+                places = [expert] if expert is not None else list(range(model.args.n_expert))
+            for place in places:
+                grouped[layer, target, place].append((ad, scale))
     detach(model)
     out = {}
-    for key, items in sorted(grouped.items(), key=lambda kv: sort_key(kv[0])):
-        layer, target = parse_key(key)
-        mod = AdaptedLinear(bases[key], [a for a, _ in items], [w for _, w in items], name=key)
+    for (layer, target, expert), items in sorted(
+        grouped.items(), key=lambda kv: (kv[0][0], ALL_TARGETS.index(kv[0][1]), -1 if kv[0][2] is None else kv[0][2])
+    ):
+        key = f"{layer}:{target}" if expert is None else f"{layer}:{target}.{expert}"
+        base = _base_of(model.linear(layer, target, expert))
+        mod = AdaptedLinear(base, [a for a, _ in items], [w for _, w in items], name=key)
         for p in mod.adapters.parameters():
             p.requires_grad_(False)
         mod.eval()
-        model.blocks[layer].linears[target] = mod
+        model.set_linear(layer, target, mod, expert)
         out[key] = mod
     return out
 
@@ -203,6 +296,8 @@ __all__ = [
     "detach",
     "load_adapters",
     "parse_targets",
+    "model_targets",
+    "EXPERT_MODES",
     "parse_adapter_spec",
     "AdapterSet",
     "AdapterConfig",

@@ -21,7 +21,16 @@ from torch import nn
 from torch.nn import functional as F
 
 from juno_py.kernels.dora import DORA_EPS, DoraLinearFn, dora_compose_xa, factored_row_norm, layer_training_fused
-from juno_py.lora.format import AdapterEntry, Fingerprint, Init, Mode, Scaling, parse_key, sort_key, write_adapter
+from juno_py.lora.format import (
+    AdapterEntry,
+    Fingerprint,
+    Init,
+    Mode,
+    Scaling,
+    parse_entry_key,
+    sort_key,
+    write_adapter,
+)
 from juno_py.train.state import FORMAT as STATE_FORMAT
 from juno_py.train.trainable import StepNote, Trainable
 from juno_py.weights.base import has_exact_products
@@ -351,7 +360,8 @@ class AdaptedLinear(nn.Module):
 # ------------------------------------------------------------------------------------------ the trainable set
 class AdapterSet(Trainable):
     """The adapters attached to one model, keyed '<layer>:<target>' in adapter.bin order: the `Trainable` the
-    training loop trains (`juno_py.lora.attach` makes one)."""
+    training loop trains (`juno_py.lora.attach` makes one). An adapter played on every expert of a block
+    ('<layer>:<target>.*') is one LoraAdapter inside one AdaptedLinear per expert; `modules` holds the first."""
 
     state_format = STATE_FORMAT
 
@@ -466,9 +476,11 @@ class AdapterSet(Trainable):
 
 
 def ref_tensor(model: Any, key: str) -> str:
-    """The GGUF tensor name of the base linear at key '<layer>:<target>'."""
-    layer, target = parse_key(key)
-    return cast(str, model.layout.blocks[layer].targets[target].tensor)
+    """The GGUF tensor name of the base linear at key '<layer>:<target>' (an expert's: its 3-D tensor)."""
+    layer, target, _ = parse_entry_key(key)
+    block = model.layout.blocks[layer]
+    slot = block.experts[target] if target in block.experts else block.targets[target]
+    return cast(str, slot.tensor)
 
 
 class TensorFingerprints:

@@ -18,7 +18,7 @@ import numpy as np
 
 from juno_py.atomic import atomic_write_bytes
 from juno_py.errors import JunoError
-from juno_py.models.layout import TARGETS
+from juno_py.models.layout import ALL_TARGETS, EXPERT_TARGETS
 
 MAGIC = 0x4C4F5241  # "LORA"
 MAX_KEY_BYTES = 1 << 20
@@ -68,9 +68,13 @@ class Fingerprint:
         return cls(int(info.ggml_type), tuple(int(d) for d in info.ne), hashlib.sha256(info.data).digest())
 
 
+# the expert part of a key whose adapter applies to every expert of its 3-D tensor ("3:wup_exps.*")
+EVERY_EXPERT = "*"
+
+
 @dataclass
 class AdapterEntry:
-    key: str  # "<layer>:<target>", e.g. "0:wq"
+    key: str  # "<layer>:<target>", e.g. "0:wq"; experts: "<layer>:<target>.<expert>" or "<layer>:<target>.*"
     A: np.ndarray  # float32 [rank, in_dim]
     B: np.ndarray  # float32 [out_dim, rank]
     alpha: float
@@ -99,7 +103,17 @@ class AdapterEntry:
 
     @property
     def target(self) -> str:
-        return self.key.split(":", 1)[1]
+        return self.key.split(":", 1)[1].split(".", 1)[0]
+
+    @property
+    def expert(self) -> Optional[int]:
+        """The expert of a per-expert entry; None for a 2-D target and for one adapter on every expert."""
+        return parse_entry_key(self.key)[2]
+
+    @property
+    def on_experts(self) -> bool:
+        """Whether the entry adapts experts (one of them, or all of them with one adapter)."""
+        return self.target in EXPERT_TARGETS
 
     @property
     def scale(self) -> float:
@@ -108,17 +122,36 @@ class AdapterEntry:
         return self.alpha / (math.sqrt(r) if self.scaling == Scaling.RSLORA else r)
 
 
+def parse_entry_key(key: str) -> tuple[int, str, Optional[int]]:
+    """(layer, target, expert) of an entry key: `<layer>:<target>` for a 2-D target (expert None), and for an
+    expert target `<layer>:<target>.<expert>` (one expert's adapter) or `<layer>:<target>.*` (one adapter played on
+    every expert of the block; expert None)."""
+    layer, sep, rest = key.partition(":")
+    target, dot, expert = rest.partition(".")
+    ok = bool(sep) and layer.isdigit() and target in ALL_TARGETS
+    if ok and target in EXPERT_TARGETS:
+        ok = expert == EVERY_EXPERT or (expert.isdigit() and expert == str(int(expert)))
+    elif ok:
+        ok = not dot
+    if not ok:
+        raise ValueError(
+            f"key {key[:80]!r}: expected '<layer>:<target>' with target one of {', '.join(ALL_TARGETS)}, "
+            f"expert targets as '<layer>:<target>.<expert>' or '<layer>:<target>.*'"
+        )
+    return int(layer), target, int(expert) if expert.isdigit() else None
+
+
 def parse_key(key: str) -> tuple[int, str]:
-    layer, sep, target = key.partition(":")
-    if not sep or not layer.isdigit() or target not in TARGETS:
-        raise ValueError(f"key {key!r}: expected '<layer>:<target>' with target one of {', '.join(TARGETS)}")
-    return int(layer), target
+    """(layer, target) of an entry key (`parse_entry_key` without the expert)."""
+    layer, target, _ = parse_entry_key(key)
+    return layer, target
 
 
-def sort_key(entry_key: str) -> tuple[int, int]:
-    """Layer-major, then the target order wq wk wv wo wgate wup wdown."""
-    layer, target = parse_key(entry_key)
-    return layer, TARGETS.index(target)
+def sort_key(entry_key: str) -> tuple[int, int, int]:
+    """Layer-major, then the target order wq wk wv wo wgate wup wdown wrouter wgate_exps wup_exps wdown_exps, then
+    the expert (an every-expert entry first)."""
+    layer, target, expert = parse_entry_key(entry_key)
+    return layer, ALL_TARGETS.index(target), -1 if expert is None else expert
 
 
 class _Reader:

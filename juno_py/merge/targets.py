@@ -19,7 +19,7 @@ import torch
 
 from juno_py.errors import AdapterMismatch, JunoError
 from juno_py.kernels.dora import DORA_EPS
-from juno_py.lora.format import AdapterEntry, Fingerprint, Mode, parse_key, read_adapter, sort_key
+from juno_py.lora.format import AdapterEntry, Fingerprint, Mode, parse_entry_key, parse_key, read_adapter, sort_key
 from juno_py.models.config import ModelArgs, arch_spec
 from juno_py.models.layout import TargetSlot, resolve_layout
 
@@ -77,8 +77,10 @@ class ModelTargets:
         return len(self.layout.blocks)
 
     def slot(self, key: str, where: str = "") -> TargetSlot:
+        """The rows a key adapts. An expert's are its slice of the 3-D tensor viewed as `[n_expert·n_out, n_in]`
+        rows; an every-expert key ('.*') covers all of them (one adapter, repeated per expert)."""
         try:
-            layer, target = parse_key(key)
+            layer, target, expert = parse_entry_key(key)
         except ValueError as e:
             raise AdapterMismatch(f"{where}{e}") from None
         if layer >= self.n_layer:
@@ -86,7 +88,25 @@ class ModelTargets:
                 f"{where}layer {layer} does not exist: {self.gguf.path} has {self.n_layer} layers "
                 f"(an adapter for another model?)"
             )
-        return self.layout.blocks[layer].targets[target]
+        bl = self.layout.blocks[layer]
+        if target in bl.experts:
+            s, n_expert = bl.experts[target], self.args.n_expert
+            n_out = s.tensor_rows
+            if expert is None:
+                return TargetSlot(s.tensor, (0, n_expert * n_out), n_expert * n_out)
+            if expert >= n_expert:
+                raise AdapterMismatch(f"{where}expert {expert} does not exist: {self.gguf.path} has {n_expert} experts")
+            return TargetSlot(s.tensor, (expert * n_out, (expert + 1) * n_out), n_expert * n_out)
+        if target not in bl.targets:
+            raise AdapterMismatch(
+                f"{where}block {layer} of {self.gguf.path} has no {target} (its targets: "
+                f"{', '.join([*bl.targets, *bl.experts])})"
+            )
+        return bl.targets[target]
+
+    def experts_sharing(self, e: AdapterEntry) -> int:
+        """How many experts an entry plays on with one adapter: n_expert for an every-expert key, else 1."""
+        return self.args.n_expert if e.on_experts and e.expert is None else 1
 
     def fingerprint(self, tensor: str) -> Fingerprint:
         if tensor not in self._fingerprints:
@@ -98,7 +118,9 @@ class ModelTargets:
         where = f"{path}: entry {e.key!r}: "
         slot = self.slot(e.key, where)
         info = self.gguf.tensor(slot.tensor)
-        n_out, n_in = slot.rows[1] - slot.rows[0], info.n_cols
+        n_out, n_in = (slot.rows[1] - slot.rows[0]) // self.experts_sharing(e), info.n_cols
+        if self.experts_sharing(e) > 1 and e.mode == Mode.DORA:
+            raise AdapterMismatch(f"{where}a DoRA adapter on every expert ('.*') has no single magnitude")
         if (e.in_dim, e.out_dim) != (n_in, n_out):
             raise AdapterMismatch(
                 f"{where}shape in {e.in_dim} x out {e.out_dim} does not fit {slot.tensor} rows "
@@ -238,7 +260,9 @@ def plan_patches(
                 p.magnitude = np.asarray(e.magnitude, dtype=np.float32)
             elif p.magnitude is not None:
                 raise MergeError(f"{src.path}: entry {e.key!r}: the rows already carry a DoRA entry")
-            p.loras.append(LoraTerm(np.asarray(e.A, np.float32), np.asarray(e.B, np.float32), e.scale * src.scale))
+            B = np.asarray(e.B, np.float32)
+            B = np.tile(B, (targets.experts_sharing(e), 1))  # an every-expert entry: the same B·A on each expert
+            p.loras.append(LoraTerm(np.asarray(e.A, np.float32), B, e.scale * src.scale))
     for name, value in (deltas or {}).items():
         key = _as_key(name)
         if key is not None:

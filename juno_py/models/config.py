@@ -56,14 +56,18 @@ class ArchSpec:
     # targets whose GGUF rows are a per-head permutation of Hugging Face's: target -> ModelArgs field with the
     # head count the permutation runs over
     hf_permuted_rows: Mapping[str, str] = field(default_factory=dict, hash=False)
+    # mixture-of-experts feed-forward: "" (never), "optional" (when {arch}.expert_count > 0), "required"
+    experts: str = ""
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     # Mistral-style models arrive as llama. llama.cpp's converter permutes Q and K rows so that rotating
     # adjacent pairs on the file's rows equals Hugging Face's rotate-half on its own rows.
-    "llama": ArchSpec(rope_style="norm", hf_permuted_rows={"wq": "n_head", "wk": "n_head_kv"}),
+    # Mixtral-style models are llama files with {arch}.expert_count > 0 and 3-D expert tensors.
+    "llama": ArchSpec(rope_style="norm", hf_permuted_rows={"wq": "n_head", "wk": "n_head_kv"}, experts="optional"),
     "qwen2": ArchSpec(rope_style="neox", required_biases=("wq", "wk", "wv")),
     "qwen3": ArchSpec(rope_style="neox", qk_norm=True),
+    "qwen3moe": ArchSpec(rope_style="neox", qk_norm=True, experts="required"),
     # llama.cpp disables Phi-3's sliding window; so do we. Hugging Face fuses its attention and MLP inputs.
     "phi3": ArchSpec(rope_style="neox", hf_modules=HF_FUSED_MODULES),
     "gemma3": ArchSpec(
@@ -142,6 +146,9 @@ class ModelArgs:
     swa_pattern: int
     attn_scale: float
     final_logit_softcap: float  # 0: none
+    n_expert: int = 0  # experts per MoE block (0: dense feed-forward)
+    n_expert_used: int = 0  # experts each token is routed to (top-k)
+    n_ff_exp: int = 0  # hidden size of one expert
 
     @property
     def q_dim(self) -> int:
@@ -201,6 +208,7 @@ class ModelArgs:
                 f"{gguf.path}: metadata {arch}.attention.sliding_window is {sliding_window}, "
                 f"expected a non-negative integer"
             )
+        n_expert, n_expert_used, n_ff_exp = _experts(m, spec)
         if arch == "gemma3" and n_layer == 62:  # Gemma 3 27B: llama.cpp scales by n_embd / n_head
             attn_scale = 1.0 / math.sqrt(n_embd / n_head)
         else:
@@ -213,7 +221,7 @@ class ModelArgs:
             n_head_kv=n_head_kv,
             head_dim=head_dim,
             head_dim_v=head_dim_v,
-            n_ff=m.positive("feed_forward_length"),
+            n_ff=m.positive("feed_forward_length") if not n_expert else m.get("feed_forward_length", n_ff_exp),
             norm_eps=m.get("attention.layer_norm_rms_epsilon", kind=float),
             rope_dim=rope_dim,
             rope_base=m.get("rope.freq_base", 10000.0, float),
@@ -226,4 +234,32 @@ class ModelArgs:
             swa_pattern=spec.swa_pattern,
             attn_scale=attn_scale,
             final_logit_softcap=m.get("final_logit_softcapping", 0.0, float),
+            n_expert=n_expert,
+            n_expert_used=n_expert_used,
+            n_ff_exp=n_ff_exp,
         )
+
+
+def _experts(m: _Meta, spec: ArchSpec) -> tuple[int, int, int]:
+    """(n_expert, n_expert_used, n_ff_exp) as llama.cpp reads them; (0, 0, 0) for a dense feed-forward."""
+    if not spec.experts:
+        return 0, 0, 0
+    n_expert = m.get("expert_count", 0 if spec.experts == "optional" else _MISSING)
+    if n_expert == 0 and spec.experts == "optional":
+        return 0, 0, 0
+    if n_expert <= 0:
+        raise GGUFFormatError(f"{m.path}: metadata {m.arch}.expert_count is {n_expert}, expected a positive integer")
+    n_used = m.get("expert_used_count")
+    if not 0 < n_used <= n_expert:
+        raise GGUFFormatError(
+            f"{m.path}: metadata {m.arch}.expert_used_count is {n_used}, expected 1..{n_expert} (expert_count)"
+        )
+    if spec.experts == "required":  # qwen3moe: expert_feed_forward_length, else n_ff / n_expert_used
+        n_ff_exp = m.get("expert_feed_forward_length", 0) or m.positive("feed_forward_length") // n_used
+    else:  # llama: every expert has the dense feed_forward_length
+        n_ff_exp = m.positive("feed_forward_length")
+    if n_ff_exp <= 0:
+        raise GGUFFormatError(
+            f"{m.path}: metadata {m.arch}.expert_feed_forward_length is {n_ff_exp}, expected a positive integer"
+        )
+    return n_expert, n_used, n_ff_exp

@@ -1,6 +1,8 @@
 """Layout: where each logical weight of the model lives in the file, resolved from the tensors present.
 
-Logical targets are `wq wk wv wo wgate wup wdown` per block. A file may hold Q, K and V split (`attn_q`,
+Logical targets are `wq wk wv wo wgate wup wdown` per block. A mixture-of-experts block (`{arch}.expert_count`
+> 0) has `wrouter` (`ffn_gate_inp`, one row per expert) and the experts' `wgate_exps wup_exps wdown_exps` (3-D
+tensors `ffn_*_exps`, `[n_expert, n_out, n_in]`, one 2-D weight per expert) in place of the dense MLP. A file may hold Q, K and V split (`attn_q`,
 `attn_k`, `attn_v`) or fused (`attn_qkv`, rows q‖k‖v), and the MLP's gate and up split (`ffn_gate`, `ffn_up`)
 or fused (`ffn_up` with 2·n_ff rows, gate first, no `ffn_gate`), in any architecture. Every shape is checked
 against the metadata, and every tensor of the file must be used: a leftover tensor means a feature we would
@@ -16,6 +18,9 @@ from juno_py.errors import GGUFFormatError
 from juno_py.models.config import ArchSpec, ModelArgs
 
 TARGETS = ("wq", "wk", "wv", "wo", "wgate", "wup", "wdown")
+EXPERT_TARGETS = ("wgate_exps", "wup_exps", "wdown_exps")  # one 2-D weight per expert in a 3-D tensor
+MOE_TARGETS = ("wrouter", *EXPERT_TARGETS)
+ALL_TARGETS = TARGETS + MOE_TARGETS
 
 
 @dataclass(frozen=True)
@@ -38,8 +43,10 @@ class TargetSlot:
 
 @dataclass
 class BlockLayout:
-    targets: dict[str, TargetSlot]
+    targets: dict[str, TargetSlot]  # 2-D targets: attention, and the dense MLP or the MoE router
     norms: dict[str, str]  # role (attn_norm, ffn_norm, attn_q_norm, ...) -> tensor name
+    # MoE blocks: expert target -> its 3-D tensor `[n_expert, n_out, n_in]` (rows: one expert's n_out)
+    experts: dict[str, TargetSlot] = field(default_factory=dict)
 
 
 @dataclass
@@ -124,6 +131,21 @@ def _mlp_slots(t: _Tensors, args: ModelArgs, p: str) -> dict[str, TargetSlot]:
     return slots
 
 
+def _moe_slots(t: _Tensors, args: ModelArgs, p: str) -> tuple[dict[str, TargetSlot], dict[str, TargetSlot]]:
+    """The router (a 2-D target) and the experts' 3-D tensors of a mixture-of-experts block."""
+    d, ff, n = args.n_embd, args.n_ff_exp, args.n_expert
+    router = t.need(f"{p}ffn_gate_inp.weight", (n, d), "wrouter (expert_count rows)")
+    experts = {}
+    for target, part, shape in (
+        ("wgate_exps", "ffn_gate_exps", (n, ff, d)),
+        ("wup_exps", "ffn_up_exps", (n, ff, d)),
+        ("wdown_exps", "ffn_down_exps", (n, d, ff)),
+    ):
+        name = t.need(f"{p}{part}.weight", shape, f"{target} (expert_count x n_out x n_in)")
+        experts[target] = TargetSlot(name, (0, shape[1]), shape[1])
+    return {"wrouter": TargetSlot(router, (0, n), n)}, experts
+
+
 def resolve_layout(gguf, args: ModelArgs, spec: ArchSpec) -> Layout:
     t = _Tensors(gguf)
     if not t.has("token_embd.weight"):
@@ -155,7 +177,12 @@ def resolve_layout(gguf, args: ModelArgs, spec: ArchSpec) -> Layout:
         norm_roles += ["post_attention_norm", "post_ffw_norm"]
     for il in range(args.n_layer):
         p = f"blk.{il}."
-        targets = {**_attention_slots(t, args, p), **_mlp_slots(t, args, p)}
+        experts: dict[str, TargetSlot] = {}
+        if args.n_expert:
+            ffn, experts = _moe_slots(t, args, p)
+        else:
+            ffn = _mlp_slots(t, args, p)
+        targets = {**_attention_slots(t, args, p), **ffn}
         for target in spec.required_biases:
             if targets[target].bias is None:
                 raise GGUFFormatError(
@@ -166,7 +193,8 @@ def resolve_layout(gguf, args: ModelArgs, spec: ArchSpec) -> Layout:
         for role in norm_roles:
             size = args.head_dim if role in ("attn_q_norm", "attn_k_norm") else args.n_embd
             norms[role] = t.need(f"{p}{role}.weight", (size,), f"{role} of block {il}")
-        layout.blocks.append(BlockLayout(targets={k: targets[k] for k in TARGETS}, norms=norms))
+        ordered = {k: targets[k] for k in ALL_TARGETS if k in targets}
+        layout.blocks.append(BlockLayout(targets=ordered, norms=norms, experts=experts))
     leftover = sorted(set(gguf.tensors) - t.used)
     if leftover:
         more = f" (and {len(leftover) - 1} more)" if len(leftover) > 1 else ""

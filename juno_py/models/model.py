@@ -218,12 +218,20 @@ class QuantEmbedding(nn.Module):
 
 class Block(nn.Module):
     """One decoder block. `linears` holds the frozen linear of every logical target (`wq` ... `wdown`), looked up
-    at each call so that an adapter can wrap one by replacing its entry."""
+    at each call so that an adapter can wrap one by replacing its entry. A mixture-of-experts block has `moe`
+    (`juno_py.models.moe`) in place of the dense MLP, with its router in `linears["wrouter"]`."""
 
     def __init__(
-        self, args: ModelArgs, spec: ArchSpec, layer: int, linears: dict[str, nn.Module], norms: dict[str, Tensor]
+        self,
+        args: ModelArgs,
+        spec: ArchSpec,
+        layer: int,
+        linears: dict[str, nn.Module],
+        norms: dict[str, Tensor],
+        moe: Optional[nn.Module] = None,
     ):
         super().__init__()
+        self.moe = moe
         self.args, self.spec, self.layer = args, spec, layer
         self.linears = nn.ModuleDict(linears)
         self.norms = nn.ModuleDict({role: RMSNorm(w, args.norm_eps) for role, w in norms.items()})
@@ -262,19 +270,23 @@ class Block(nn.Module):
         return self.linears["wo"](y.transpose(1, 2).reshape(b, t, a.n_head * a.head_dim_v)).to(self.act_dtype)
 
     def feed_forward(self, x: Tensor) -> Tensor:
+        if self.moe is not None:
+            return self.moe(x, self.linears["wrouter"])
         gate, up = self.linears["wgate"](x).to(self.act_dtype), self.linears["wup"](x).to(self.act_dtype)
         return self.linears["wdown"](gated(self.act, gate, up)).to(self.act_dtype)
 
 
 @dataclass(frozen=True)
 class TargetRef:
-    """A logical target of one block and where its frozen weight lives in the file."""
+    """A logical target of one block and where its frozen weight lives in the file (for an expert target: which
+    expert of the 3-D tensor, and the rows within that expert's slice)."""
 
     layer: int
     target: str
     module: nn.Module
     tensor: str
     rows: tuple[int, int]
+    expert: Optional[int] = None
 
 
 class Transformer(nn.Module):
@@ -309,7 +321,14 @@ class Transformer(nn.Module):
         for il, bl in enumerate(layout.blocks):
             linears = {t: linear(s.tensor, s.row_slice, s.bias) for t, s in bl.targets.items()}
             norms = {role: vector(name) for role, name in bl.norms.items()}
-            self.blocks.append(Block(args, spec, il, linears, norms))
+            moe = None
+            if bl.experts:
+                from juno_py.models.moe import build_moe
+
+                moe = build_moe(
+                    gguf, args, partial(gated, ACTIVATIONS[spec.activation]), bl, weights_cache, compute_dtype
+                )
+            self.blocks.append(Block(args, spec, il, linears, norms, moe))
         self.norm = RMSNorm(vector(layout.output_norm), args.norm_eps)
         self.output = linear(layout.output, None, layout.output_bias)
 
@@ -505,11 +524,40 @@ class Transformer(nn.Module):
 
     # --- structure -------------------------------------------------------------------------------------------
     def targets(self, names: Sequence[str] = TARGETS) -> Iterator[TargetRef]:
-        """Every (block, logical target) with its current module and physical tensor rows."""
+        """Every (block, logical target) with its current module and physical tensor rows; an expert target once per
+        expert. Targets a block does not have (the dense MLP of an MoE block) are skipped."""
         for blk, bl in zip(self.blocks, self.layout.blocks):
             for name in names:
-                slot = bl.targets[name]
-                yield TargetRef(blk.layer, name, blk.linears[name], slot.tensor, slot.rows)
+                if name in bl.targets:
+                    slot = bl.targets[name]
+                    yield TargetRef(blk.layer, name, blk.linears[name], slot.tensor, slot.rows)
+                elif name in bl.experts:
+                    slot = bl.experts[name]
+                    for e, module in enumerate(blk.moe.experts[name]):
+                        yield TargetRef(blk.layer, name, module, slot.tensor, slot.rows, e)
+
+    def linear(self, layer: int, target: str, expert: Optional[int] = None) -> nn.Module:
+        """The module now at a target (an expert target needs its expert)."""
+        blk = self.blocks[layer]
+        return blk.linears[target] if expert is None else blk.moe.experts[target][expert]
+
+    def set_linear(self, layer: int, target: str, module: nn.Module, expert: Optional[int] = None) -> None:
+        """Put `module` at a target (an adapter wrapping the frozen linear, or the frozen linear back)."""
+        blk = self.blocks[layer]
+        if expert is None:
+            blk.linears[target] = module
+        else:
+            blk.moe.experts[target][expert] = module
+
+    def expert_load(self, reset: bool = False) -> dict[int, Tensor]:
+        """Tokens routed to each expert per MoE block since the load was last reset: `{layer: counts [n_expert]}`
+        (`reset`: and start counting afresh)."""
+        out = {blk.layer: blk.moe.load for blk in self.blocks if blk.moe is not None and blk.moe.load is not None}
+        if reset:
+            for blk in self.blocks:
+                if blk.moe is not None:
+                    blk.moe.load = None
+        return out
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache(self.args, batch, max_len, device=self.embed.device, dtype=self.act_dtype)

@@ -47,6 +47,8 @@ def graph_blocker(model, cfg, net, optimizer: TrainOptimizer, trainable: Trainab
         return "--bptt-window (windows carry a KV cache between captures)"
     if cfg.grad_checkpoint:
         return "--grad-checkpoint"
+    if getattr(getattr(model, "args", None), "n_expert", 0):
+        return "mixture-of-experts blocks (the tokens each expert takes change every step)"
     if optimizer.updates_in_backward:
         return "an optimizer that updates during backward (GaLore per-layer)"
     return trainable.graph_blocker()

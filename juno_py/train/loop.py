@@ -263,6 +263,9 @@ def train(
                 recorder.emit(note.event, step=run.step, **note.values)
 
             # --- forward and backward; nothing is updated before every number is known to be finite
+            moe_load = getattr(model, "expert_load", None)
+            if moe_load is not None:
+                moe_load(reset=True)  # the router's load of this step only (not of a validation pass)
             try:
                 loss_sum = share.forward_backward(step_fn, model, net, cfg.bptt_window, times)
                 if not math.isfinite(loss_sum):
@@ -314,6 +317,12 @@ def train(
                 lr_b=lrs.get("B", 0.0),
                 **times,
             )
+            if moe_load is not None:
+                from juno_py.models.moe import load_summary
+
+                load = load_summary(moe_load(reset=True))
+                if load:
+                    recorder.emit("expert_load", step=run.step, **load)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix_str(
