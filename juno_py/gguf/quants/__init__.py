@@ -119,6 +119,7 @@ def quantize(ggml_type: int, x, what: str = "") -> np.ndarray:
 
 # codec modules register themselves on import
 from juno_py.gguf.quants import codebooks as _codebooks  # noqa: E402,F401
+from juno_py.gguf.quants import iq4_quantize as _iq4_quantize  # noqa: E402,F401
 from juno_py.gguf.quants import iquants as _iquants  # noqa: E402,F401
 from juno_py.gguf.quants import kquant_quantize as _kquant_quantize  # noqa: E402,F401
 from juno_py.gguf.quants import kquants as _kquants  # noqa: E402,F401
