@@ -19,6 +19,7 @@ from juno_py.gguf import quants
 from juno_py.gguf.constants import GGML_BLOCK_SIZES, GGMLType, type_name
 from juno_py.gguf.quants.iquants import I_LAYOUTS
 from juno_py.gguf.quants.kquants import K_LAYOUTS
+from juno_py.gguf.quants.registry import bits_per_weight
 from juno_py.gguf.quants.simple import LEGACY_LAYOUTS
 from juno_py.merge.targets import MergeError, RowPatch
 
@@ -31,11 +32,6 @@ CHUNK_BYTES = 64 << 20
 _NOT_CLIMBED = {GGMLType.BF16}
 _K_QUANTS = {layout.ggml_type for layout in K_LAYOUTS}
 _IQ4 = {layout.ggml_type for layout in I_LAYOUTS}
-
-
-def bits_per_weight(ggml_type: int) -> float:
-    block, size = GGML_BLOCK_SIZES[ggml_type]
-    return 8.0 * size / block
 
 
 def _encodable() -> list[GGMLType]:

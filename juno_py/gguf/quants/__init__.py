@@ -16,11 +16,14 @@ import torch
 from juno_py.errors import UnsupportedQuantType
 from juno_py.gguf.quants.registry import BlockFn as BlockFn
 from juno_py.gguf.quants.registry import Codec as Codec
+from juno_py.gguf.quants.registry import bits_per_weight as bits_per_weight
 from juno_py.gguf.quants.registry import get_codec as get_codec
 from juno_py.gguf.quants.registry import quantizable_types as quantizable_types
 from juno_py.gguf.quants.registry import register as register
 from juno_py.gguf.quants.registry import register_quantizer as register_quantizer
 from juno_py.gguf.quants.registry import supported_types as supported_types
+from juno_py.gguf.quants.registry import type_table as type_table
+from juno_py.gguf.quants.registry import type_table_markdown as type_table_markdown
 
 
 def _as_uint8_tensor(raw) -> torch.Tensor:
