@@ -30,41 +30,46 @@ _ZERO = _f32(0.0)
 _ONE = _f32(1.0)
 
 
+# sums of neighbouring levels (exact small integers): level i+1 is nearer than level i from 2v >= _PAIR_SUMS[i] on
+_PAIR_SUMS = _LEVELS[:-1] + _LEVELS[1:]
+
+
 def best_index(v: torch.Tensor) -> torch.Tensor:
     """llama.cpp's `best_index_int8(16, kvalues_iq4nl, v)` (int64 level indices): the nearest level, ties to the
-    upper one; below the lowest level 0, above the highest 15, NaN 15."""
-    mu = torch.bucketize(v, _LEVELS, right=True).clamp_(1, 15)  # _LEVELS[mu-1] <= v < _LEVELS[mu]
-    lo, hi = _LEVELS[mu - 1], _LEVELS[mu]
-    return torch.where((v - lo) < (hi - v), mu - 1, mu)
+    upper one; below the lowest level 0, above the highest 15, NaN 15.
 
-
-def _fit(x: torch.Tensor, w: torch.Tensor, iscale: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:
-    """Σ w·q·x and Σ w·q·q (stacked [2, S]) of each block for the levels q nearest to iscale·x."""
-    q = _LEVELS[best_index(x * iscale)]
-    wq = w * q
-    torch.mul(wq, x, out=terms[:, 0])
-    torch.mul(wq, q, out=terms[:, 1])
-    return _seqsum(terms)
+    C brackets v between two levels and keeps the lower when `v - lo < hi - v` in float32. Counting the sums of
+    neighbouring levels at or below 2v (exact: doubling a float32 and adding two int8s do not round) decides the
+    same way: every midpoint is at least 4.5 from 0, so near one the two differences are multiples of v's ulp
+    below 2^24 of them, i.e. exact, and away from one rounding cannot make them equal. NaN counts as above all."""
+    return torch.bucketize(v + v, _PAIR_SUMS, right=True)
 
 
 def block_scales(x: torch.Tensor) -> torch.Tensor:
     """The scale llama.cpp's search settles on for each 32-value block (`quantize_row_iq4_nl_impl`, ntry 7, no
-    importance weights): x is element-major [32, S]; returns [S], 0 for blocks whose largest |x| is below 1e-15."""
+    importance weights): x is element-major [32, S]; returns [S], 0 for blocks whose largest |x| is below 1e-15.
+
+    The 16 candidate scales (the first guess −max/−127, then `(k − 127)/max` for k = −7..7) do not depend on one
+    another, so their sums are computed together, [16, 2, S]; only the choice among them runs in C's order."""
     n, S = x.shape
     mx = _first_absmax(x, 0)
     empty = mx.abs() < _GROUP_MAX_EPS
-    w = x * x
-    terms = torch.empty((n, 2, S), dtype=torch.float32)
-    d = torch.div(mx.neg(), _f32(float(IQ4_LEVELS[0])))  # -max/values[0]
-    sumqx, sumq2 = _fit(x, w, torch.div(_ONE, d), terms).unbind(0)
-    d = torch.where(sumq2 > 0, sumqx / sumq2, _ZERO)
-    best = d * sumqx
-    for itry in range(-NTRY, NTRY + 1):
-        iscale = torch.div(_f32(float(itry + int(IQ4_LEVELS[0]))), mx)  # (itry + values[0])/max
-        sumqx, sumq2 = _fit(x, w, iscale, terms).unbind(0)
-        take = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)  # `if (sumq2 > 0 && sumqx*sumqx > best*sumq2)`
-        d = torch.where(take, sumqx / sumq2, d)
-        best = torch.where(take, d * sumqx, best)
+    first = torch.div(_ONE, torch.div(mx.neg(), _f32(float(IQ4_LEVELS[0]))))  # 1/d with d = -max/values[0]
+    ks = torch.arange(-NTRY, NTRY + 1, dtype=torch.float32) + float(IQ4_LEVELS[0])  # itry + values[0], exact
+    iscales = torch.cat([first[None], torch.div(ks[:, None], mx[None, :])])  # (itry + values[0])/max
+    v = (x[:, None, :] * iscales[None]).contiguous()  # [n, 16, S]: id*xb[j] for every candidate
+    q = _LEVELS[torch.bucketize(v.add_(v), _PAIR_SUMS, right=True)]  # best_index(id*xb[j]) from 2·(id*xb[j])
+    wq = q * (x * x)[:, None, :]  # w*q with w = x²
+    terms = torch.empty((n, 2 * NTRY + 2, 2, S), dtype=torch.float32)
+    torch.mul(wq, x[:, None, :], out=terms[:, :, 0])  # w*q*xb[j]
+    torch.mul(wq, q, out=terms[:, :, 1])  # w*q*q
+    sumqx, sumq2 = _seqsum(terms).unbind(1)  # [16, S] each
+    d = torch.where(sumq2[0] > 0, sumqx[0] / sumq2[0], _ZERO)
+    best = d * sumqx[0]
+    for c in range(1, 2 * NTRY + 2):
+        take = (sumq2[c] > 0) & (sumqx[c] * sumqx[c] > best * sumq2[c])  # `if (sumq2 > 0 && sumqx*sumqx > best*sumq2)`
+        d = torch.where(take, sumqx[c] / sumq2[c], d)
+        best = torch.where(take, d * sumqx[c], best)
     return torch.where(empty, _ZERO, d)
 
 
@@ -123,8 +128,8 @@ def _chunked(fn, block_size: int, chunk_blocks: int):
 
 
 IQ4_QUANTIZERS = {
-    GGMLType.IQ4_NL: _chunked(quantize_iq4_nl, QK4_NL, 8192),
-    GGMLType.IQ4_XS: _chunked(quantize_iq4_xs, QK_K, 1024),
+    GGMLType.IQ4_NL: _chunked(quantize_iq4_nl, QK4_NL, 1024),
+    GGMLType.IQ4_XS: _chunked(quantize_iq4_xs, QK_K, 128),
 }
 
 for _type, _fn in IQ4_QUANTIZERS.items():
