@@ -3,13 +3,13 @@
 scales around the block maximum on the non-linear grid, each value weighted by x²) byte for byte, vectorized
 over blocks.
 
-Exactness rests on the same float32 discipline as the k-quant encoders (`kquant_quantize.py`): sums run one
-term at a time along the 32 values of a block, divisions stay divisions, products keep C's order
-(`w*q*x` is `(w*q)*x`). The nearest grid level is picked by llama.cpp's rule: the bracketing pair of levels is
-found by exact comparisons, then the lower one is kept when `x - lo < hi - x` in float32 (near a midpoint both
-differences are exact, so this is the same as comparing `2x` with `lo + hi`). Any finite input matches; where
-the squared values overflow float32 (|x| above ~1.8e19) the fit is NaN and the bytes follow ggml 0.21's NaN
-path (level 15; a later llama.cpp, which compares `2x` with `lo + hi` directly, writes level 0 there).
+Exactness rests on the same float32 discipline as the k-quant encoders (`kquant_quantize.py`): sums run one term at
+a time along the 32 values of a block, divisions stay divisions, products keep C's order (`w*q*x` is `(w*q)*x`).
+The nearest grid level is llama.cpp's: C brackets x between two levels and keeps the lower when `x - lo < hi - x`
+in float32, which for every finite x decides as comparing `2x` with `lo + hi` (see `best_index`), the comparison
+used here. Any finite input matches; where the squared values overflow float32 (|x| above ~1.8e19) the fit is NaN
+and the bytes follow ggml 0.21's NaN path (level 15; a later llama.cpp, which compares `2x` with `lo + hi`
+directly, writes level 0 there).
 """
 
 from __future__ import annotations
