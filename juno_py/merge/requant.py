@@ -28,8 +28,9 @@ Policy = Union[str, GGMLType]  # "source", "auto" or a forced type
 # rows of float32 weights handled at once: bounds the merge's working memory for very large tensors
 CHUNK_BYTES = 64 << 20
 
-# BF16 is kept when it is a tensor's own type, but never climbed to: F16 holds weights more precisely
-_NOT_CLIMBED = {GGMLType.BF16}
+# kept when they are a tensor's own type, but never climbed to: F16 holds weights more precisely than BF16, the
+# ternary types hold only ternary weights, and MXFP4's power-of-two scales lose to IQ4_XS at the same size
+_NOT_CLIMBED = {GGMLType.BF16, GGMLType.TQ1_0, GGMLType.TQ2_0, GGMLType.MXFP4}
 _K_QUANTS = {layout.ggml_type for layout in K_LAYOUTS}
 _IQ4 = {layout.ggml_type for layout in I_LAYOUTS}
 
@@ -47,8 +48,8 @@ def _order(t: GGMLType) -> tuple[float, int]:
 def ladder(start: int, n_cols: int) -> list[GGMLType]:
     """The types `auto` tries for a tensor of `start` type with rows of `n_cols`, smallest first: `start` itself
     when we can encode it, then every larger encodable type whose block divides the row (k-quants need rows that
-    are a multiple of 256), up to F32. A type we cannot encode (IQ1-IQ3, TQ1_0, TQ2_0, MXFP4) starts at the nearest
-    one we can that is at least as large."""
+    are a multiple of 256), up to F32. A type we cannot encode (IQ1-IQ3) starts at the nearest one we can that is at
+    least as large."""
     start = GGMLType(start)
     fits = [t for t in _encodable() if n_cols % GGML_BLOCK_SIZES[t][0] == 0]
     climb = sorted((t for t in fits if t not in _NOT_CLIMBED), key=_order)

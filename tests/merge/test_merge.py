@@ -185,10 +185,13 @@ def test_ladder_respects_block_constraints():
     assert ladder(T.Q3_K, 256)[:3] == [T.Q3_K, T.IQ4_XS, T.Q4_0]
     # types without an encoder start at the nearest type we encode that is at least as large
     assert ladder(T.IQ2_XXS, 256)[0] == T.Q2_K
-    assert ladder(T.TQ1_0, 256)[0] == T.Q2_K
+    assert ladder(T.IQ1_S, 256)[0] == T.Q2_K
     assert ladder(T.IQ3_S, 256)[0] == T.Q3_K  # the same 3.4375 bits per weight
-    assert ladder(T.MXFP4, 256)[0] == T.IQ4_XS
-    assert ladder(T.MXFP4, 64)[0] == T.Q4_0  # IQ4_XS needs rows of 256
+    assert ladder(T.IQ3_XXS, 64)[0] == T.Q4_0  # k-quants and IQ4_XS need rows of 256
+    # ternary and MXFP4 are kept as a tensor's own type, never climbed to
+    assert ladder(T.TQ1_0, 256)[:2] == [T.TQ1_0, T.Q2_K]
+    assert ladder(T.MXFP4, 256)[:3] == [T.MXFP4, T.IQ4_XS, T.Q4_0]
+    assert not {T.TQ1_0, T.TQ2_0, T.MXFP4, T.BF16} & set(ladder(T.Q2_K, 256) + ladder(T.IQ1_S, 256))
     assert ladder(T.BF16, 64) == [T.BF16, T.F32]
     assert ladder(T.F32, 64) == [T.F32]
 

@@ -129,3 +129,4 @@ from juno_py.gguf.quants import kquants as _kquants  # noqa: E402,F401
 from juno_py.gguf.quants import native  # noqa: E402
 from juno_py.gguf.quants import simple as _simple  # noqa: E402,F401
 from juno_py.gguf.quants import ternary as _ternary  # noqa: E402,F401
+from juno_py.gguf.quants import ternary_quantize as _ternary_quantize  # noqa: E402,F401
