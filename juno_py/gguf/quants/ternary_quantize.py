@@ -100,11 +100,11 @@ def _chunked(fn, block_size: int, chunk_blocks: int):
 
 
 TERNARY_QUANTIZERS = {
-    GGMLType.TQ1_0: _chunked(quantize_tq1_0, QK_K, 4096),
-    GGMLType.TQ2_0: _chunked(quantize_tq2_0, QK_K, 4096),
+    GGMLType.TQ1_0: _chunked(quantize_tq1_0, QK_K, 1024),
+    GGMLType.TQ2_0: _chunked(quantize_tq2_0, QK_K, 1024),
 }
 if _MXFP4_LEVELS is not None:
-    TERNARY_QUANTIZERS[GGMLType.MXFP4] = _chunked(quantize_mxfp4, 32, 8192)
+    TERNARY_QUANTIZERS[GGMLType.MXFP4] = _chunked(quantize_mxfp4, 32, 4096)
 
 for _type, _fn in TERNARY_QUANTIZERS.items():
     register_quantizer(_type, _fn)
