@@ -29,11 +29,25 @@ from juno_py.gguf.constants import GGML_BLOCK_SIZES, GGMLType, parse_type_name
 from juno_py.gguf.quants import native
 from juno_py.gguf.quants.simple import F16_SCALE_OFFSETS
 
-DEFAULT_TYPES = "f16,bf16,q4_0,q4_1,q5_0,q5_1,q8_0,q2_k,q3_k,q4_k,q5_k,q6_k,iq4_nl,iq4_xs"
+DEFAULT_TYPES = (
+    "f16,bf16,q4_0,q4_1,q5_0,q5_1,q8_0,q2_k,q3_k,q4_k,q5_k,q6_k,iq4_nl,iq4_xs,"
+    "iq1_s,iq1_m,iq2_xxs,iq2_xs,iq2_s,iq3_xxs,iq3_s,tq1_0,tq2_0,mxfp4"
+)
+# byte offsets of the float16 scale of the codebook types, which gguf cannot encode (IQ1_M keeps its scale in the
+# top nibbles of the four uint16s at byte 48)
+CODEBOOK_SCALES = {
+    GGMLType.IQ1_S: (0,),
+    GGMLType.IQ2_XXS: (0,),
+    GGMLType.IQ2_XS: (0,),
+    GGMLType.IQ2_S: (0,),
+    GGMLType.IQ3_XXS: (0,),
+    GGMLType.IQ3_S: (0,),
+}
 
 
 def sample_rows(ggml_type: GGMLType, rows: int, cols: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """Float rows and their encoding: gguf's encoder where it has one, else random codes under small scales."""
+    """Float rows and their encoding: gguf's encoder where it has one (TQ1_0, TQ2_0 and MXFP4 too), else random
+    codes under small scales."""
     x = (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
     gtype = gguf.GGMLQuantizationType(int(ggml_type))
     if has_gguf_encoder(gtype):
@@ -42,9 +56,15 @@ def sample_rows(ggml_type: GGMLType, rows: int, cols: int, rng: np.random.Genera
         block_size, type_size = GGML_BLOCK_SIZES[ggml_type]
         raw = rng.integers(0, 256, (rows, cols // block_size * type_size), dtype=np.uint8)
         blocks = raw.reshape(-1, type_size)
-        for offset in F16_SCALE_OFFSETS[ggml_type]:
-            scales = rng.uniform(1e-4, 1e-3, blocks.shape[0]).astype(np.float16)
+        scales = rng.uniform(1e-4, 1e-3, blocks.shape[0]).astype(np.float16)
+        for offset in F16_SCALE_OFFSETS.get(ggml_type, CODEBOOK_SCALES.get(ggml_type, ())):
             blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+        if ggml_type == GGMLType.IQ1_M:
+            words = blocks[:, 48:56].copy().view("<u2")
+            bits = scales.view(np.uint16)
+            for i in range(4):
+                words[:, i] = (words[:, i] & 0x0FFF) | (((bits >> (4 * i)) & 0xF) << 12)
+            blocks[:, 48:56] = words.view(np.uint8)
     return x, raw
 
 

@@ -163,10 +163,14 @@ def merge_model(
                         bytes_output=enc.nbytes,
                         bytes_source=choice.source_nbytes,
                         retention_source=choice.source_retention if policy == "auto" else None,
-                        tried=[list(t) for t in choice.tried] if policy == "auto" else [],
+                        tried=[list(t) for t in choice.tried] if choice.climbed else [],
+                        requested_type=choice.requested,
+                        reason=choice.reason,
+                        substituted=choice.substituted,
                     )
                 )
-                say(f"{name}: {info.type_name} -> {enc.ggml_type.name}, retention {enc.retention:.4f}")
+                why = f" ({choice.reason})" if choice.substituted else ""
+                say(f"{name}: {info.type_name} -> {enc.ggml_type.name}, retention {enc.retention:.4f}{why}")
             writer.finish()
     report.file_bytes_output = output.stat().st_size
     if eval_data:

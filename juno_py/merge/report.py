@@ -36,6 +36,9 @@ class TensorReport:
     bytes_source: int  # what `--requant source` would write for this tensor
     retention_source: Optional[float] = None  # auto: the retention in the source type
     tried: list = field(default_factory=list)  # auto: [type, retention, bytes] per candidate, in order
+    requested_type: str = ""  # the type the policy asked for: the tensor's own under source/auto, else the forced one
+    reason: Optional[str] = None  # why output_type differs from requested_type (None when it does not)
+    substituted: bool = False  # the requested type could not be written (no encoder, or its blocks do not fit)
 
 
 @dataclass
@@ -63,6 +66,7 @@ class MergeReport:
             "retention_mean": sum(ret) / len(ret) if ret else 1.0,
             "retention_min": min(ret) if ret else 1.0,
             "tensors_below_target": sum(r < self.min_retention for r in ret) if self.min_retention is not None else 0,
+            "tensors_substituted": sum(t.substituted for t in self.tensors),
             "blocks_rewritten": sum(t.blocks_rewritten for t in self.tensors),
             "file_bytes_base": self.file_bytes_base,
             "file_bytes_output": self.file_bytes_output,
@@ -126,6 +130,9 @@ class MergeReport:
             "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
             for r in [head] + rows
         ]
+        for t in self.tensors:
+            if t.substituted:
+                lines.append(f"{t.name}: asked {t.requested_type}, wrote {t.output_type}: {t.reason}")
         s = self.summary()
         below = f" ({s['tensors_below_target']} below {self.min_retention})" if s["tensors_below_target"] else ""
         lines.append(

@@ -19,6 +19,7 @@ from juno_py.gguf import quants
 from juno_py.gguf.constants import GGML_BLOCK_SIZES, GGMLType, type_name
 from juno_py.gguf.quants.iquants import I_LAYOUTS
 from juno_py.gguf.quants.kquants import K_LAYOUTS
+from juno_py.gguf.quants.registry import bits_per_weight
 from juno_py.gguf.quants.simple import LEGACY_LAYOUTS
 from juno_py.merge.targets import MergeError, RowPatch
 
@@ -27,14 +28,11 @@ Policy = Union[str, GGMLType]  # "source", "auto" or a forced type
 # rows of float32 weights handled at once: bounds the merge's working memory for very large tensors
 CHUNK_BYTES = 64 << 20
 
-# BF16 is kept when it is a tensor's own type, but never climbed to: F16 holds weights more precisely
-_NOT_CLIMBED = {GGMLType.BF16}
+# kept when they are a tensor's own type, but never climbed to: F16 holds weights more precisely than BF16, the
+# ternary types hold only ternary weights, and MXFP4's power-of-two scales lose to IQ4_XS at the same size
+_NOT_CLIMBED = {GGMLType.BF16, GGMLType.TQ1_0, GGMLType.TQ2_0, GGMLType.MXFP4}
 _K_QUANTS = {layout.ggml_type for layout in K_LAYOUTS}
-
-
-def bits_per_weight(ggml_type: int) -> float:
-    block, size = GGML_BLOCK_SIZES[ggml_type]
-    return 8.0 * size / block
+_IQ4 = {layout.ggml_type for layout in I_LAYOUTS}
 
 
 def _encodable() -> list[GGMLType]:
@@ -42,14 +40,16 @@ def _encodable() -> list[GGMLType]:
 
 
 def _order(t: GGMLType) -> tuple[float, int]:
-    # by size; at equal size the k-quant (finer scales) ranks above the legacy type
-    return bits_per_weight(t), int(t in _K_QUANTS)
+    # by size; at equal size the k-quant (finer scales) ranks above the non-linear IQ4 type, which ranks above the
+    # legacy type (a searched scale on a non-linear grid)
+    return bits_per_weight(t), 2 if t in _K_QUANTS else int(t in _IQ4)
 
 
 def ladder(start: int, n_cols: int) -> list[GGMLType]:
     """The types `auto` tries for a tensor of `start` type with rows of `n_cols`, smallest first: `start` itself
     when we can encode it, then every larger encodable type whose block divides the row (k-quants need rows that
-    are a multiple of 256), up to F32. A type we cannot encode (IQ*) starts at the nearest one we can."""
+    are a multiple of 256), up to F32. A type we cannot encode (IQ1-IQ3) starts at the nearest one we can that is at
+    least as large."""
     start = GGMLType(start)
     fits = [t for t in _encodable() if n_cols % GGML_BLOCK_SIZES[t][0] == 0]
     climb = sorted((t for t in fits if t not in _NOT_CLIMBED), key=_order)
@@ -245,33 +245,85 @@ def encode(info, patches: Sequence[RowPatch], out_type: int, values: Optional[Te
 
 @dataclass
 class Choice:
-    """The encoding a policy settled on, and every candidate `auto` tried on the way: (type, retention, bytes)."""
+    """The encoding a policy settled on, and every candidate the ladder tried on the way: (type, retention, bytes).
+
+    `requested` is the type the policy asked for (the tensor's own under `source` and `auto`, the forced type
+    otherwise); `reason` says why the written type differs from it (None when it does not), and `substituted`
+    whether that is a substitution (a type juno-py cannot encode, or whose blocks do not fit the rows) rather than
+    `auto` climbing for retention."""
 
     encoding: Encoding
+    requested: str = ""
     tried: list[tuple[str, float, int]] = field(default_factory=list)
     source_retention: Optional[float] = None  # retention in the source type (auto; None if not tried)
     source_nbytes: int = 0  # bytes this tensor would take under `source`
+    reason: Optional[str] = None
+    substituted: bool = False
+    climbed: bool = False  # the ladder was climbed for retention (auto, or a type juno-py cannot encode)
+
+
+def _fits(t: int, n_cols: int) -> bool:
+    return n_cols % GGML_BLOCK_SIZES[t][0] == 0
 
 
 def choose_encoding(info, patches: Sequence[RowPatch], policy: Policy, min_retention: float = 0.9) -> Choice:
-    """Encode one patched tensor under `policy`; `auto` stops at the first type meeting `min_retention`."""
-    candidates = candidate_types(policy, info.ggml_type, info.n_cols)
+    """Encode one patched tensor under `policy`; `auto` stops at the first type meeting `min_retention`.
+
+    A tensor whose own type juno-py cannot encode climbs the ladder under `source` too: the smallest encodable
+    type, from the nearest one at least as large, whose retention meets `min_retention` (never a silent fixed
+    substitute); the choice's `reason` says so."""
+    source_type = GGMLType(info.ggml_type)
+    requested = source_type if isinstance(policy, str) else GGMLType(policy)
+    encodable = requested in _encodable()
+    climb = policy == "auto" or (policy == "source" and not encodable)
+    candidates = ladder(source_type, info.n_cols) if climb else candidate_types(policy, source_type, info.n_cols)
     if not candidates:
         raise MergeError(f"tensor {info.name!r}: no encodable type fits its rows of {info.n_cols} values")
-    source_first = candidate_types("source", info.ggml_type, info.n_cols)[0]
+    source_first = candidate_types("source", source_type, info.n_cols)[0]
     values = TensorValues(info, patches)
     choice = None
     for t in candidates:
         enc = encode(info, patches, t, values)
         if choice is None:
-            choice = Choice(enc)
+            choice = Choice(enc, requested=requested.name, climbed=climb)
         choice.encoding = enc
         choice.tried.append((t.name, enc.retention, enc.nbytes))
         if t == source_first:
             choice.source_retention = enc.retention
-        if policy != "auto" or enc.retention >= min_retention:
+        if not climb or enc.retention >= min_retention:
             break
-    codec = quants.get_codec(source_first)
-    choice.source_nbytes = info.n_rows * codec.row_bytes(info.n_cols)
+    if source_type in _encodable() or policy not in ("source", "auto"):
+        # a forced type over a type we cannot encode: `source` would climb; its first rung stands in for it
+        choice.source_nbytes = info.n_rows * quants.get_codec(source_first).row_bytes(info.n_cols)
+    else:
+        choice.source_nbytes = choice.encoding.nbytes  # `source` climbs the same ladder to the same target
     choice.encoding.extreme = extreme_code_count(choice.encoding.ggml_type, choice.encoding.raw)
+    choice.reason, choice.substituted = _reason(choice, requested, encodable, info.n_cols, min_retention)
     return choice
+
+
+def _reason(
+    choice: Choice, requested: GGMLType, encodable: bool, n_cols: int, min_retention: float
+) -> tuple[Optional[str], bool]:
+    written = choice.encoding.ggml_type
+    if written == requested:
+        return None, False
+    climbed = ""
+    if choice.climbed:
+        met = choice.encoding.retention >= min_retention
+        climbed = (
+            f"the smallest type of the ladder from it whose retention reaches {min_retention:g}"
+            if met
+            else f"no type of the ladder reaches retention {min_retention:g}: the last one tried"
+        )
+    if not encodable:
+        return f"juno-py cannot encode {requested.name}; wrote {climbed}", True
+    if not _fits(requested, n_cols):
+        block = GGML_BLOCK_SIZES[requested][0]
+        return (
+            f"{requested.name} blocks of {block} values do not divide rows of {n_cols}; wrote the nearest type "
+            f"that fits",
+            True,
+        )
+    first = choice.tried[0]
+    return f"retention {first[1]:.4f} in {first[0]} is below {min_retention:g}; wrote {climbed}", False

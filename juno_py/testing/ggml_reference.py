@@ -1,4 +1,4 @@
-"""llama.cpp's reference k-quant quantizer (`ggml_quantize_chunk`, no importance matrix) through ctypes: the
+"""llama.cpp's reference k-quant and IQ4 quantizers (`ggml_quantize_chunk`, no importance matrix) through ctypes: the
 independent encoder the golden data and the quantization benchmark compare against."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 KQUANT_TYPES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+IQ4_TYPES = {"IQ4_NL": 20, "IQ4_XS": 23}
 
 
 def load_ggml():

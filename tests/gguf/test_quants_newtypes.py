@@ -104,11 +104,16 @@ def test_decode_over_chunks_unaligned_and_to_bf16(ggml_type, backend):
 
 
 @pytest.mark.parametrize("ggml_type", NEW_TYPES, ids=lambda t: t.name)
-def test_new_types_decode_only(ggml_type):
+def test_new_types_decode_and_encode_where_llama_cpp_can(ggml_type):
+    """Every new type decodes; the i-quants (which llama.cpp writes only with an importance matrix) refuse to
+    encode, naming the type; TQ1_0, TQ2_0 and MXFP4 encode (tests/gguf/test_ternary_quantize.py)."""
     assert ggml_type.name in quants.supported_types()
     block = GGML_BLOCK_SIZES[ggml_type][0]
-    with pytest.raises(UnsupportedQuantType, match=f"cannot encode GGML type {ggml_type.name}"):
-        quants.quantize(int(ggml_type), torch.zeros(1, block))
+    if ggml_type in (GGMLType.TQ1_0, GGMLType.TQ2_0, GGMLType.MXFP4):
+        assert quants.quantize(int(ggml_type), torch.zeros(1, block)).shape == (1, GGML_BLOCK_SIZES[ggml_type][1])
+    else:
+        with pytest.raises(UnsupportedQuantType, match=f"cannot encode GGML type {ggml_type.name}"):
+            quants.quantize(int(ggml_type), torch.zeros(1, block))
     assert quants.dequantize(int(ggml_type), np.zeros((0, GGML_BLOCK_SIZES[ggml_type][1]), np.uint8), block).shape == (
         0,
         block,

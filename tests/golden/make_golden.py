@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from juno_py.testing.ggml_reference import KQUANT_TYPES, ggml_quantize, load_ggml
+from juno_py.testing.ggml_reference import IQ4_TYPES, KQUANT_TYPES, ggml_quantize, load_ggml
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 MODELS = {"smollm2": "/tmp/models/smollm2-135m.gguf", "gemma3": "/tmp/models/gemma3-270m.gguf"}
@@ -230,7 +230,27 @@ def make_kquants(out_dir: Path) -> None:
         print(f"kquants_{name}.npz: " + ", ".join(f"{s} {v.shape}" for s, v in sets.items()))
 
 
-GOLDEN_SETS = {"kquants": make_kquants}
+def iq4_inputs() -> dict[str, np.ndarray]:
+    """The inputs of the iq4 set, [n, 256] float32: the edge and real-model blocks of the kquants set (from
+    kquants_inputs.npz) and its regenerated random blocks. IQ4_NL encodes each as 8 blocks of 32."""
+    data = np.load(DATA_DIR / "kquants_inputs.npz")
+    random = kquant_random_set()
+    assert array_digest(random) == str(data["random_sha256"]), "the random blocks differ from kquants_inputs.npz"
+    return {"edge": data["edge"], "random": random, "real": data["real"]}
+
+
+def make_iq4(out_dir: Path) -> None:
+    """iq4_<type>.npz per IQ4 type: llama.cpp's bytes (`ggml_quantize_chunk`, no imatrix) for each input set of
+    the kquants set, uint8 [blocks, type_size] with IQ4_NL blocks of 32 values in row order."""
+    lib = load_ggml()
+    for name, ggml_type in IQ4_TYPES.items():
+        block = 32 if name == "IQ4_NL" else QK_K
+        sets = {s: ggml_quantize(lib, ggml_type, x.reshape(-1, block)) for s, x in iq4_inputs().items()}
+        np.savez_compressed(out_dir / f"iq4_{name}.npz", **sets)
+        print(f"iq4_{name}.npz: " + ", ".join(f"{s} {v.shape}" for s, v in sets.items()))
+
+
+GOLDEN_SETS = {"kquants": make_kquants, "iq4": make_iq4}
 
 
 def make_tokenization(out_dir: Path) -> None:
@@ -311,7 +331,29 @@ def report_kquants() -> None:
         print(f"{name}: rmse {np.sqrt(np.mean((back - x) ** 2.0)):.5f}, max abs error {np.abs(back - x).max():.4f}")
 
 
-REPORTS = {"kquants": report_kquants}
+def report_iq4() -> None:
+    """Agreement of juno-py's IQ4 encoders with llama.cpp on large samples (fraction of byte-identical blocks)."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from juno_py.gguf.quants import quantize
+
+    lib = load_ggml()
+    samples = {kind: kquant_random_blocks(kind, 16384) for kind in KQUANT_RANDOM_KINDS}
+    samples.update(iq4_inputs())
+    if all(Path(p).exists() for p in MODELS.values()):
+        samples["real"] = np.concatenate([dequantized_blocks(m, t, 4096) for m, t, _ in KQUANT_REAL_TENSORS])
+    for name, ggml_type in IQ4_TYPES.items():
+        block = 32 if name == "IQ4_NL" else QK_K
+        parts = []
+        for kind, x in samples.items():
+            x = x.reshape(-1, block)
+            same = (quantize(ggml_type, torch.from_numpy(x)) == ggml_quantize(lib, ggml_type, x)).all(1)
+            parts.append(f"{kind} {same.mean():.6f} of {len(x)}")
+        print(f"{name}: " + ", ".join(parts))
+
+
+REPORTS = {"kquants": report_kquants, "iq4": report_iq4}
 
 
 def main() -> None:

@@ -75,6 +75,29 @@ def test_dequantize_matches_codec_bit_exact(ggml_type):
         assert_same_bits(dequantize_split_tile(raw.to(DEVICE), ggml_type, n_cols), ref, ggml_type == GGMLType.MXFP4)
 
 
+def test_mxfp4_every_scale_byte_matches_the_gguf_package():
+    """Each of the 256 e8m0 scale bytes with each of the 16 codes, against `gguf.quants.dequantize` itself: the two
+    largest scales overflow to ±inf there (ggml's e8m0 has no NaN: byte 255 is 2^127), and code 0 and 8 give +0 at
+    every scale. fp32 and bf16 bit for bit; the split's high halves bit for bit, its low halves NaN exactly where
+    w − bf16(w) is (the infinities) and bit for bit elsewhere."""
+    import gguf
+
+    codes = np.arange(32) % 16
+    qs = (codes[:16] | (codes[16:] << 4)).astype(np.uint8)
+    blocks = np.concatenate([np.arange(256, dtype=np.uint8)[:, None], np.tile(qs, (256, 1))], 1)
+    raw = torch.from_numpy(np.ascontiguousarray(blocks.reshape(8, -1)))
+    ref = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.MXFP4).reshape(8, -1))
+    assert torch.isinf(ref).sum() == 48 and not torch.isnan(ref).any()
+    for dtype in (torch.float32, torch.bfloat16):
+        assert_same_bits(dequantize_tile(raw.to(DEVICE), GGMLType.MXFP4, 1024, dtype=dtype), ref.float().to(dtype))
+    hi, lo = dequantize_split_tile(raw.to(DEVICE), GGMLType.MXFP4, 1024)
+    want_hi = ref.float().bfloat16()
+    want_lo = (ref.float() - want_hi.float()).bfloat16()
+    assert_same_bits(hi, want_hi)
+    assert_same_bits(lo, want_lo, nan_from_inf=True)
+    assert int(torch.isnan(lo.cpu()).sum()) == 48
+
+
 @pytest.mark.parametrize("ggml_type", NEW_TYPES, ids=lambda t: t.name)
 def test_dequantize_many_blocks_bit_exact(ggml_type):
     """Enough blocks that most grid points and sign patterns occur (all of them for the smaller grids), fp32."""

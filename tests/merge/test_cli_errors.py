@@ -112,7 +112,7 @@ def test_bad_input_is_one_line_and_leaves_no_file(tiny_gguf, tmp_path, case):
     elif case == "unknown_type":
         args += ["--requant", "q9_9"]
     elif case == "unencodable_type":
-        args += ["--requant", "iq4_nl"]
+        args += ["--requant", "iq2_xxs"]
     elif case == "output_folder_missing":
         args[5] = tmp_path / "nowhere" / "m.gguf"
     elif case == "output_is_folder":

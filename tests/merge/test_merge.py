@@ -169,7 +169,10 @@ def test_forced_type_reencodes_whole_tensor(tiny_gguf, tmp_path):
     assert t.blocks_rewritten == t.blocks_reencoded == t.blocks_total
     # a k-quant cannot hold 64-wide rows: the nearest type that fits, by size, is taken
     report = merge_model(base_path, tmp_path / "k.gguf", [adapter], requant="q4_k")
-    assert report.tensors[0].output_type == "Q4_0"
+    (t,) = report.tensors
+    assert (t.requested_type, t.output_type, t.substituted) == ("Q4_K", "Q4_0", True)
+    assert "Q4_K blocks of 256 values do not divide rows of 64" in t.reason
+    assert "asked Q4_K, wrote Q4_0: Q4_K blocks of 256" in report.table()
 
 
 def test_ladder_respects_block_constraints():
@@ -177,9 +180,18 @@ def test_ladder_respects_block_constraints():
     assert ladder(T.Q5_0, 640) == [T.Q5_0, T.Q5_1, T.Q8_0, T.F16, T.F32]  # Gemma-3's 640-wide tensors
     assert ladder(T.Q4_K, 1024) == [T.Q4_K, T.Q4_1, T.Q5_0, T.Q5_K, T.Q5_1, T.Q6_K, T.Q8_0, T.F16, T.F32]
     assert ladder(T.Q4_1, 576) == [T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.F16, T.F32]
-    assert ladder(T.IQ4_NL, 640)[0] == T.Q4_0  # IQ types start at the nearest type we encode
-    assert ladder(T.IQ4_XS, 256)[0] == T.Q4_0
+    assert ladder(T.IQ4_NL, 640) == [T.IQ4_NL, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.F16, T.F32]
+    assert ladder(T.IQ4_XS, 256)[:4] == [T.IQ4_XS, T.Q4_0, T.IQ4_NL, T.Q4_K]  # legacy, IQ4, k-quant at 4.5
+    assert ladder(T.Q3_K, 256)[:3] == [T.Q3_K, T.IQ4_XS, T.Q4_0]
+    # types without an encoder start at the nearest type we encode that is at least as large
     assert ladder(T.IQ2_XXS, 256)[0] == T.Q2_K
+    assert ladder(T.IQ1_S, 256)[0] == T.Q2_K
+    assert ladder(T.IQ3_S, 256)[0] == T.Q3_K  # the same 3.4375 bits per weight
+    assert ladder(T.IQ3_XXS, 64)[0] == T.Q4_0  # k-quants and IQ4_XS need rows of 256
+    # ternary and MXFP4 are kept as a tensor's own type, never climbed to
+    assert ladder(T.TQ1_0, 256)[:2] == [T.TQ1_0, T.Q2_K]
+    assert ladder(T.MXFP4, 256)[:3] == [T.MXFP4, T.IQ4_XS, T.Q4_0]
+    assert not {T.TQ1_0, T.TQ2_0, T.MXFP4, T.BF16} & set(ladder(T.Q2_K, 256) + ladder(T.IQ1_S, 256))
     assert ladder(T.BF16, 64) == [T.BF16, T.F32]
     assert ladder(T.F32, 64) == [T.F32]
 

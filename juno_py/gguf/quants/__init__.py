@@ -16,11 +16,14 @@ import torch
 from juno_py.errors import UnsupportedQuantType
 from juno_py.gguf.quants.registry import BlockFn as BlockFn
 from juno_py.gguf.quants.registry import Codec as Codec
+from juno_py.gguf.quants.registry import bits_per_weight as bits_per_weight
 from juno_py.gguf.quants.registry import get_codec as get_codec
 from juno_py.gguf.quants.registry import quantizable_types as quantizable_types
 from juno_py.gguf.quants.registry import register as register
 from juno_py.gguf.quants.registry import register_quantizer as register_quantizer
 from juno_py.gguf.quants.registry import supported_types as supported_types
+from juno_py.gguf.quants.registry import type_table as type_table
+from juno_py.gguf.quants.registry import type_table_markdown as type_table_markdown
 
 
 def _as_uint8_tensor(raw) -> torch.Tensor:
@@ -119,9 +122,11 @@ def quantize(ggml_type: int, x, what: str = "") -> np.ndarray:
 
 # codec modules register themselves on import
 from juno_py.gguf.quants import codebooks as _codebooks  # noqa: E402,F401
+from juno_py.gguf.quants import iq4_quantize as _iq4_quantize  # noqa: E402,F401
 from juno_py.gguf.quants import iquants as _iquants  # noqa: E402,F401
 from juno_py.gguf.quants import kquant_quantize as _kquant_quantize  # noqa: E402,F401
 from juno_py.gguf.quants import kquants as _kquants  # noqa: E402,F401
 from juno_py.gguf.quants import native  # noqa: E402
 from juno_py.gguf.quants import simple as _simple  # noqa: E402,F401
 from juno_py.gguf.quants import ternary as _ternary  # noqa: E402,F401
+from juno_py.gguf.quants import ternary_quantize as _ternary_quantize  # noqa: E402,F401

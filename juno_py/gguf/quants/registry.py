@@ -68,3 +68,36 @@ def supported_types() -> list[str]:
 
 def quantizable_types() -> list[str]:
     return [c.name for c in sorted(_REGISTRY.values(), key=lambda c: c.ggml_type) if c.quantize_blocks]
+
+
+def bits_per_weight(ggml_type: int) -> float:
+    """Bits a weight takes in `ggml_type`, from its block geometry: 8 · bytes per block / values per block."""
+    block_size, type_size = GGML_BLOCK_SIZES[ggml_type]
+    return 8.0 * type_size / block_size
+
+
+def type_table() -> list[dict[str, object]]:
+    """Every type juno-py decodes, in type-id order: name, values and bytes per block, bits per weight (from the
+    block geometry), and whether juno-py can also encode it (what a merge can write)."""
+    return [
+        {
+            "type": c.name,
+            "block_size": c.block_size,
+            "type_size": c.type_size,
+            "bits_per_weight": bits_per_weight(c.ggml_type),
+            "encode": c.quantize_blocks is not None,
+        }
+        for c in sorted(_REGISTRY.values(), key=lambda c: c.ggml_type)
+    ]
+
+
+def type_table_markdown() -> str:
+    """`type_table()` as a Markdown table (what `juno-py inspect --types` prints and docs/quantization.md holds)."""
+    lines = ["| type | values per block | bytes per block | bits per weight | encode (merge writes it) |"]
+    lines.append("|---|---:|---:|---:|---|")
+    for row in type_table():
+        bpw = f"{row['bits_per_weight']:.4f}".rstrip("0").rstrip(".")
+        lines.append(
+            f"| {row['type']} | {row['block_size']} | {row['type_size']} | {bpw} | {'yes' if row['encode'] else 'no'} |"
+        )
+    return "\n".join(lines)
