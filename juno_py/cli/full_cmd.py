@@ -60,6 +60,7 @@ SHARED_OPTIONS = (
     "metrics_out",
     "events_out",
     "progress",
+    "progress_interval",
 )
 # full's option name -> the name of the same option on `juno-py lora` (and of the deprecated alias here)
 RENAMED = {
@@ -280,6 +281,7 @@ def full(**o) -> None:
                 progress=o["progress"],
                 log=say,
                 optimizer=optimizer,
+                progress_interval=o["progress_interval"],
             )
         say(result.summary())
         if galore:
@@ -289,7 +291,16 @@ def full(**o) -> None:
             say(f"saved; continue with the same command and --resume (state: {output}.state); no GGUF written")
             return
         with warnings_to_stderr():
-            report = merge_trained(dense, model_file, output, o["requant"], o["min_retention"], recorder)
+            report = merge_trained(
+                dense,
+                model_file,
+                output,
+                o["requant"],
+                o["min_retention"],
+                recorder,
+                progress=o["progress"],
+                progress_interval=o["progress_interval"],
+            )
     except KeyboardInterrupt:
         say(f"juno-py: stopped without saving; the last checkpoint ({output}.state, if any) is kept")
         sys.exit(130)

@@ -68,6 +68,7 @@ def lora(**o) -> None:
                 stop_requested=stop,
                 progress=o["progress"],
                 log=say,
+                progress_interval=o["progress_interval"],
             )
     except KeyboardInterrupt:
         say(f"juno-py: stopped without saving; the last checkpoint ({lora_path}, if any) is kept")

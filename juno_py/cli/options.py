@@ -336,7 +336,30 @@ def training_options(fn):
         default=None,
         help="Append every metrics event as one JSON line.",
     )
-    @click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: on a terminal).")
+    @progress_options
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def progress_options(fn):
+    """--progress/--no-progress and --progress-interval: a bar on a terminal, else a line every N seconds."""
+
+    @click.option(
+        "--progress/--no-progress",
+        default=None,
+        help="Progress on stderr (default: a bar on a terminal, else one line every --progress-interval "
+        "seconds and at the end); --progress forces the bar, --no-progress shows none.",
+    )
+    @click.option(
+        "--progress-interval",
+        default=10.0,
+        show_default=True,
+        type=FiniteFloatRange(0),
+        help="Seconds between two progress lines when stderr is not a terminal (0: every step).",
+    )
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         return fn(*args, **kwargs)
