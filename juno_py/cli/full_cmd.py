@@ -18,7 +18,9 @@ from juno_py.cli.common import (
     load_training_model,
     lora_targets_option,
     one_line_errors,
+    report_sinks,
     say,
+    say_metrics_files,
     warnings_to_stderr,
 )
 from juno_py.cli.options import training_options
@@ -61,6 +63,8 @@ SHARED_OPTIONS = (
     "events_out",
     "progress",
     "progress_interval",
+    "report_to",
+    "report_dir",
 )
 # full's option name -> the name of the same option on `juno-py lora` (and of the deprecated alias here)
 RENAMED = {
@@ -251,7 +255,8 @@ def full(**o) -> None:
         alpha=galore_cfg.scale if galore else 1.0,
         targets=",".join(targets),
     )
-    recorder = MetricsRecorder(identity, o["events_out"])
+    sinks = report_sinks(o, output)
+    recorder = MetricsRecorder(identity, o["events_out"], sinks)
     optimizer = build_dense_optimizer(o["optimizer"], dense, lr, o["weight_decay"], galore_cfg, o["seed"], recorder)
     what = (
         f"GaLore r={galore_cfg.rank} T={galore_cfg.update_gap} α={galore_cfg.scale} {galore_cfg.svd} SVD, "
@@ -284,6 +289,7 @@ def full(**o) -> None:
                 progress_interval=o["progress_interval"],
             )
         say(result.summary())
+        say_metrics_files(o, sinks)
         if galore:
             for line in optimizer.summary_lines():
                 say(line)

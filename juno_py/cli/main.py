@@ -40,6 +40,11 @@ COMMANDS = {
         "merge",
         "Merge an adapter into the base model and write a GGUF that llama.cpp runs. Prints its path.",
     ),
+    "plot": (
+        "plot_cmd",
+        "plot",
+        "Draw training and validation loss, learning rate and tokens/s against steps from a --events-out file.",
+    ),
     "serve": (
         "serve_cmd",
         "serve",

@@ -349,6 +349,20 @@ def training_options(fn):
         default=None,
         help="Append every metrics event as one JSON line.",
     )
+    @click.option(
+        "--report-to",
+        type=click.Choice(["none", "tensorboard"]),
+        default="none",
+        show_default=True,
+        help="Also write training and validation loss, learning rate and tokens/s as TensorBoard scalars "
+        "(needs the tensorboard extra).",
+    )
+    @click.option(
+        "--report-dir",
+        type=click.Path(file_okay=False),
+        default=None,
+        help="Folder of the TensorBoard event files (default: runs/<adapter or output name>).",
+    )
     @progress_options
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):

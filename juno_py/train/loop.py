@@ -254,6 +254,7 @@ def train(
                 stop_reason = "max steps" if cfg.max_steps is not None and run.step >= cfg.max_steps else "epochs"
                 break
             # --- the group of micro-batches of this step
+            t_step = time.perf_counter()
             if batches_epoch != run.epoch:
                 batches, batches_epoch = plan(run.epoch), run.epoch
             step_batches = batches[run.batch : run.batch + cfg.accumulation]
@@ -317,6 +318,8 @@ def train(
                 clipped=clipped,
                 lr_a=lrs.get("A", lrs.get("weights", 0.0)),
                 lr_b=lrs.get("B", 0.0),
+                step_ms=1e3 * (time.perf_counter() - t_step),
+                tokens_per_s=n_tok / max(time.perf_counter() - t_step, 1e-9),
                 **times,
             )
             bar.update(1, f"loss {loss:.4f} | {_session_rate(run, resumed_at):.0f} tokens/s")
