@@ -83,6 +83,7 @@ class Engine:
         self._queue: Optional[asyncio.Queue] = None
         self._task: Optional[asyncio.Task] = None
         self._executor: Optional[ThreadPoolExecutor] = None
+        self._stopping = threading.Event()  # set at shutdown: the reply being generated ends after its token
 
     async def start(self) -> None:
         self._queue = asyncio.Queue(self.max_queue)
@@ -90,6 +91,7 @@ class Engine:
         self._task = asyncio.create_task(self._work())
 
     async def stop(self) -> None:
+        self._stopping.set()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -133,7 +135,13 @@ class Engine:
             if sampling.max_tokens > room:
                 sampling = Sampling(**{**sampling.__dict__, "max_tokens": room})
             job.put("ready", len(ids))
-            done = complete(self.model, ids, sampling, lambda text: job.put("text", text), job.cancel.is_set)
+            done = complete(
+                self.model,
+                ids,
+                sampling,
+                lambda text: job.put("text", text),
+                lambda: job.cancel.is_set() or self._stopping.is_set(),
+            )
             self.served += 1
             job.put("done", done)
         except RequestError as e:
