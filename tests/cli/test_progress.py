@@ -108,6 +108,20 @@ def test_merge_and_export_log_progress(tiny, tmp_path):
     assert len(export) == 1 and export[0].split()[2] == f"{n}/{n}"
 
 
+def test_full_logs_training_and_its_merge_stage(tiny, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", MIXED_RECORDS)
+    out = tmp_path / "full.gguf"
+    stdout, lines = run_cli(
+        tmp_path, "full", "--model-path", tiny, "--data", data, "--output", out, "--max-steps", 2, "--targets", "qv",
+        "--galore-rank", 2, "--requant", "auto", "--compute-dtype", "fp32", "--progress-interval", 0,
+    )  # fmt: skip
+    assert stdout == f"{out}\n"
+    assert [TRAIN_LINE.match(line)[1] for line in lines if line.startswith("train:")] == ["1", "2"]
+    merge = [line for line in lines if line.startswith("merge: tensor ")]
+    assert [line.split()[2] for line in merge] == ["1/4", "2/4", "3/4", "4/4"]
+    assert lines.index(merge[-1]) > max(i for i, line in enumerate(lines) if line.startswith("trained 2 steps"))
+
+
 def test_lines_follow_the_interval():
     now = [0.0]
     out = io.StringIO()
