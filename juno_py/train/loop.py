@@ -307,6 +307,7 @@ def train(
             if epoch_done:
                 run.epoch, run.batch = run.epoch + 1, 0
             run.seconds = time.perf_counter() - started
+            step_seconds = time.perf_counter() - t_step
             recorder.emit(
                 "train_step",
                 step=run.step,
@@ -318,8 +319,8 @@ def train(
                 clipped=clipped,
                 lr_a=lrs.get("A", lrs.get("weights", 0.0)),
                 lr_b=lrs.get("B", 0.0),
-                step_ms=1e3 * (time.perf_counter() - t_step),
-                tokens_per_s=n_tok / max(time.perf_counter() - t_step, 1e-9),
+                step_ms=1e3 * step_seconds,
+                tokens_per_s=n_tok / max(step_seconds, 1e-9),
                 **times,
             )
             bar.update(1, f"loss {loss:.4f} | {_session_rate(run, resumed_at):.0f} tokens/s")
