@@ -83,7 +83,7 @@ def reference(files):
         model = models[key]
         tok = model.tokenizer
         ids = tok.apply_chat_template(messages) if messages is not None else tok.encode(prompt)
-        out = generate(model, ids, max_tokens, temperature, None, 1.0, seed, tok.eog_ids)
+        out = generate(model, ids, max_tokens, temperature=temperature, top_p=1.0, seed=seed, stop_ids=tok.eog_ids)
         decoder = tok.stream()
         return "".join(decoder.push(t) for t in out) + decoder.flush(), len(ids), len(out)
 
