@@ -30,12 +30,17 @@ from tests.merge.helpers import make_adapter
 
 # qwen2's tiny model has an untied output, so its replies vary with the prompt (a tied one repeats its last token)
 ARCH = "qwen2"
+# the file's own template, unlike the architecture's built-in one, and refusing a conversation that opens with a tool
+TEMPLATE = (
+    "{% if messages[0]['role'] == 'tool' %}{{ raise_exception('a conversation cannot open with a tool') }}{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}<|im_start|>assistant:"
+)
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("serve")
-    base = write_tiny_gguf(folder / "tiny.gguf", ARCH, seed=3)
+    base = write_tiny_gguf(folder / "tiny.gguf", ARCH, seed=3, metadata={"tokenizer.chat_template": TEMPLATE})
     return {
         "base": base,
         "a": make_adapter(base, folder / "a.bin", rank=4, b_std=0.2, seed=1),
@@ -114,7 +119,7 @@ def test_models_lists_base_and_adapters(client):
         ("a+b:0.5", (("a", 1.0), ("b", 0.5))),
     ],  # fmt: skip
 )
-def test_chat_reply_is_the_models_with_the_selected_adapters(client, reference, model, adapters):
+def test_chat_reply_is_the_models_with_the_selected_adapters(client, reference, files, model, adapters):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi there"}]
     r = client.chat.completions.create(
         model=model, messages=messages, max_tokens=12, seed=5, temperature=1.0, top_p=1.0
@@ -125,6 +130,10 @@ def test_chat_reply_is_the_models_with_the_selected_adapters(client, reference, 
     assert r.choices[0].finish_reason == ("length" if n_out == 12 else "stop")
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_prompt, n_out)
     assert r.usage.total_tokens == n_prompt + n_out
+    # the prompt is the file's template, rendered here by hand
+    tok = load_model(files["base"]).tokenizer
+    by_hand = "<|im_start|>system: Be brief.\n<|im_start|>user: hi there\n<|im_start|>assistant:"
+    assert n_prompt == len(tok.encode(by_hand, add_special=False, parse_special=True))
 
 
 def test_adapters_change_the_reply(client):
@@ -215,6 +224,8 @@ def test_bad_requests_get_openai_errors(client, server):
     assert e.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as e:
         ask(client, "d+a", "hi", stream=True)  # a streamed request fails the same way, before any event
+    with pytest.raises(openai.BadRequestError, match="a conversation cannot open with a tool"):
+        client.chat.completions.create(model="base", messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}])
     status, body = post(server, "/v1/chat/completions", b'{"model": "base", "messages": [')
     assert status == 400 and body["error"]["type"] == "invalid_request_error" and "JSON" in body["error"]["message"]
     for value in (b"Infinity", b"NaN"):  # the client refuses to send them; Python's JSON reads them
