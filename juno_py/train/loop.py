@@ -323,7 +323,7 @@ def train(
                 tokens_per_s=n_tok / max(step_seconds, 1e-9),
                 **times,
             )
-            bar.update(1, f"loss {loss:.4f} | {_session_rate(run, resumed_at):.0f} tokens/s")
+            bar.update(1, f"loss {loss:.4f} | {_rate_since_start(run, resumed_at):.0f} tokens/s")
 
             # --- validation and stop rules
             due = run.step % cfg.validation_every == 0 if cfg.validation_every else epoch_done
@@ -393,7 +393,7 @@ def _keep_last_good(checkpoint: Callable[[str], None], params, cfg: TrainConfig,
     return f"the weights are not finite; the last checkpoint {cfg.lora_path} is kept as it was"
 
 
-def _session_rate(run: RunState, resumed_at: tuple[int, float]) -> float:
+def _rate_since_start(run: RunState, resumed_at: tuple[int, float]) -> float:
     """Tokens per second since this process started training (a resumed run's earlier time is not counted)."""
     tokens, seconds = resumed_at
     return (run.tokens - tokens) / max(run.seconds - seconds, 1e-9)
