@@ -143,3 +143,23 @@ def load_training_data(o: dict, model) -> tuple[list, list]:
     if not train_set:
         raise click.UsageError("no training sequences left (all records dropped by --max-seq-len?)")
     return train_set, val_set
+
+
+def report_sinks(o: dict, output: Path) -> list:
+    """The metrics sinks --report-to asks for (TensorBoard under --report-dir, default runs/<output name>)."""
+    if o["report_to"] != "tensorboard":
+        return []
+    from juno_py.metrics.tensorboard import TensorBoardSink
+
+    name = output.name[: -len(".bin")] if output.name.endswith(".bin") else output.stem
+    return [TensorBoardSink(Path(o["report_dir"]) if o["report_dir"] else Path("runs") / name)]
+
+
+def say_metrics_files(o: dict, sinks: list) -> None:
+    """Name the files the run's metrics went to, and how to look at them."""
+    if o["events_out"]:
+        say(f"metrics: every event in {o['events_out']} (draw the curves: juno-py plot {o['events_out']} -o loss.png)")
+    else:
+        say("metrics: not kept; --events-out metrics.jsonl keeps every step (juno-py plot draws it)")
+    for sink in sinks:
+        say(f"tensorboard: {sink.log_dir} (view: tensorboard --logdir {sink.log_dir})")

@@ -8,7 +8,8 @@ import click
 import torch
 
 from juno_py.cli.common import one_line_errors
-from juno_py.cli.options import model_options, open_model
+from juno_py.cli.options import model_options
+from juno_py.playback import open_model
 
 
 @click.command("eval")

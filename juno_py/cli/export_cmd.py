@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from juno_py.cli.common import one_line_errors, warnings_to_stderr
+from juno_py.cli.options import progress_options
 from juno_py.store import DEFAULT_MODEL
 
 FORMATS = ("peft", "gguf-lora")
@@ -41,17 +42,20 @@ FORMATS = ("peft", "gguf-lora")
     show_default=True,
     help="Tensor type of a GGUF-LoRA export.",
 )
+@progress_options
 @one_line_errors
-def export(fmt, model_path, lora_path, output, dtype) -> None:
+def export(fmt, model_path, lora_path, output, dtype, progress, progress_interval) -> None:
     """Export an adapter for PEFT or llama.cpp. Prints the output path."""
     from juno_py.exchange import export_gguf_lora, export_peft
 
     stem = Path(lora_path).stem
     with warnings_to_stderr():
         if fmt == "peft":
-            out = export_peft(model_path, lora_path, Path(output or f"{stem}-peft"))
+            out = export_peft(model_path, lora_path, Path(output or f"{stem}-peft"), progress, progress_interval)
         else:
-            out = export_gguf_lora(model_path, lora_path, Path(output or f"{stem}.lora.gguf"), dtype=dtype)
+            out = export_gguf_lora(
+                model_path, lora_path, Path(output or f"{stem}.lora.gguf"), dtype, progress, progress_interval
+            )
     click.echo(str(out))
 
 

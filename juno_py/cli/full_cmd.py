@@ -18,7 +18,9 @@ from juno_py.cli.common import (
     load_training_model,
     lora_targets_option,
     one_line_errors,
+    report_sinks,
     say,
+    say_metrics_files,
     warnings_to_stderr,
 )
 from juno_py.cli.options import training_options
@@ -60,6 +62,9 @@ SHARED_OPTIONS = (
     "metrics_out",
     "events_out",
     "progress",
+    "progress_interval",
+    "report_to",
+    "report_dir",
 )
 # full's option name -> the name of the same option on `juno-py lora` (and of the deprecated alias here)
 RENAMED = {
@@ -250,7 +255,8 @@ def full(**o) -> None:
         alpha=galore_cfg.scale if galore else 1.0,
         targets=",".join(targets),
     )
-    recorder = MetricsRecorder(identity, o["events_out"])
+    sinks = report_sinks(o, output)
+    recorder = MetricsRecorder(identity, o["events_out"], sinks)
     optimizer = build_dense_optimizer(o["optimizer"], dense, lr, o["weight_decay"], galore_cfg, o["seed"], recorder)
     what = (
         f"GaLore r={galore_cfg.rank} T={galore_cfg.update_gap} α={galore_cfg.scale} {galore_cfg.svd} SVD, "
@@ -280,8 +286,10 @@ def full(**o) -> None:
                 progress=o["progress"],
                 log=say,
                 optimizer=optimizer,
+                progress_interval=o["progress_interval"],
             )
         say(result.summary())
+        say_metrics_files(o, sinks)
         if galore:
             for line in optimizer.summary_lines():
                 say(line)
@@ -289,7 +297,16 @@ def full(**o) -> None:
             say(f"saved; continue with the same command and --resume (state: {output}.state); no GGUF written")
             return
         with warnings_to_stderr():
-            report = merge_trained(dense, model_file, output, o["requant"], o["min_retention"], recorder)
+            report = merge_trained(
+                dense,
+                model_file,
+                output,
+                o["requant"],
+                o["min_retention"],
+                recorder,
+                progress=o["progress"],
+                progress_interval=o["progress_interval"],
+            )
     except KeyboardInterrupt:
         say(f"juno-py: stopped without saving; the last checkpoint ({output}.state, if any) is kept")
         sys.exit(130)

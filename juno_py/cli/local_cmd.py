@@ -3,45 +3,26 @@
 from __future__ import annotations
 
 import sys
-import time
 
 import click
 
 from juno_py.cli.common import FiniteFloatRange, one_line_errors
-from juno_py.cli.options import model_options, open_model
+from juno_py.cli.options import model_options
+from juno_py.playback import open_model
 
 
 def _reply(model, messages, max_tokens, temperature, top_k, top_p, seed, stream_out) -> tuple[str, int, float]:
-    from juno_py.models.generate import generate
+    from juno_py.playback import Sampling, complete
 
-    tok = model.tokenizer
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True)
-    decoder = tok.stream()
-    t0 = time.perf_counter()
+    def write(text: str) -> None:
+        stream_out.write(text)
+        stream_out.flush()
 
-    def on_token(token: int) -> None:
-        text = decoder.push(token)
-        if text:
-            stream_out.write(text)
-            stream_out.flush()
-
-    out = generate(
-        model,
-        ids,
-        max_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        stop_ids=tok.eog_ids,
-        on_token=on_token,
-    )
-    tail = decoder.flush()
-    if tail:
-        stream_out.write(tail)
+    ids = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    done = complete(model, ids, Sampling(max_tokens, temperature, top_k, top_p, seed), on_text=write)
     stream_out.write("\n")
     stream_out.flush()
-    return tok.decode(out), len(out), time.perf_counter() - t0
+    return model.tokenizer.decode(done.token_ids), done.completion_tokens, done.seconds
 
 
 @click.command()

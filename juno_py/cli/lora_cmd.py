@@ -7,7 +7,16 @@ from pathlib import Path
 
 import click
 
-from juno_py.cli.common import StopFlag, load_training_data, load_training_model, one_line_errors, say, set_quiet
+from juno_py.cli.common import (
+    StopFlag,
+    load_training_data,
+    load_training_model,
+    one_line_errors,
+    report_sinks,
+    say,
+    say_metrics_files,
+    set_quiet,
+)
 from juno_py.cli.options import training_options
 
 
@@ -51,8 +60,9 @@ def lora(**o) -> None:
         f"{adapters.n_parameters():,} trainable parameters"
     )
 
+    sinks = report_sinks(o, lora_path) if world.is_main else []
     recorder = MetricsRecorder(
-        run_identity(model, config, targets, o["device"]), o["events_out"] if world.is_main else None
+        run_identity(model, config, targets, o["device"]), o["events_out"] if world.is_main else None, sinks
     )
     cfg = train_config_from_options(o, pad_id=model.tokenizer.pad_id or 0, lora_path=lora_path)
     try:
@@ -68,6 +78,7 @@ def lora(**o) -> None:
                 stop_requested=stop,
                 progress=o["progress"],
                 log=say,
+                progress_interval=o["progress_interval"],
             )
     except KeyboardInterrupt:
         say(f"juno-py: stopped without saving; the last checkpoint ({lora_path}, if any) is kept")
@@ -77,6 +88,7 @@ def lora(**o) -> None:
             recorder.write_summary(o["metrics_out"])
         recorder.close()
     say(result.summary())
+    say_metrics_files(o, sinks)
     if result.stop_reason == "interrupted":
         say(f"saved; continue with the same command and --resume (state: {lora_path}.state)")
     if world.is_main:

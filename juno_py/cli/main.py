@@ -40,6 +40,16 @@ COMMANDS = {
         "merge",
         "Merge an adapter into the base model and write a GGUF that llama.cpp runs. Prints its path.",
     ),
+    "plot": (
+        "plot_cmd",
+        "plot",
+        "Draw training and validation loss, learning rate and tokens/s against steps from a --events-out file.",
+    ),
+    "serve": (
+        "serve_cmd",
+        "serve",
+        "Serve the model and adapters over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions).",
+    ),
     "models": (
         "models_cmd",
         "models",

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from juno_py.cli.common import FiniteFloatRange, one_line_errors, warnings_to_stderr
+from juno_py.cli.options import progress_options
 from juno_py.store import DEFAULT_MODEL
 
 
@@ -73,6 +74,7 @@ def default_output(lora_path: str) -> Path:
     default=None,
     help="Append the merge metrics event as one JSON line.",
 )
+@progress_options
 @one_line_errors
 def merge(
     model_path,
@@ -86,6 +88,8 @@ def merge(
     force,
     metrics_out,
     events_out,
+    progress,
+    progress_interval,
 ) -> None:
     """Merge an adapter into the base model and write a GGUF that llama.cpp runs. Prints its path."""
     from juno_py.merge import merge_model
@@ -105,6 +109,8 @@ def merge(
                 eval_data=list(eval_data),
                 eval_max_seq_len=eval_max_seq_len,
                 recorder=recorder,
+                progress=progress,
+                progress_interval=progress_interval,
             )
     finally:
         if recorder is not None:

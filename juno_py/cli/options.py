@@ -10,18 +10,14 @@ from juno_py.cli.common import FiniteFloatRange, lora_targets_option
 from juno_py.store import DEFAULT_MODEL
 
 
-def model_options(fn):
+def base_model_options(fn):
+    """The model and how it is kept: --model-path, --force, --weights-cache, --compute-dtype, --device."""
+
     @click.option(
         "--model-path",
         default=DEFAULT_MODEL,
         show_default=True,
         help="A .gguf file or a model-store name (pulled on first use).",
-    )
-    @click.option(
-        "--lora-play",
-        "lora_play",
-        default=None,
-        help="Adapters to play: A[:scale][,B[:scale]] (LoRAs add up; a DoRA adapter plays alone at 1).",
     )
     @click.option("--force", is_flag=True, help="Load a DoRA adapter whose base fingerprint differs.")
     @click.option(
@@ -46,6 +42,23 @@ def model_options(fn):
         default="cpu",
         show_default=True,
         help="Torch device; on cuda the weights stay quantized on the GPU (Triton decodes them).",
+    )
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def model_options(fn):
+    """base_model_options and --lora-play (the adapters played on every reply)."""
+
+    @base_model_options
+    @click.option(
+        "--lora-play",
+        "lora_play",
+        default=None,
+        help="Adapters to play: A[:scale][,B[:scale]] (LoRAs add up; a DoRA adapter plays alone at 1).",
     )
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -345,7 +358,21 @@ def training_options(fn):
         default=None,
         help="Append every metrics event as one JSON line.",
     )
-    @click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: on a terminal).")
+    @click.option(
+        "--report-to",
+        type=click.Choice(["none", "tensorboard"]),
+        default="none",
+        show_default=True,
+        help="Also write training and validation loss, learning rate and tokens/s as TensorBoard scalars "
+        "(needs the tensorboard extra).",
+    )
+    @click.option(
+        "--report-dir",
+        type=click.Path(file_okay=False),
+        default=None,
+        help="Folder of the TensorBoard event files (default: runs/<adapter or output name>).",
+    )
+    @progress_options
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         return fn(*args, **kwargs)
@@ -353,34 +380,24 @@ def training_options(fn):
     return wrapper
 
 
-def auto_weights_cache(model_path) -> str:
-    """'fp32' when a dequantized fp32 copy of the model takes under a quarter of the available memory, else
-    'none' (stream from the quantized bytes): decoding one token at a time is bound by dequantization."""
-    import os
+def progress_options(fn):
+    """--progress/--no-progress and --progress-interval: a bar on a terminal, else a line every N seconds."""
 
-    from juno_py.gguf import GGUFFile
-    from juno_py.store import resolve_model
+    @click.option(
+        "--progress/--no-progress",
+        default=None,
+        help="Progress on stderr (default: a bar on a terminal, else one line every --progress-interval "
+        "seconds and at the end); --progress forces the bar, --no-progress shows none.",
+    )
+    @click.option(
+        "--progress-interval",
+        default=10.0,
+        show_default=True,
+        type=FiniteFloatRange(0),
+        help="Seconds between two progress lines when stderr is not a terminal (0: every step).",
+    )
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
 
-    with GGUFFile(resolve_model(model_path)) as f:
-        fp32_bytes = 4 * sum(t.n_elements for t in f.tensors.values())
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return "none"
-    return "fp32" if fp32_bytes < available // 4 else "none"
-
-
-def open_model(model_path, lora_play=None, force=False, weights_cache="auto", compute_dtype="fp32", device="cpu"):
-    from juno_py.lora import load_adapters
-    from juno_py.models import load_model
-
-    on_gpu = str(device).startswith("cuda")
-    if compute_dtype == "auto":
-        compute_dtype = "bf16" if on_gpu else "fp32"
-    if weights_cache == "auto":
-        # on a GPU the weights stay quantized: the fused dequantize-matvec kernel decodes one token from the bytes
-        weights_cache = "none" if on_gpu else auto_weights_cache(model_path)
-    model = load_model(model_path, device=device, weights_cache=weights_cache, compute_dtype=compute_dtype)
-    if lora_play:
-        load_adapters(model, [s for s in lora_play.split(",") if s.strip()], force=force)
-    return model
+    return wrapper

@@ -37,6 +37,7 @@ from juno_py.gguf import GGMLType, GGUFFile, GGUFWriter, ValueType
 from juno_py.gguf.quants import dequantize, quantize
 from juno_py.lora.format import AdapterEntry, Init, Mode, Scaling, read_adapter
 from juno_py.merge.targets import MergeError, ModelTargets, entries_by_tensor
+from juno_py.progress import DEFAULT_INTERVAL, Progress
 
 RECORD_KEY = "juno_py.adapter_parts"
 ALPHA_KEY = "adapter.lora.alpha"
@@ -59,8 +60,16 @@ def llama_cpp_scale(alpha: float, rank: int, user_scale: float = 1.0) -> float:
     return float(u * a / r) if a else float(u)
 
 
-def export_gguf_lora(base, adapter, output, dtype: str = "f32") -> Path:
-    """Write llama.cpp's adapter GGUF for `adapter` (adapter.bin) on `base`; returns the output path."""
+def export_gguf_lora(
+    base,
+    adapter,
+    output,
+    dtype: str = "f32",
+    progress: Optional[bool] = False,
+    progress_interval: float = DEFAULT_INTERVAL,
+) -> Path:
+    """Write llama.cpp's adapter GGUF for `adapter` (adapter.bin) on `base`; returns the output path.
+    `progress`: over the adapted tensors on stderr (`juno_py.progress`)."""
     from juno_py.merge.merge import check_output_path
     from juno_py.store import resolve_model
 
@@ -100,6 +109,7 @@ def export_gguf_lora(base, adapter, output, dtype: str = "f32") -> Path:
             w.add_field("adapter.type", "lora", ValueType.STRING)
             w.add_field(ALPHA_KEY, float(alpha), ValueType.FLOAT32)
             records = {}
+            bar = Progress(len(pairs), "export", "tensor", enabled=progress, interval=progress_interval)
             for tensor, n_rows, parts, _ in pairs:
                 factors = [None if alpha else p.entry.scale for p in parts]
                 A, B, cols = stack_parts(parts, n_rows, factors)
@@ -112,6 +122,8 @@ def export_gguf_lora(base, adapter, output, dtype: str = "f32") -> Path:
                         )
                     w.add_tensor(f"{tensor}.{suffix}", raw, qtype, x.shape)
                 records[tensor] = part_records(parts, cols, factors)
+                bar.update(1, tensor)
+            bar.close()
             w.add_field(RECORD_KEY, dump_record(records), ValueType.STRING)
     return output
 

@@ -34,6 +34,7 @@ from juno_py.gguf import GGUFFile
 from juno_py.lora.format import AdapterEntry, Init, Mode, Scaling, read_adapter
 from juno_py.merge.targets import MergeError, ModelTargets
 from juno_py.models.layout import MOE_TARGETS, TARGETS
+from juno_py.progress import DEFAULT_INTERVAL, Progress
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -105,8 +106,11 @@ def _base_row_norms(gguf, targets: ModelTargets, layer: int, target: str) -> np.
     return torch.linalg.vector_norm(w, dim=1).numpy()
 
 
-def export_peft(base, adapter, output) -> Path:
-    """Write `output/adapter_config.json` and `output/adapter_model.safetensors`; returns the folder."""
+def export_peft(
+    base, adapter, output, progress: Optional[bool] = False, progress_interval: float = DEFAULT_INTERVAL
+) -> Path:
+    """Write `output/adapter_config.json` and `output/adapter_model.safetensors`; returns the folder.
+    `progress`: over the adapted modules on stderr (`juno_py.progress`)."""
     from safetensors.numpy import save
 
     from juno_py.store import resolve_model
@@ -143,6 +147,7 @@ def export_peft(base, adapter, output) -> Path:
             )
         targets.warn_mismatches()
         tensors, ranks, alphas, records = {}, {}, {}, {}
+        bar = Progress(len(groups), "export", "module", enabled=progress, interval=progress_interval)
         for name, parts in groups.items():
             parts.sort(key=lambda p: p.rows)
             layer = parts[0].entry.layer
@@ -167,6 +172,8 @@ def export_peft(base, adapter, output) -> Path:
                 tensors[f"{PREFIX}{name}.lora_magnitude_vector"] = mag
             ranks[name], alphas[name] = rank, alpha
             records[name] = part_records(parts, cols, factors)
+            bar.update(1, name)
+        bar.close()
     r = Counter(ranks.values()).most_common(1)[0][0] if ranks else 8
     alpha = Counter(alphas.values()).most_common(1)[0][0] if alphas else 8.0
     short = {name.split(".", 3)[3] for name in groups}

@@ -20,6 +20,7 @@ from juno_py.merge.report import MergeReport, TensorReport
 from juno_py.merge.requant import choose_encoding, extreme_code_count, parse_requant
 from juno_py.merge.targets import AdapterSource, DenseDelta, MergeError, ModelTargets, plan_patches, read_sources
 from juno_py.metrics import peak_rss_bytes
+from juno_py.progress import DEFAULT_INTERVAL, Progress
 from juno_py.store import _sha256 as sha256_file
 
 if TYPE_CHECKING:
@@ -87,13 +88,16 @@ def merge_model(
     eval_max_seq_len: int = 512,
     recorder=None,
     log: Optional[Callable[[str], None]] = None,
+    progress: Optional[bool] = False,
+    progress_interval: float = DEFAULT_INTERVAL,
 ) -> MergeReport:
     """Merge adapter files ('a.bin', 'a.bin:0.5') and/or dense deltas (tensor name or '<layer>:<target>' →
     array, or a callable returning it) into `base`, writing `output`.
 
     requant: 'source' (each tensor keeps its type; only changed blocks are re-encoded), 'auto' (per tensor the
     smallest type from its own upward whose retention meets `min_retention`), or a type (name or GGMLType).
-    eval_data: data files to measure the merged model's perplexity and its KL divergence from playback."""
+    eval_data: data files to measure the merged model's perplexity and its KL divergence from playback.
+    progress: over the patched tensors on stderr (`juno_py.progress`: None picks a bar or lines by the stream)."""
     from juno_py.store import resolve_model
 
     started = time.time()
@@ -121,7 +125,8 @@ def merge_model(
             min_retention if policy == "auto" else None,
             file_bytes_base=base_path.stat().st_size,
         )
-        with GGUFWriter(output, alignment=gguf.alignment, version=gguf.version) as writer:
+        bar = Progress(len(plan), "merge", "tensor", enabled=progress, interval=progress_interval)
+        with bar, GGUFWriter(output, alignment=gguf.alignment, version=gguf.version) as writer:
             writer.copy_fields(gguf, skip=(PROVENANCE_KEY,) + SPLIT_KEYS)
             writer.add_field(
                 PROVENANCE_KEY, _provenance(base_path, sources, deltas, policy, min_retention), ValueType.STRING
@@ -171,6 +176,7 @@ def merge_model(
                 )
                 why = f" ({choice.reason})" if choice.substituted else ""
                 say(f"{name}: {info.type_name} -> {enc.ggml_type.name}, retention {enc.retention:.4f}{why}")
+                bar.update(1, f"{name} {info.type_name} -> {enc.ggml_type.name}")
             writer.finish()
     report.file_bytes_output = output.stat().st_size
     if eval_data:
@@ -196,9 +202,19 @@ def merge_trained(
     min_retention: float = 0.9,
     recorder=None,
     log: Optional[Callable[[str], None]] = None,
+    progress: Optional[bool] = False,
+    progress_interval: float = DEFAULT_INTERVAL,
 ) -> MergeReport:
     """Write `output`: the base GGUF with every trained target of `targets` (`juno-py full`'s dense weights)
     replaced, through the dense-delta path (ΔW = W_trained − W_base, each tensor encoded under `requant`)."""
     return merge_model(
-        base, output, deltas=targets.deltas(), requant=requant, min_retention=min_retention, recorder=recorder, log=log
+        base,
+        output,
+        deltas=targets.deltas(),
+        requant=requant,
+        min_retention=min_retention,
+        recorder=recorder,
+        log=log,
+        progress=progress,
+        progress_interval=progress_interval,
     )

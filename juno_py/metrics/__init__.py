@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from juno_py.atomic import atomic_output
 
@@ -67,10 +67,16 @@ def _p95(values: list[float]) -> float:
 
 
 class MetricsRecorder:
-    def __init__(self, identity: Optional[Identity] = None, events_out: Optional[Path] = None):
+    """Keeps every event and its numeric series; `events_out` appends each as a JSON line; each of `sinks` (a
+    callable `(kind, values)`, with `close()` if it has one) sees each event too (`--report-to tensorboard`)."""
+
+    def __init__(
+        self, identity: Optional[Identity] = None, events_out: Optional[Path] = None, sinks: Sequence[Any] = ()
+    ):
         self.identity = identity or Identity()
         self.series: dict[str, list[float]] = {}
         self.events: list[Event] = []
+        self.sinks = list(sinks)
         self._events_file = open(events_out, "a", encoding="utf-8") if events_out else None
 
     def emit(self, kind: str, **values: Any) -> Event:
@@ -85,6 +91,8 @@ class MetricsRecorder:
             record = {"kind": kind, "time": ev.time, **self.identity.__dict__, **values}
             self._events_file.write(json.dumps(record, default=str) + "\n")
             self._events_file.flush()
+        for sink in self.sinks:
+            sink(kind, values)
         return ev
 
     def summary(self) -> dict[str, Any]:
@@ -108,6 +116,10 @@ class MetricsRecorder:
         if self._events_file is not None:
             self._events_file.close()
             self._events_file = None
+        for sink in self.sinks:
+            if hasattr(sink, "close"):
+                sink.close()
+        self.sinks = []
 
 
 # ------------------------------------------------------------------------------------------------ memory

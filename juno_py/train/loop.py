@@ -22,7 +22,8 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from juno_py.metrics import Identity, MetricsRecorder, format_bytes, peak_rss_bytes, rss_bytes
+from juno_py.metrics import Identity, MetricsRecorder, format_bytes, peak_rss_bytes
+from juno_py.progress import DEFAULT_INTERVAL, Progress
 from juno_py.train import distributed
 from juno_py.train.cuda_graph import GraphedSteps, graph_blocker, resolve_graphs
 from juno_py.train.data import Example, plan_epoch
@@ -130,11 +131,14 @@ def train(
     progress: Optional[bool] = None,
     log: Optional[Callable[[str], None]] = None,
     optimizer: Union[TrainOptimizer, torch.optim.Optimizer, None] = None,
+    progress_interval: float = DEFAULT_INTERVAL,
 ) -> TrainResult:
     """Train `trainable` (set up on `model`) on `train_set`; see TrainConfig for every knob.
 
-    `stop_requested()` is asked after each step (Ctrl-C sets it): the run saves and returns. `progress`: a tqdm
-    bar on stderr (None: when stderr is a terminal). `log` receives one-line messages (default: stderr).
+    `stop_requested()` is asked after each step (Ctrl-C sets it): the run saves and returns. `progress`: None
+    shows a tqdm bar on stderr when it is a terminal, else one line (step, loss, tokens/s, ETA, memory) every
+    `progress_interval` seconds and at the end; True: the bar; False: nothing. `log` receives one-line messages
+    (default: stderr).
     `trainable`: the adapters attached to the model or dense weights for full training
     (`juno_py.train.dense.densify`). `optimizer`: default AdamW over the trainable's groups; a `TrainOptimizer` may
     report the step's norm itself (GaLore's per-layer mode updates during backward and frees gradients); a torch
@@ -239,8 +243,9 @@ def train(
     if resolve_graphs(cfg.cuda_graphs, graph_blocker(model, cfg, net, optimizer, trainable)):
         graphs = GraphedSteps(model, trainable, functools.partial(model_loss, model), log=say)
     step_fn = functools.partial(forward_backward, graphs=graphs)
-    bar = _progress_bar(total_steps, run.step, progress if world.is_main else False)
+    bar = Progress(total_steps, "train", "step", run.step, progress if world.is_main else False, progress_interval)
     started = time.perf_counter() - run.seconds
+    resumed_at = (run.tokens, run.seconds)
     stop_reason = None
     batches, batches_epoch = [], None
     try:
@@ -249,6 +254,7 @@ def train(
                 stop_reason = "max steps" if cfg.max_steps is not None and run.step >= cfg.max_steps else "epochs"
                 break
             # --- the group of micro-batches of this step
+            t_step = time.perf_counter()
             if batches_epoch != run.epoch:
                 batches, batches_epoch = plan(run.epoch), run.epoch
             step_batches = batches[run.batch : run.batch + cfg.accumulation]
@@ -304,6 +310,7 @@ def train(
             if epoch_done:
                 run.epoch, run.batch = run.epoch + 1, 0
             run.seconds = time.perf_counter() - started
+            step_seconds = time.perf_counter() - t_step
             recorder.emit(
                 "train_step",
                 step=run.step,
@@ -315,6 +322,8 @@ def train(
                 clipped=clipped,
                 lr_a=lrs.get("A", lrs.get("weights", 0.0)),
                 lr_b=lrs.get("B", 0.0),
+                step_ms=1e3 * step_seconds,
+                tokens_per_s=n_tok / max(step_seconds, 1e-9),
                 **times,
             )
             if moe_load is not None:
@@ -323,13 +332,7 @@ def train(
                 load = load_summary(moe_load(reset=True))
                 if load:
                     recorder.emit("expert_load", step=run.step, **load)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix_str(
-                    f"loss {loss:.4f} | {run.tokens / max(run.seconds, 1e-9):.0f} tok/s | "
-                    f"RSS {format_bytes(rss_bytes())}",
-                    refresh=False,
-                )
+            bar.update(1, f"loss {loss:.4f} | {_rate_since_start(run, resumed_at):.0f} tokens/s")
 
             # --- validation and stop rules
             due = run.step % cfg.validation_every == 0 if cfg.validation_every else epoch_done
@@ -355,9 +358,10 @@ def train(
             stop_reason = distributed.agree_stop(stop_reason, world)
             if stop_reason is None and cfg.save_every and run.step % cfg.save_every == 0:
                 checkpoint("save-every")
-    finally:
-        if bar is not None:
-            bar.close()
+    except BaseException:
+        bar.close(aborted=True)
+        raise
+    bar.close()
 
     # the end: validate the final weights if not yet done, keep the best ones, save
     if stop_reason != "interrupted" and val_set and run.last_val_step != run.step and run.step > 0:
@@ -398,13 +402,10 @@ def _keep_last_good(checkpoint: Callable[[str], None], params, cfg: TrainConfig,
     return f"the weights are not finite; the last checkpoint {cfg.lora_path} is kept as it was"
 
 
-def _progress_bar(total: int, initial: int, progress: Optional[bool]):
-    from tqdm import tqdm
-
-    disable = None if progress is None else not progress  # None: only on a terminal
-    return tqdm(
-        total=total, initial=initial, file=sys.stderr, disable=disable, unit="step", dynamic_ncols=True, desc="train"
-    )
+def _rate_since_start(run: RunState, resumed_at: tuple[int, float]) -> float:
+    """Tokens per second since this process started training (a resumed run's earlier time is not counted)."""
+    tokens, seconds = resumed_at
+    return (run.tokens - tokens) / max(run.seconds - seconds, 1e-9)
 
 
 # ------------------------------------------------------------------------------------------- resume state
