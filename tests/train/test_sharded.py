@@ -184,3 +184,27 @@ def test_lora_nproc_2_shard_trains_like_one_process(q8_path, data, tmp_path):
         for field in ("A", "B"):
             diff = rel_diff(torch.from_numpy(getattr(e, field)), torch.from_numpy(getattr(want[e.key], field)))
             assert diff <= REL, f"{e.key}.{field}: {diff:.3g}"
+
+
+def test_full_nproc_2_trains_data_parallel_like_one_process(tmp_path, data):
+    """`juno-py full` joins torchrun (DDP over the dense targets); rank 0 writes the GGUF."""
+    from juno_py.gguf import GGUFFile
+
+    base = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", seed=3)
+    args = ["--model-path", base, "--data", data, "--optimizer", "adamw", "--max-steps", 3, "--batch-size", 3]
+    args += ["--validation-split", 0.2, "--compute-dtype", "fp32", "--no-progress", "--requant", "source"]
+    two, one = tmp_path / "two.gguf", tmp_path / "one.gguf"
+    r = run([sys.executable, "-m", "juno_py", "full", "--nproc", "2", *map(str, args), "--output", str(two)])
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout == f"{two}\n" and r.stderr.count("trained 3 steps") == 1
+    assert "data parallel: 2 processes (gloo)" in r.stderr
+    r1 = CliRunner().invoke(cli, ["full", *map(str, args), "--output", str(one)], catch_exceptions=False)
+    assert r1.exit_code == 0, r1.stderr
+    a, b, b0 = GGUFFile(two), GGUFFile(one), GGUFFile(base)
+    trained = 0
+    for name in b.tensors:
+        got, want, before = (f.dequantize(name).float() for f in (a, b, b0))
+        if not torch.equal(want, before):
+            trained += 1
+            assert rel_diff(got, want) <= REL, name
+    assert trained == 14  # every target of both blocks moved
