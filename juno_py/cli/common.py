@@ -105,15 +105,24 @@ class StopFlag:
         signal.signal(signal.SIGINT, self._previous)
 
 
-def load_training_model(o: dict, model_file):
+def load_training_model(o: dict, model_file, shard: bool = False):
     """The model as the training commands open it (`juno-py lora`, `juno-py full`): compute dtype and weights
-    cache resolved from their options."""
+    cache resolved from their options. `shard`: left on the CPU, memory-mapped, with no weights cache (sharded
+    training moves each rank's part to the device)."""
     from juno_py.models import load_model
     from juno_py.train.setup import resolve_compute_dtype, resolve_weights_cache
 
     compute = resolve_compute_dtype(o["compute_dtype"], o["device"])
-    cache = resolve_weights_cache(o["weights_cache"], model_file, compute, o["device"])
-    model = load_model(model_file, device=o["device"], weights_cache=cache, compute_dtype=compute)
+    if shard:
+        if o["weights_cache"] not in ("auto", "none"):
+            raise click.UsageError(
+                f"--shard with --weights-cache {o['weights_cache']}: a dequantized copy of the whole base cannot "
+                f"be sharded; use --weights-cache none"
+            )
+        cache, device = "none", "cpu"
+    else:
+        cache, device = resolve_weights_cache(o["weights_cache"], model_file, compute, o["device"]), o["device"]
+    model = load_model(model_file, device=device, weights_cache=cache, compute_dtype=compute)
     say(
         f"model: {model_file} ({model.args.architecture}, {model.args.n_layer} layers); compute "
         f"{str(compute).removeprefix('torch.')}, weights cache {cache}"

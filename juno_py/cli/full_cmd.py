@@ -21,6 +21,7 @@ from juno_py.cli.common import (
     report_sinks,
     say,
     say_metrics_files,
+    set_quiet,
     warnings_to_stderr,
 )
 from juno_py.cli.options import training_options
@@ -58,6 +59,7 @@ SHARED_OPTIONS = (
     "weights_cache",
     "device",
     "threads",
+    "nproc",
     "save_every",
     "metrics_out",
     "events_out",
@@ -210,10 +212,15 @@ def full(**o) -> None:
     from juno_py.merge.merge import check_output_path
     from juno_py.metrics import Identity, MetricsRecorder
     from juno_py.store import resolve_model
+    from juno_py.train import distributed
     from juno_py.train.dense import build_dense_optimizer, densify
     from juno_py.train.galore import GaLoreConfig, resolve_update_mode
     from juno_py.train.loop import train
 
+    if o["nproc"]:
+        from juno_py.cli.launch import run_torchrun
+
+        sys.exit(run_torchrun(click.get_current_context(), o["nproc"], o["device"]))
     o = take_deprecated_aliases(o)
     galore = o["optimizer"] == "galore"
     lr = o["lr"] or DEFAULTS["lr"][o["optimizer"]]
@@ -236,9 +243,14 @@ def full(**o) -> None:
         max_matrix_norm=matrix_norm,
     )
     output = Path(o["output"])
+    world = distributed.init_from_env(o["device"])  # a rank of a torchrun job (DDP), or a single process
+    set_quiet(not world.is_main)
+    if world.active:
+        o["device"] = str(world.device)
+        say(f"data parallel: {world.size} processes ({world.backend}); each takes its share of every global batch")
     if o["threads"]:
         torch.set_num_threads(o["threads"])
-    model_file = resolve_model(o["model_path"])
+    model_file = distributed.local_first(world, resolve_model, o["model_path"])  # pulled once per host
     check_output_path(output, [Path(model_file)])
 
     model = load_training_model(o, model_file)
@@ -255,8 +267,8 @@ def full(**o) -> None:
         alpha=galore_cfg.scale if galore else 1.0,
         targets=",".join(targets),
     )
-    sinks = report_sinks(o, output)
-    recorder = MetricsRecorder(identity, o["events_out"], sinks)
+    sinks = report_sinks(o, output) if world.is_main else []
+    recorder = MetricsRecorder(identity, o["events_out"] if world.is_main else None, sinks)
     optimizer = build_dense_optimizer(o["optimizer"], dense, lr, o["weight_decay"], galore_cfg, o["seed"], recorder)
     what = (
         f"GaLore r={galore_cfg.rank} T={galore_cfg.update_gap} α={galore_cfg.scale} {galore_cfg.svd} SVD, "
@@ -295,29 +307,34 @@ def full(**o) -> None:
                 say(line)
         if result.stop_reason == "interrupted":
             say(f"saved; continue with the same command and --resume (state: {output}.state); no GGUF written")
-            return
-        with warnings_to_stderr():
-            report = merge_trained(
-                dense,
-                model_file,
-                output,
-                o["requant"],
-                o["min_retention"],
-                recorder,
-                progress=o["progress"],
-                progress_interval=o["progress_interval"],
-            )
+            return distributed.shutdown()
+        report = None
+        if world.is_main:  # the replicas hold the same weights: rank 0 writes the GGUF, the others wait for it
+            with warnings_to_stderr():
+                report = merge_trained(
+                    dense,
+                    model_file,
+                    output,
+                    o["requant"],
+                    o["min_retention"],
+                    recorder,
+                    progress=o["progress"],
+                    progress_interval=o["progress_interval"],
+                )
+        world.barrier()
     except KeyboardInterrupt:
         say(f"juno-py: stopped without saving; the last checkpoint ({output}.state, if any) is kept")
         sys.exit(130)
     finally:
-        if o["metrics_out"]:
+        if o["metrics_out"] and world.is_main:
             recorder.write_summary(o["metrics_out"])
         recorder.close()
-    click.echo(report.table(), err=True)
-    if o["report_path"]:
-        report.write_json(o["report_path"])
-    click.echo(str(output))
+    if report is not None:
+        click.echo(report.table(), err=True)
+        if o["report_path"]:
+            report.write_json(o["report_path"])
+        click.echo(str(output))
+    distributed.shutdown()
 
 
 def _deprecated(ctx, param, value):

@@ -40,16 +40,20 @@ def lora(**o) -> None:
         sys.exit(run_torchrun(click.get_current_context(), o["nproc"], o["device"]))
     world = distributed.init_from_env(o["device"])  # a rank of a torchrun job, or a single process
     set_quiet(not world.is_main)
+    if o["shard"] and not world.active:
+        raise click.UsageError("--shard splits the model across processes: add --nproc N, or run under torchrun")
     if world.active:
         o["device"] = str(world.device)
         say(f"data parallel: {world.size} processes ({world.backend}); each takes its share of every global batch")
+    if o["shard"]:
+        say("sharded: the quantized base, the adapters and their optimizer state are split across the processes")
     if o["threads"]:
         torch.set_num_threads(o["threads"])
     model_file = distributed.local_first(world, resolve_model, o["model_path"])  # pulled once per host
     lora_path = Path(o["lora_path"]) if o["lora_path"] else default_adapter_path(o["model_path"], model_file)
     if not o["lora_path"]:
         say(f"adapter: {lora_path} (set --lora-path to choose)")
-    model = load_training_model(o, model_file)
+    model = load_training_model(o, model_file, shard=o["shard"])
     train_set, val_set = load_training_data(o, model)
 
     config = adapter_config_from_options(o)
@@ -90,7 +94,8 @@ def lora(**o) -> None:
     say(result.summary())
     say_metrics_files(o, sinks)
     if result.stop_reason == "interrupted":
-        say(f"saved; continue with the same command and --resume (state: {lora_path}.state)")
+        state = f"{lora_path}.state" + (f".rank*-of-{world.size}, one per process" if o["shard"] else "")
+        say(f"saved; continue with the same command and --resume (state: {state})")
     if world.is_main:
         click.echo(str(lora_path))
     distributed.shutdown()
@@ -140,4 +145,5 @@ def train_config_from_options(o: dict, *, pad_id: int, lora_path: Path):
         seed=o["seed"],
         save_every=o["save_every"],
         lora_path=lora_path,
+        shard=o.get("shard", False),
     )

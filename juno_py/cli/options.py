@@ -335,6 +335,13 @@ def training_options(fn):
         "torchrun for you. Same global batch as one process. See docs/distributed.md.",
     )
     @click.option(
+        "--shard",
+        is_flag=True,
+        help="With several processes (--nproc, or under torchrun): split the quantized base, the adapters and "
+        "their optimizer state across them (FSDP2; each block's bytes are gathered, still quantized, just "
+        "before it runs) instead of copying the whole model into each. See docs/distributed.md.",
+    )
+    @click.option(
         "--save-every",
         default=0,
         show_default=True,

@@ -144,13 +144,22 @@ class LoraAdapter(nn.Module):
             self.__dict__["_factors_kept"] = kept
         return kept[1], kept[2]
 
-    def to_entry(self, key: str, fingerprint: Optional[Fingerprint] = None) -> AdapterEntry:
+    def to_entry(
+        self, key: str, fingerprint: Optional[Fingerprint] = None, values: Optional[dict[str, torch.Tensor]] = None
+    ) -> AdapterEntry:
+        """The adapter as an adapter.bin entry; `values`: the whole tensors by parameter name ("lora_A", "lora_B",
+        "magnitude") where the module holds only a shard of them (sharded training gathers them first)."""
         c = self.config
-        mag = self.magnitude.detach().cpu().numpy().copy() if self.magnitude is not None else None
+        got = dict(self.named_parameters(), **(values or {}))
+
+        def array(name: str) -> Any:
+            return got[name].detach().cpu().numpy().copy()
+
+        mag = array("magnitude") if self.magnitude is not None else None
         return AdapterEntry(
             key,
-            self.lora_A.detach().cpu().numpy().copy(),
-            self.lora_B.detach().cpu().numpy().copy(),
+            array("lora_A"),
+            array("lora_B"),
             float(c.alpha),
             c.scaling,
             c.init,
@@ -407,12 +416,18 @@ class AdapterSet(Trainable):
     def n_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def entries(self) -> list[AdapterEntry]:
+    def entries(self, values: Optional[dict[str, torch.Tensor]] = None) -> list[AdapterEntry]:
+        """The adapter.bin entries; `values`: whole tensors by `named_parameters` name, in place of the modules' own
+        (which sharded training holds in parts)."""
         fps = TensorFingerprints(self.model)
-        return [self.adapters[key].to_entry(key, fps.of(ref_tensor(self.model, key))) for key in self.modules]
+        out = []
+        for key in self.modules:
+            own = {n.rsplit(".", 1)[1]: v for n, v in (values or {}).items() if n.rsplit(".", 1)[0] == key}
+            out.append(self.adapters[key].to_entry(key, fps.of(ref_tensor(self.model, key)), own or None))
+        return out
 
-    def save(self, path: Union[str, Path]) -> Path:
-        return write_adapter(path, self.entries())
+    def save(self, path: Union[str, Path], values: Optional[dict[str, torch.Tensor]] = None) -> Path:
+        return write_adapter(path, self.entries(values))
 
     def weights_changed(self) -> None:
         """Drop every cached DoRA norm (and g, and the playback casts of A and B: `AdaptedLinear.weights_changed`):
@@ -448,7 +463,8 @@ class AdapterSet(Trainable):
         dora = self._dora_modules()
         if not dora:
             return None
-        if self.model.embed.device.type != "cpu":
+        if self.model.embed.device.type != "cpu" or getattr(self.model, "sharded", False):
+            # sharded: the blocks' weights are whole only inside their forward, which computes the norms
             return StepNote("norm_refresh", {"modules": len(dora), "ms": 0.0, "in_step": True})
         t0 = time.perf_counter()
         with torch.no_grad():

@@ -216,6 +216,12 @@ class QuantEmbedding(nn.Module):
         return out.to(self.device)
 
 
+@contextlib.contextmanager
+def _nested(outer, inner):
+    with outer, inner:
+        yield
+
+
 class Block(nn.Module):
     """One decoder block. `linears` holds the frozen linear of every logical target (`wq` ... `wdown`), looked up
     at each call so that an adapter can wrap one by replacing its entry. A mixture-of-experts block has `moe`
@@ -487,9 +493,12 @@ class Transformer(nn.Module):
 
     def output_decoded(self):
         """Context for the chunked loss: a quantized output projection on the GPU is decoded once for all chunks
-        (`FrozenQuantLinear.decoded`) instead of twice per chunk; anything else is left as it is."""
+        (`FrozenQuantLinear.decoded`) instead of twice per chunk; anything else is left as it is. A sharded model
+        (`juno_py.train.sharded`) first gathers the projection's bytes here (`output_hold`)."""
         out = self.output
-        return out.decoded() if isinstance(out, FrozenQuantLinear) else contextlib.nullcontext()
+        inner = out.decoded() if isinstance(out, FrozenQuantLinear) else contextlib.nullcontext()
+        hold = getattr(self, "output_hold", None)
+        return inner if hold is None else _nested(hold(), inner)
 
     def logits(self, token_ids) -> Tensor:
         """`[T, vocab]` fp32 logits for a sequence of token ids (`[B, T, vocab]` for a `[B, T]` batch)."""

@@ -268,29 +268,46 @@ class StepShare:
     """One rank's part of one optimizer step: its batches, and the global supervised and real token counts."""
 
     def __init__(
-        self, step_batches: Sequence[Sequence], batch_size: int, pad_id: int, world: World, seed: int = 0, step: int = 0
+        self,
+        step_batches: Sequence[Sequence],
+        batch_size: int,
+        pad_id: int,
+        world: World,
+        seed: int = 0,
+        step: int = 0,
+        sharded: bool = False,
     ):
-        self.world, self.seed, self.step = world, seed, step
+        self.world, self.seed, self.step, self.sharded = world, seed, step, sharded
         rows = [row for batch in step_batches for row in batch]
         self.batches: list[Batch] = [collate(part, pad_id) for part in shard_rows(rows, batch_size, world)]
         # an idle rank (fewer rows than ranks) still runs one row with weight 0, so its DDP backward matches
-        # the others' all-reduces
+        # the others' all-reduces. Sharded, every rank runs as many micro-batches as the busiest one (each forward
+        # and backward gathers the blocks in a collective): the extra ones are a row with weight 0.
         self.idle: Optional[Batch] = None if self.batches else collate(rows[:1], pad_id)
+        self.fillers = world.max(len(self.batches)) - len(self.batches) if sharded else 0
+        if sharded and not self.batches:
+            self.fillers -= 1  # the idle row is one of them
         local = (sum(b.n_supervised for b in self.batches), sum(b.n_real for b in self.batches))
         n_sup, n_tok = world.sum(local)
         self.n_supervised, self.n_tokens = int(n_sup), int(n_tok)
 
     def forward_backward(self, fb: Callable[..., float], model, net, window: int, times: dict) -> float:
         """Run `fb` (`steps.forward_backward`) over this rank's batches with the per-rank denominator; DDP syncs in
-        the last backward. Returns the global batch's summed token loss (all-reduced)."""
+        the last backward. Returns the global batch's summed token loss (all-reduced).
+
+        Denominator: DDP averages the ranks' gradients, so each rank divides by `global tokens / world size`; the
+        sharded reduce-scatter sums them, so each divides by the global tokens."""
         world = self.world
         if world.rank:  # rank 0 keeps the single-process dropout stream (the resume state stores it)
             torch.manual_seed(dropout_seed(self.seed, world.rank, self.step))
         batches = self.batches or [self.idle]
-        denominator = max(self.n_supervised, 1) / world.size if self.batches else math.inf
+        share = 1 if self.sharded else world.size
+        denominator = max(self.n_supervised, 1) / share if self.batches else math.inf
+        runs = [(b, denominator) for b in batches] + [(batches[0], math.inf)] * self.fillers
         total = 0.0
-        for i, b in enumerate(batches):
-            total += fb(model, b, denominator, window, times, net=net, sync=i == len(batches) - 1)
+        for i, (b, d) in enumerate(runs):
+            value = fb(model, b, d, window, times, net=net, sync=i == len(runs) - 1)
+            total += value if math.isfinite(d) else 0.0
         return world.sum([total if self.batches else 0.0])[0]
 
 
@@ -301,12 +318,14 @@ def dropout_seed(seed: int, rank: int, step: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------- agreement
-def evaluate(model, examples: Sequence, batch_size: int, pad_id: int, world: World) -> dict:
+def evaluate(model, examples: Sequence, batch_size: int, pad_id: int, world: World, sharded: bool = False) -> dict:
     """`steps.evaluate` over the ranks: each scores its share of `examples`, the sums are all-reduced, so every rank
-    gets the same {"loss", "ppl", "tokens"}."""
+    gets the same {"loss", "ppl", "tokens"}. `sharded`: every rank runs as many batches as the busiest one."""
     if not world.active:
         return evaluate_local(model, examples, batch_size, pad_id)
-    part = evaluate_local(model, list(examples)[world.rank :: world.size], batch_size, pad_id)
+    mine = list(examples)[world.rank :: world.size]
+    batches = world.max(math.ceil(len(mine) / max(1, batch_size))) if sharded else 0
+    part = evaluate_local(model, mine, batch_size, pad_id, min_batches=batches, filler=list(examples)[:1])
     total, n = world.sum([part["loss"] * part["tokens"] if part["tokens"] else 0.0, part["tokens"]])
     loss = total / n if n else float("nan")
     return {"loss": loss, "ppl": math.exp(min(loss, 700.0)) if n else float("nan"), "tokens": int(n)}

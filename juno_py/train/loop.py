@@ -28,7 +28,8 @@ from juno_py.train import distributed
 from juno_py.train.cuda_graph import GraphedSteps, graph_blocker, resolve_graphs
 from juno_py.train.data import Example, plan_epoch
 from juno_py.train.optim import TrainOptimizer, as_train_optimizer, build_optimizer, lr_factor, set_learning_rates
-from juno_py.train.state import StateError, save_state, state_path
+from juno_py.train.sharded import ShardedModel, local_part, shard_state_path, sharded_like
+from juno_py.train.state import StateError, load_state, save_state, state_path
 from juno_py.train.steps import TrainingDiverged, forward_backward, model_loss
 from juno_py.train.trainable import Trainable
 
@@ -62,6 +63,8 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 0  # optimizer steps between checkpoints; 0: only at the end
     lora_path: Optional[Path] = None  # where checkpoints go; None: nowhere (library use)
+    shard: bool = False  # under torchrun: FSDP2 shards the base and the trainable (`juno_py.train.sharded`)
+    prefetch: Optional[int] = None  # sharded: blocks gathered ahead (None: 1 on a GPU, 0 on the CPU)
 
 
 @dataclass
@@ -149,6 +152,7 @@ def train(
     world = distributed.current()  # the data-parallel ranks under torchrun, else a single process
     say = (log or (lambda msg: print(msg, file=sys.stderr))) if world.is_main else (lambda msg: None)
     recorder = recorder or MetricsRecorder(Identity())
+    sharded = _shard(model, trainable, cfg, world, optimizer) if cfg.shard else None
     params = list(trainable.parameters())
     names = {id(p): n for n, p in trainable.named_parameters()}
     optimizer = (
@@ -190,13 +194,15 @@ def train(
     run = RunState()
     best_weights: Optional[list[torch.Tensor]] = None
     if resume:
-        best_weights = _restore(cfg, run, params, names, optimizer, identity, trainable.state_format)
+        best_weights = _restore(cfg, run, params, names, optimizer, identity, trainable.state_format, sharded)
         say(f"resumed from {state_path(cfg.lora_path)} at step {run.step} (epoch {run.epoch}, batch {run.batch})")
     trainable.start_run()
 
     def checkpoint(reason: str) -> None:
         if cfg.lora_path is None:
             return
+        if sharded is not None:
+            return sharded_checkpoint(reason)
         if not world.is_main:  # rank 0 writes; the others wait for it, so no failure elsewhere cuts a save short
             return world.barrier()
         t0 = time.perf_counter()
@@ -213,10 +219,32 @@ def train(
         )
         world.barrier()
 
+    def sharded_checkpoint(reason: str) -> None:
+        """Every rank writes its shard of the resume state (atomically); the adapter's whole tensors are gathered
+        and rank 0 writes adapter.bin, the file one process writes."""
+        assert sharded is not None and cfg.lora_path is not None
+        t0 = time.perf_counter()
+        where = shard_state_path(cfg.lora_path, world.rank, world.size)
+        _save(cfg, run, params, names, optimizer, identity, best_weights, trainable.state_format, sharded, where)
+        values = {n: sharded.full(p) for n, p in trainable.named_parameters()}  # collectives: every rank
+        world.barrier()  # every shard is written before adapter.bin names the step
+        if world.is_main:
+            written = trainable.save(cfg.lora_path, values)  # type: ignore[call-arg]
+            recorder.emit(
+                "checkpoint",
+                step=run.step,
+                path=str(cfg.lora_path),
+                bytes=Path(written or where).stat().st_size,
+                reason=reason,
+                ms=1e3 * (time.perf_counter() - t0),
+            )
+        world.barrier()
+
     def validate() -> Optional[dict]:
         if not val_set:
             return None
-        v = distributed.evaluate(model, val_set, cfg.batch_size, cfg.pad_id, world)  # the same on every rank
+        # the same on every rank
+        v = distributed.evaluate(model, val_set, cfg.batch_size, cfg.pad_id, world, sharded=sharded is not None)
         improved = run.best_val is None or v["loss"] < run.best_val - cfg.min_delta
         if improved:
             nonlocal best_weights
@@ -238,7 +266,8 @@ def train(
 
     model.train()
     trainable.train()
-    net = distributed.wrap(model, world, optimizer.updates_in_backward)  # DDP, or None
+    # DDP, FSDP2 (sharded), or None
+    net = sharded if sharded is not None else distributed.wrap(model, world, optimizer.updates_in_backward)
     graphs = None
     if resolve_graphs(cfg.cuda_graphs, graph_blocker(model, cfg, net, optimizer, trainable)):
         graphs = GraphedSteps(model, trainable, functools.partial(model_loss, model), log=say)
@@ -258,7 +287,9 @@ def train(
             if batches_epoch != run.epoch:
                 batches, batches_epoch = plan(run.epoch), run.epoch
             step_batches = batches[run.batch : run.batch + cfg.accumulation]
-            share = distributed.StepShare(step_batches, cfg.batch_size, cfg.pad_id, world, cfg.seed, run.step)
+            share = distributed.StepShare(
+                step_batches, cfg.batch_size, cfg.pad_id, world, cfg.seed, run.step, sharded=sharded is not None
+            )
             n_sup, n_tok = share.n_supervised, share.n_tokens  # of the global batch, all ranks together
             lrs = set_learning_rates(
                 optimizer, lr_factor(cfg.schedule, run.step, total_steps, cfg.warmup_steps, min_ratio)
@@ -276,12 +307,12 @@ def train(
                 loss_sum = share.forward_backward(step_fn, model, net, cfg.bptt_window, times)
                 if not math.isfinite(loss_sum):
                     raise TrainingDiverged(f"the loss is {loss_sum}")
-                norm = optimizer.grad_norm(params)
+                norm = sharded.grad_norm(params) if sharded is not None else optimizer.grad_norm(params)
                 if not math.isfinite(norm):
                     raise TrainingDiverged(f"the gradient norm is {norm}")
             except TrainingDiverged as e:
                 optimizer.zero_grad(set_to_none=True)
-                kept = _keep_last_good(checkpoint, params, cfg, optimizer.updates_in_backward)
+                kept = _keep_last_good(checkpoint, params, cfg, optimizer.updates_in_backward, world, sharded)
                 raise TrainingDiverged(f"step {run.step + 1}: {e}: stopped before the optimizer step; {kept}") from None
 
             # --- clip, step
@@ -387,7 +418,14 @@ def train(
     )
 
 
-def _keep_last_good(checkpoint: Callable[[str], None], params, cfg: TrainConfig, partial: bool = False) -> str:
+def _keep_last_good(
+    checkpoint: Callable[[str], None],
+    params,
+    cfg: TrainConfig,
+    partial: bool = False,
+    world: distributed.World = distributed.SINGLE,
+    sharded=None,
+) -> str:
     """After a divergence: the trainable still holds the last good step's weights; save them if they are finite.
     `partial`: the optimizer updated some weights during this step's backward (per-layer mode), so the weights
     are not the last good step's: the last checkpoint stays."""
@@ -396,7 +434,10 @@ def _keep_last_good(checkpoint: Callable[[str], None], params, cfg: TrainConfig,
         return f"per-layer updates had already changed some weights during this backward pass; {where}"
     if cfg.lora_path is None:
         return "the trained weights are the last good step's"
-    if all(bool(torch.isfinite(p).all()) for p in params):
+    finite = all(bool(torch.isfinite(local_part(p)).all()) for p in params)
+    if sharded is not None:  # each rank sees its parts: every rank takes the same decision
+        finite = world.max(0 if finite else 1) == 0
+    if finite:
         checkpoint("diverged")
         return f"the last good weights are saved in {cfg.lora_path}"
     return f"the weights are not finite; the last checkpoint {cfg.lora_path} is kept as it was"
@@ -408,26 +449,94 @@ def _rate_since_start(run: RunState, resumed_at: tuple[int, float]) -> float:
     return (run.tokens - tokens) / max(run.seconds - seconds, 1e-9)
 
 
+def _shard(model, trainable: Trainable, cfg: TrainConfig, world: distributed.World, optimizer) -> ShardedModel:
+    """FSDP2 over the model's blocks (`juno_py.train.sharded`), for adapters trained by the loop's AdamW."""
+    from juno_py.lora.adapters import AdapterSet
+    from juno_py.train.sharded import shard
+
+    if not isinstance(trainable, AdapterSet):
+        raise distributed.DistributedError("--shard trains adapters (juno-py lora); juno-py full runs data-parallel")
+    if optimizer is not None:
+        raise distributed.DistributedError("--shard runs the loop's own AdamW: pass no optimizer")
+    if cfg.bptt_window:
+        raise distributed.DistributedError("--shard with --bptt-window: train whole sequences (--bptt-window 0)")
+    return shard(model, world, cfg.prefetch)
+
+
 # ------------------------------------------------------------------------------------------- resume state
 def _save(
-    cfg: TrainConfig, run: RunState, params, names, optimizer: TrainOptimizer, identity: dict, best_weights, fmt: str
+    cfg: TrainConfig,
+    run: RunState,
+    params,
+    names,
+    optimizer: TrainOptimizer,
+    identity: dict,
+    best_weights,
+    fmt: str,
+    sharded: Optional[ShardedModel] = None,
+    where: Optional[Path] = None,
 ) -> None:
+    """The resume state; sharded: this rank's parts of every tensor, at `where`."""
     tensors, steps = optimizer.state_tensors(names)
     for p in params:
         tensors[f"param/{names[id(p)]}"] = p
     if best_weights is not None:
         for p, w in zip(params, best_weights):
             tensors[f"best/{names[id(p)]}"] = w
+    tensors = {k: local_part(v) for k, v in tensors.items()}
     tensors["rng/torch"] = torch.get_rng_state()
     meta = {"identity": identity, "run": run.__dict__, "adam_steps": steps}
-    save_state(state_path(cfg.lora_path), tensors, meta, fmt)
+    if sharded is not None:
+        meta["shard"] = {"rank": sharded.world.rank, "world_size": sharded.world.size}
+    save_state(where or state_path(cfg.lora_path), tensors, meta, fmt)
 
 
-def _restore(cfg: TrainConfig, run: RunState, params, names, optimizer: TrainOptimizer, identity: dict, fmt: str):
+def _read_shard(cfg: TrainConfig, sharded: ShardedModel, fmt: str) -> tuple[Path, dict, dict]:
+    """This rank's shard of a sharded resume state, checked to belong to this world and to the others' step."""
+    world = sharded.world
+    where = shard_state_path(cfg.lora_path, world.rank, world.size)
+    if not where.exists():
+        others = sorted(where.parent.glob(Path(str(state_path(cfg.lora_path))).name + ".rank*"))
+        found = f"; found {', '.join(o.name for o in others[:3])}" if others else ""
+        raise StateError(
+            f"{where}: no sharded resume state for rank {world.rank} of {world.size}{found}; a sharded run resumes "
+            f"sharded on as many processes as wrote it"
+        )
+    tensors, meta = load_state(where, fmt)
+    shard = meta.get("shard", {})
+    if shard != {"rank": world.rank, "world_size": world.size}:
+        raise StateError(f"{where}: field 'shard' is {_short(shard)}, expected rank {world.rank} of {world.size}")
+    step = int(meta.get("run", {}).get("step", -1))
+    if not world.same(step):
+        raise StateError(
+            f"{where}: the ranks' resume states are of different steps (rank {world.rank}: step {step}); a save "
+            f"was cut short: resume from an earlier copy"
+        )
+    return where, tensors, meta
+
+
+def _restore(
+    cfg: TrainConfig,
+    run: RunState,
+    params,
+    names,
+    optimizer: TrainOptimizer,
+    identity: dict,
+    fmt: str,
+    sharded: Optional[ShardedModel] = None,
+):
     if cfg.lora_path is None:
         raise StateError("--resume needs --lora-path (its .state file holds the run)")
-    where = state_path(cfg.lora_path)
-    tensors, meta = distributed.read_state(where, fmt)  # rank 0 reads, every rank gets it
+    if sharded is not None:
+        where, tensors, meta = _read_shard(cfg, sharded, fmt)
+        by_name = {names[id(p)]: p for p in params}
+        for key in list(tensors):  # this rank's parts, as parts of the sharded tensors
+            name = key.split("/", 1)[1].rsplit("/", 1)[0] if key.startswith("adam/") else key.split("/", 1)[-1]
+            if key.split("/", 1)[0] in ("param", "best", "adam") and name in by_name:
+                tensors[key] = sharded_like(tensors[key], by_name[name], str(where), key)
+    else:
+        where = state_path(cfg.lora_path)
+        tensors, meta = distributed.read_state(where, fmt)  # rank 0 reads, every rank gets it
     saved = meta.get("identity", {})
     for key, value in identity.items():
         if saved.get(key) != value:

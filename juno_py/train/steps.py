@@ -47,16 +47,29 @@ def loss_chunk(model) -> int:
 
 # ------------------------------------------------------------------------------------------------ evaluation
 @torch.no_grad()
-def evaluate(model, examples: Sequence[Example], batch_size: int = 8, pad_id: int = 0) -> dict:
-    """Token-weighted cross-entropy over the supervised tokens of `examples`: {"loss", "ppl", "tokens"}."""
+def evaluate(
+    model,
+    examples: Sequence[Example],
+    batch_size: int = 8,
+    pad_id: int = 0,
+    min_batches: int = 0,
+    filler: Sequence[Example] = (),
+) -> dict:
+    """Token-weighted cross-entropy over the supervised tokens of `examples`: {"loss", "ppl", "tokens"}.
+    `min_batches`: run at least that many forwards, the ones beyond `examples` on `filler` and not counted (a
+    sharded model's ranks must all run the same number)."""
     was_training = model.training
     model.eval()
     total, n = 0.0, 0
     ordered = sorted(examples, key=lambda e: len(e.ids))  # similar lengths together: less padding
-    for i in range(0, len(ordered), max(1, batch_size)):
+    step = max(1, batch_size)
+    for i in range(0, len(ordered), step):
         b = pad_batch(ordered[i : i + batch_size], pad_id)
         total += float(model.loss(b.tokens, b.targets, b.positions, b.mask, chunk=loss_chunk(model), reduction="sum"))
         n += b.n_supervised
+    for _ in range(math.ceil(len(ordered) / step), min_batches):
+        b = pad_batch(list(filler), pad_id)
+        model.loss(b.tokens, b.targets, b.positions, b.mask, chunk=loss_chunk(model), reduction="sum")
     model.train(was_training)
     loss = total / n if n else float("nan")
     return {"loss": loss, "ppl": math.exp(min(loss, 700.0)) if n else float("nan"), "tokens": n}

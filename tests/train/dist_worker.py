@@ -47,9 +47,10 @@ PART_STEPS = 3
 FAIL_MESSAGE = "rank 1 fails on purpose after step 2"
 
 
-def train_run(tiny, data, lora_path, name: str, resume: bool = False, stop_at=None, fault=None):
+def train_run(tiny, data, lora_path, name: str, resume: bool = False, stop_at=None, fault=None, **options):
+    """One run of RUNS[name] (`options`: more TrainConfig fields, such as shard=True)."""
     model = load_model(tiny)
-    kw = dict(RUNS[name])
+    kw = {**RUNS[name], **options}
     train_set, val_set, _ = load_dataset([data], model.tokenizer, 256, qa_variants_n=2, validation_split=0.2, seed=3)
     adapters = attach(model, "all", rank=4, alpha=8, mode=kw.pop("mode"), seed=1)
     cfg = TrainConfig(lr=5e-3, seed=3, lora_path=Path(lora_path), **kw)
