@@ -290,13 +290,15 @@ def _block_mask(mask: AttentionMask):
         key = (t, s, window, device)
         if key in _SHAPE_MASKS:
             return _SHAPE_MASKS[key]
-        offset = s - t
+        # the offset (cached keys before the first query) is a tensor: a Python number in the mask function would
+        # make the compiled kernel specialise on it, and recompile for every length
+        offset = torch.tensor(s - t, device=device)
 
         def index_mod(b_, h_, q_idx, kv_idx):
-            ok = (kv_idx <= q_idx + offset) & (kv_idx < s)
+            ok = kv_idx <= q_idx + offset
             return ok & (q_idx + offset - kv_idx < window) if window else ok
 
-        q_pos = torch.arange(offset, s, device=device).unsqueeze(0)
+        q_pos = torch.arange(s - t, s, device=device).unsqueeze(0)
         k_pos = torch.arange(s, device=device).unsqueeze(0)
         partial, full = block_tables(q_pos, k_pos, window)
         made = BlockMask.from_kv_blocks(
