@@ -32,13 +32,16 @@ from torch.utils.checkpoint import checkpoint
 BACKENDS = ("causal", "flex", "dense", "chunked")
 BLOCK = 128  # flex_attention's block size (queries and keys)
 DECODE_QUERIES = 16  # at most this many queries: a dense mask of [queries, keys] on any device
-_settings: dict[str, Any] = {"dense_limit": 1 << 22, "force": None}
+_settings: dict[str, Any] = {"dense_limit": 1 << 25, "force": None}
 _PAD_DOC_Q = -(1 << 62)  # documents of the padding flex reads past the end: never equal to each other's
 _PAD_DOC_K = _PAD_DOC_Q + 1
 
 
 def dense_limit() -> int:
-    """Largest `B·T·S` for which the CPU builds a dense mask; above it attention runs in blocks of queries."""
+    """Largest `B·T·S` for which the CPU builds a dense mask; above it attention runs in blocks of queries. SDPA's
+    CPU kernel keeps only the mask (and a float copy of it) beside O(T) statistics, about 5 bytes an entry: 160 MiB
+    at the default limit (a 5792-token row, or 8 rows of 2048), where recomputing blocks would cost more time than
+    the memory it saves is worth."""
     return int(_settings["dense_limit"])
 
 
