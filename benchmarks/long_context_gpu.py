@@ -433,7 +433,7 @@ def table(rows: list[dict]) -> list[list]:
             lean = min(p["peak_gib"] for p in peers)
             vs_m = f"{r['peak_gib'] / lean:.2f}x" if math.isfinite(lean) and lean > 0 else "-"
         if r["part"] == "packed" and r["impl"] == "juno-py packed":
-            plain = next((p for p in rows if p["impl"] == "juno-py unpacked" and p["model"] == r["model"]), None)
+            plain = next((p for p in rows if p.get("impl") == "juno-py unpacked" and p["model"] == r["model"]), None)
             if plain and "error" not in plain:
                 vs_t = f"{tok_s / plain['tokens_per_s']:.2f}x unpacked"
         peak = round(r["peak_gib"], 2) if math.isfinite(r["peak_gib"]) else "-"
