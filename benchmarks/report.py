@@ -22,6 +22,7 @@ ORDER = [
     "cpu-training-7b",
     "gpu-training",
     "gpu-scale-70b",
+    "gpu-long-context",
     "dora-layer",
     "dora-layer-times",
     "gpu-decode",

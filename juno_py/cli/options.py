@@ -294,7 +294,12 @@ def training_options(fn):
         help="Truncated backprop: windows of N tokens attend to earlier windows' cached K/V without "
         "gradients (0: whole sequence, exact).",
     )
-    @click.option("--grad-checkpoint", is_flag=True, help="Recompute each block in backward: less memory, more time.")
+    @click.option(
+        "--grad-checkpoint/--no-grad-checkpoint",
+        default=None,
+        help="Recompute each block in backward: less memory, more time (default: on where a micro-batch's "
+        "activations would take more than half the device's free memory, e.g. long sequences).",
+    )
     @click.option(
         "--cuda-graphs",
         type=click.Choice(["auto", "on", "off"]),

@@ -36,8 +36,8 @@ def compare_with_playback(
         supervised = b.targets != IGNORE
         if not supervised.any():
             continue
-        hp = playback(b.tokens, b.positions, b.mask)[supervised]
-        hm = merged_model(b.tokens, b.positions, b.mask)[supervised]
+        hp = playback(b.tokens, b.positions, documents=b.documents)[supervised]
+        hm = merged_model(b.tokens, b.positions, documents=b.documents)[supervised]
         targets = b.targets[supervised]
         for i in range(0, len(targets), CHUNK_POSITIONS):
             zp = playback.project(hp[i : i + CHUNK_POSITIONS])

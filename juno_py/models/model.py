@@ -21,6 +21,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from juno_py.errors import GGUFFormatError
+from juno_py.models.attention import AttentionMask, attend
 from juno_py.models.config import ArchSpec, ModelArgs, arch_spec
 from juno_py.models.layout import TARGETS, Layout, resolve_layout
 from juno_py.models.loss import LinearHead, chunked_cross_entropy
@@ -129,25 +130,9 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, style: str, complex_pairs: b
     return torch.cat((rot, rest), dim=-1) if rest.shape[-1] else rot
 
 
-def attention_mask(q_pos: Tensor, k_pos: Tensor, window: int = 0, allowed: Optional[Tensor] = None) -> Tensor:
-    """Which keys each query may see, bool `[B, 1, T, S]`: causal by position, within `window` positions
-    (sliding layers), and inside `allowed` `[B, T, S]` (padding, packed documents) when given.
-
-    A query that may see nothing would turn softmax into NaN; it sees everything instead (its output is garbage
-    but finite, and such positions carry no loss).
-    """
-    delta = q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)
-    mask = delta >= 0
-    if window:
-        mask &= delta < window
-    if allowed is not None:
-        mask &= allowed.to(mask.device, torch.bool)
-    mask |= ~mask.any(-1, keepdim=True)
-    return mask.unsqueeze(1)
-
-
 class KVCache:
-    """Keys, values and positions of earlier tokens for every block, preallocated for `max_len` tokens."""
+    """Keys, values, positions (and documents, where given) of earlier tokens for every block, preallocated for
+    `max_len` tokens."""
 
     def __init__(self, args: ModelArgs, batch: int, max_len: int, device=None, dtype=torch.float32):
         self.max_len = max_len
@@ -156,18 +141,31 @@ class KVCache:
         self.k = [torch.zeros(shape_k, device=device, dtype=dtype) for _ in range(args.n_layer)]
         self.v = [torch.zeros(shape_v, device=device, dtype=dtype) for _ in range(args.n_layer)]
         self.positions = torch.zeros((batch, max_len), device=device, dtype=torch.long)
+        self.documents: Optional[Tensor] = None
+        self.by_index = True  # every position so far is its index (attention masks then depend on shapes alone)
         self.length = 0
         self._start = 0
 
-    def extend(self, positions: Tensor) -> Tensor:
-        """Reserve room for the new tokens' entries; returns the key positions `[B, length]` they attend to."""
+    def extend(self, positions: Tensor, documents: Optional[Tensor] = None, by_index: bool = False) -> Tensor:
+        """Reserve room for the new tokens' entries; returns the key positions `[B, length]` they attend to.
+        `documents` `[B, t]`: the new tokens' document ids (kept for `key_documents`); `by_index`: the positions
+        are the tokens' indices."""
         t = positions.shape[1]
         if self.length + t > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} tokens; {self.length} used, {t} more requested")
         self._start = self.length
         self.length += t
         self.positions[:, self._start : self.length] = positions
+        self.by_index = self.by_index and by_index
+        if documents is not None:
+            if self.documents is None:
+                self.documents = torch.zeros_like(self.positions)
+            self.documents[:, self._start : self.length] = documents
         return self.positions[:, : self.length]
+
+    def key_documents(self) -> Optional[Tensor]:
+        """Document ids `[B, length]` of the cached tokens, None when none were given."""
+        return None if self.documents is None else self.documents[:, : self.length]
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         end = self._start + k.shape[2]
@@ -246,7 +244,7 @@ class Block(nn.Module):
         self.act = ACTIVATIONS[spec.activation]
 
     def forward(
-        self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Optional[Tensor], cache: Optional[KVCache] = None
+        self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Optional[AttentionMask], cache: Optional[KVCache] = None
     ) -> Tensor:
         h = self.attention(self.norms["attn_norm"](x), rope, mask, cache)
         if self.spec.sandwich_norms:
@@ -258,7 +256,7 @@ class Block(nn.Module):
         return x + h
 
     def attention(
-        self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Optional[Tensor], cache: Optional[KVCache]
+        self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Optional[AttentionMask], cache: Optional[KVCache]
     ) -> Tensor:
         a, (b, t, _) = self.args, x.shape
         q = self.linears["wq"](x).to(self.act_dtype).view(b, t, a.n_head, a.head_dim)
@@ -270,9 +268,7 @@ class Block(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=a.attn_scale, enable_gqa=a.n_head != a.n_head_kv
-        )
+        y = attend(q, k, v, mask, a.attn_scale, enable_gqa=a.n_head != a.n_head_kv)
         return self.linears["wo"](y.transpose(1, 2).reshape(b, t, a.n_head * a.head_dim_v)).to(self.act_dtype)
 
     def feed_forward(self, x: Tensor) -> Tensor:
@@ -423,17 +419,20 @@ class Transformer(nn.Module):
         positions: Optional[Tensor] = None,
         mask: Optional[Tensor] = None,
         cache: Optional[KVCache] = None,
+        documents: Optional[Tensor] = None,
     ) -> Tensor:
         """Hidden states after the final norm, fp32 `[B, T, n_embd]`, for token ids `[B, T]`.
 
-        `positions` `[B, T]` default to 0.. T-1 (after the cache's tokens). `mask` `[B, T, S]` (S = keys: cached
-        plus new) restricts attention further (padding, packed documents); causality by position and sliding
-        windows always apply.
+        `positions` `[B, T]` default to 0.. T-1 (after the cache's tokens). `documents` `[B, T]`: document ids
+        (packed rows; padding tokens are documents of their own): a token attends only to its own document's
+        tokens. `mask` `[B, T, S]` (S = keys: cached plus new) restricts attention further where a caller holds
+        such a mask (it costs O(T·S); documents do not); causality by position and sliding windows always apply.
         """
         device = self.embed.device  # inputs may come from the CPU (data loaders): they follow the model
         positions = positions.to(device) if positions is not None else None
         mask = mask.to(device) if mask is not None else None
-        return self.hidden_states(self.embed_tokens(tokens), positions, mask, cache)
+        documents = documents.to(device) if documents is not None else None
+        return self.hidden_states(self.embed_tokens(tokens), positions, mask, cache, documents)
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:
         """The token embeddings `[B, T, n_embd]` in the activations' dtype, on the model's device (the frozen table's
@@ -446,17 +445,29 @@ class Transformer(nn.Module):
         positions: Optional[Tensor] = None,
         mask: Optional[Tensor] = None,
         cache: Optional[KVCache] = None,
+        documents: Optional[Tensor] = None,
     ) -> Tensor:
         """`forward` from the embeddings `x` `[B, T, n_embd]` on: the blocks and the final norm. Every input is on
-        the model's device already; nothing here reads the host (a CUDA graph can capture it: `train.cuda_graph`)."""
+        the model's device already; nothing here reads the host (a CUDA graph can capture it: `train.cuda_graph`).
+        Which keys each query sees is built once per distinct sliding window (`models.attention.AttentionMask`)
+        and the kernel is chosen there."""
         b, t = x.shape[:2]
-        plain = mask is None and cache is None and positions is None  # causal by index: SDPA builds the mask
+        by_index = positions is None and documents is None
+        plain = mask is None and cache is None and by_index  # causal by index: SDPA's causal kernels
         if positions is None:
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + t, device=x.device).expand(b, t)
-        k_pos = cache.extend(positions) if cache is not None else positions
+        k_doc = documents
+        if cache is not None:
+            k_pos = cache.extend(positions, documents, by_index)
+            by_index = cache.by_index
+            k_doc = cache.key_documents() if documents is not None else None
+        else:
+            k_pos = positions
         masks = {
-            w: None if plain and not w else attention_mask(positions, k_pos, w, mask)
+            w: None
+            if plain and not w
+            else AttentionMask(positions, k_pos, w, documents if k_doc is not None else None, k_doc, mask, by_index)
             for w in {blk.window for blk in self.blocks}
         }
         ropes = [
@@ -517,9 +528,10 @@ class Transformer(nn.Module):
         chunk: int = 1024,
         ignore_index: int = -100,
         reduction: str = "mean",
+        documents: Optional[Tensor] = None,
     ) -> Tensor:
         """Cross-entropy of `targets` `[B, T]` (ignore_index: no loss), logits computed in chunks of positions."""
-        hidden = self(tokens, positions, mask)
+        hidden = self(tokens, positions, mask, documents=documents)
         return chunked_cross_entropy(
             hidden,
             targets,

@@ -31,6 +31,9 @@ from juno_py.train.trainable import Trainable
 
 GRAPH_MODES = ("auto", "on", "off")
 MAX_GRAPHS = 4
+# micro-batches of at least this many tokens run eagerly: launches are a negligible part of such a step, and a
+# graph's private memory pool would keep a second set of its activations beside the eager warm-up's
+MAX_GRAPH_TOKENS = 65536
 
 
 class GraphsUnavailable(JunoError, RuntimeError):
@@ -43,15 +46,26 @@ def graph_blocker(model, cfg, net, optimizer: TrainOptimizer, trainable: Trainab
         return "the model is not on a CUDA device"
     if net is not None:
         return "data-parallel training (DDP all-reduces during backward)"
-    if cfg.bptt_window:
-        return "--bptt-window (windows carry a KV cache between captures)"
-    if cfg.grad_checkpoint:
-        return "--grad-checkpoint"
+    why = step_blocker(cfg, model.checkpoint_blocks)
+    if why is not None:
+        return why
     if getattr(getattr(model, "args", None), "n_expert", 0):
         return "mixture-of-experts blocks (the tokens each expert takes change every step)"
     if optimizer.updates_in_backward:
         return "an optimizer that updates during backward (GaLore per-layer)"
     return trainable.graph_blocker()
+
+
+def step_blocker(cfg, checkpointing: bool) -> Optional[str]:
+    """Why steps of this configuration cannot be captured (`checkpointing`: the model recomputes its blocks in
+    backward), or None."""
+    if cfg.bptt_window:
+        return "--bptt-window (windows carry a KV cache between captures)"
+    if checkpointing or cfg.grad_checkpoint:
+        return "--grad-checkpoint (activation checkpointing)"
+    if cfg.batch_size * cfg.max_seq_len >= MAX_GRAPH_TOKENS:
+        return f"micro-batches of {cfg.batch_size} x {cfg.max_seq_len} tokens (at least {MAX_GRAPH_TOKENS})"
+    return None
 
 
 @dataclass
@@ -60,7 +74,7 @@ class _Captured:
     x: torch.Tensor
     targets: torch.Tensor
     positions: Optional[torch.Tensor]
-    mask: Optional[torch.Tensor]
+    documents: Optional[torch.Tensor]
     inv_denominator: torch.Tensor
     loss: torch.Tensor
     grads: list
@@ -86,7 +100,7 @@ class GraphedSteps:
 
     @staticmethod
     def key(batch) -> tuple:
-        return tuple(batch.tokens.shape), batch.mask is not None
+        return tuple(batch.tokens.shape), batch.documents is not None
 
     def __call__(self, batch, denominator: float, last: bool = True) -> Optional[float]:
         if self.disabled is not None:
@@ -121,17 +135,17 @@ class GraphedSteps:
     def _static_inputs(self, batch) -> dict:
         dev = self.model.embed.device
         x = self.model.embed_tokens(batch.tokens)
-        plain = batch.mask is None  # one example per row, no padding: causal by index (SDPA's causal kernels)
+        plain = batch.documents is None  # one example per row, no padding: causal by index (SDPA's causal kernels)
         return dict(
             x=x.clone(),
             targets=batch.targets.to(dev).clone(),
             positions=None if plain else batch.positions.to(dev).clone(),
-            mask=None if plain else batch.mask.to(dev).clone(),
+            documents=None if plain else batch.documents.to(dev).clone(),
             inv_denominator=torch.ones((), dtype=torch.float32, device=dev),
         )
 
     def _forward_backward(self, s: dict) -> torch.Tensor:
-        hidden = self.model.hidden_states(s["x"], s["positions"], s["mask"])
+        hidden = self.model.hidden_states(s["x"], s["positions"], documents=s["documents"])
         loss = self.loss_fn(hidden, s["targets"])
         (loss * s["inv_denominator"]).backward()
         return loss.detach()
@@ -162,10 +176,10 @@ class GraphedSteps:
             self.trainable.forget_derived()  # eager calls recompute it (the graph wrote its own copy; a failed one none)
         self.log(
             f"captured a CUDA graph of the training step for batches of {tuple(batch.tokens.shape)} tokens"
-            + (" (masked)" if batch.mask is not None else "")
+            + (" (packed or padded)" if batch.documents is not None else "")
         )
         return _Captured(
-            graph, s["x"], s["targets"], s["positions"], s["mask"], s["inv_denominator"], loss, grads, keep
+            graph, s["x"], s["targets"], s["positions"], s["documents"], s["inv_denominator"], loss, grads, keep
         )
 
     def _load(self, cap: _Captured, batch, denominator: float) -> None:
@@ -173,7 +187,7 @@ class GraphedSteps:
         cap.targets.copy_(batch.targets, non_blocking=True)
         if cap.positions is not None:
             cap.positions.copy_(batch.positions, non_blocking=True)
-            cap.mask.copy_(batch.mask, non_blocking=True)
+            cap.documents.copy_(batch.documents, non_blocking=True)
         cap.inv_denominator.fill_(1.0 / denominator)
 
     def _give_up(self, why: str) -> None:
@@ -196,4 +210,13 @@ def resolve_graphs(mode: str, blocker: Optional[str]) -> bool:
     return True
 
 
-__all__ = ["GraphedSteps", "GraphsUnavailable", "graph_blocker", "resolve_graphs", "GRAPH_MODES", "MAX_GRAPHS"]
+__all__ = [
+    "GraphedSteps",
+    "GraphsUnavailable",
+    "graph_blocker",
+    "resolve_graphs",
+    "step_blocker",
+    "GRAPH_MODES",
+    "MAX_GRAPHS",
+    "MAX_GRAPH_TOKENS",
+]

@@ -407,13 +407,22 @@ class Batch:
     tokens: torch.Tensor  # [B, T] long
     targets: torch.Tensor  # [B, T] long, IGNORE where no loss
     positions: torch.Tensor  # [B, T] long
-    mask: Optional[torch.Tensor]  # [B, T, T] bool (True: may attend), None for plain causal rows
+    # [B, T] long: document of each token (a token attends only to its own document's tokens; each padding token
+    # is a document of its own), None for plain causal rows. O(T), never a [T, T] mask: see models.attention
+    documents: Optional[torch.Tensor]
     n_supervised: int
     n_real: int = 0  # tokens of the examples, padding excluded
 
     @property
     def n_tokens(self) -> int:
         return int(self.tokens.numel())
+
+    def dense_mask(self) -> Optional[torch.Tensor]:
+        """The attention restriction as a bool `[B, T, T]` (True: may attend): the same documents, O(T²); None for
+        plain causal rows. A reference for checks, not for training."""
+        if self.documents is None:
+            return None
+        return self.documents[:, :, None] == self.documents[:, None, :]
 
 
 def _targets(ex: Example) -> list[int]:
@@ -438,9 +447,14 @@ def pad_batch(examples: Sequence[Example], pad_id: int = 0) -> Batch:
         tokens[b, :n] = torch.tensor(e.ids)
         targets[b, :n] = torch.tensor(_targets(e))
         valid[b, :n] = True
-    need_mask = not bool(valid.all())
-    mask = (valid[:, :, None] & valid[:, None, :]) | torch.eye(T, dtype=torch.bool) if need_mask else None
-    return Batch(tokens, targets, positions, mask, int((targets != IGNORE).sum()), int(valid.sum()))
+    documents = _documents(torch.zeros(B, T, dtype=torch.long), valid) if not bool(valid.all()) else None
+    return Batch(tokens, targets, positions, documents, int((targets != IGNORE).sum()), int(valid.sum()))
+
+
+def _documents(doc: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Document ids with each padding token (not `valid`) a document of its own: -1 - its index."""
+    alone = -1 - torch.arange(doc.shape[1], dtype=torch.long).expand_as(doc)
+    return torch.where(valid, doc, alone)
 
 
 PACK_SEARCH = 64  # open rows a document may join: first-fit over the most recent ones keeps packing O(n)
@@ -487,9 +501,8 @@ def packed_batch(rows: Sequence[Sequence[Example]], pad_id: int = 0) -> Batch:
             positions[b, at : at + n] = torch.arange(n)
             doc[b, at : at + n] = d
             at += n
-    same = (doc[:, :, None] == doc[:, None, :]) & (doc[:, :, None] >= 0)
-    mask = same | torch.eye(T, dtype=torch.bool)
-    return Batch(tokens, targets, positions, mask, int((targets != IGNORE).sum()), int((doc >= 0).sum()))
+    documents = _documents(doc, doc >= 0)
+    return Batch(tokens, targets, positions, documents, int((targets != IGNORE).sum()), int((doc >= 0).sum()))
 
 
 def plan_epoch(

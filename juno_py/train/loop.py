@@ -30,7 +30,7 @@ from juno_py.train.data import Example, plan_epoch
 from juno_py.train.optim import TrainOptimizer, as_train_optimizer, build_optimizer, lr_factor, set_learning_rates
 from juno_py.train.sharded import ShardedModel, local_part, shard_state_path, sharded_like
 from juno_py.train.state import StateError, load_state, save_state, state_path
-from juno_py.train.steps import TrainingDiverged, forward_backward, model_loss
+from juno_py.train.steps import TrainingDiverged, forward_backward, model_loss, resolve_checkpointing
 from juno_py.train.trainable import Trainable
 
 
@@ -55,7 +55,7 @@ class TrainConfig:
     min_delta: float = 0.0
     overfit_ratio: float = 1.25  # stop at once when validation loss exceeds its best × this; 0: off
     bptt_window: int = 0  # 0: the whole sequence (exact)
-    grad_checkpoint: bool = False
+    grad_checkpoint: Optional[bool] = None  # None: auto, on where a micro-batch's activations would not fit
     cuda_graphs: str = "auto"  # capture each step on a GPU: auto (where it can), on (or fail), off
     pack: bool = False
     max_seq_len: int = 512
@@ -160,7 +160,11 @@ def train(
         if optimizer is not None
         else build_optimizer(trainable, cfg.lr, cfg.weight_decay, cfg.plus_ratio)
     )
-    model.checkpoint_blocks = cfg.grad_checkpoint
+    model.checkpoint_blocks = resolve_checkpointing(
+        model, cfg.grad_checkpoint, cfg.batch_size * cfg.max_seq_len, cfg.bptt_window
+    )
+    if model.checkpoint_blocks and cfg.grad_checkpoint is None:
+        say(f"activation checkpointing on: micro-batches of up to {cfg.batch_size} x {cfg.max_seq_len} tokens")
     torch.manual_seed(cfg.seed)  # dropout
 
     def plan(epoch: int):

@@ -45,6 +45,44 @@ def loss_chunk(model) -> int:
     return max(128, budget // (4 * model.output.out_features))
 
 
+# activation checkpointing "auto": on when a micro-batch's saved activations would take more than this share of the
+# memory the device has free (the GPU's, or the host's available RAM on a CPU)
+CHECKPOINT_SHARE = 0.5
+
+
+def saved_activation_bytes(model, tokens: int) -> int:
+    """About how many bytes a micro-batch of `tokens` tokens keeps for backward without activation checkpointing:
+    per token and layer the residual stream and norms (6 × width), queries, keys and values before and after RoPE,
+    the attention's output, the MLP's gate, up and product (3 × its width), in the activations' dtype."""
+    a = model.args
+    q, kv = a.n_head * a.head_dim, a.n_head_kv * (a.head_dim + a.head_dim_v)
+    per = 6 * a.n_embd + 2 * (q + kv) + a.n_head * a.head_dim_v + 3 * a.n_ff
+    return tokens * a.n_layer * per * torch.empty((), dtype=model.act_dtype).element_size()
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory free for activations on `device`: the GPU's free memory, or the host's available RAM."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    import os
+
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):  # not a POSIX host: no estimate, no automatic checkpointing
+        return 1 << 62
+
+
+def resolve_checkpointing(model, grad_checkpoint: Optional[bool], tokens: int, bptt_window: int = 0) -> bool:
+    """Whether to recompute each block in backward: `grad_checkpoint` True/False as given; None (auto): on when the
+    activations of a micro-batch of `tokens` tokens (`saved_activation_bytes`) would exceed CHECKPOINT_SHARE of the
+    device's free memory. Never for truncated-BPTT windows (blocks that read a K/V cache are not recomputed)."""
+    if grad_checkpoint is not None:
+        return bool(grad_checkpoint)
+    if bptt_window:
+        return False
+    return saved_activation_bytes(model, tokens) > CHECKPOINT_SHARE * free_memory_bytes(model.embed.device)
+
+
 # ------------------------------------------------------------------------------------------------ evaluation
 @torch.no_grad()
 def evaluate(
@@ -65,7 +103,10 @@ def evaluate(
     step = max(1, batch_size)
     for i in range(0, len(ordered), step):
         b = pad_batch(ordered[i : i + batch_size], pad_id)
-        total += float(model.loss(b.tokens, b.targets, b.positions, b.mask, chunk=loss_chunk(model), reduction="sum"))
+        loss = model.loss(
+            b.tokens, b.targets, b.positions, chunk=loss_chunk(model), reduction="sum", documents=b.documents
+        )
+        total += float(loss)
         n += b.n_supervised
     for _ in range(math.ceil(len(ordered) / step), min_batches):
         b = pad_batch(list(filler), pad_id)
@@ -118,12 +159,12 @@ def forward_backward(
     total = 0.0
     for a in range(0, T, window):
         b = min(a + window, T)
-        mask = batch.mask[:, a:b, :b] if batch.mask is not None else None
+        documents = batch.documents[:, a:b] if batch.documents is not None else None
         # rows of one unpadded example each are causal by index: no positions, so attention takes its causal kernels
-        positions = batch.positions[:, a:b] if mask is not None or cache is not None else None
+        positions = batch.positions[:, a:b] if documents is not None or cache is not None else None
         t0 = time.perf_counter()
         with sync_context(net, sync and b == T):
-            hidden = (net or model)(batch.tokens[:, a:b], positions, mask, cache)
+            hidden = (net or model)(batch.tokens[:, a:b], positions, None, cache, documents)
         loss = model_loss(model, hidden, batch.targets[:, a:b])
         value = float(loss.detach())
         t1 = time.perf_counter()

@@ -183,11 +183,14 @@ def test_packed_batch_has_block_diagonal_mask_and_document_positions():
     (row,) = pack_examples([a, b], 8)
     batch = packed_batch([row])
     assert batch.positions[0].tolist() == [0, 1, 2, 0, 1]
-    m = batch.mask[0]
+    assert batch.documents[0].tolist() == [0, 0, 0, 1, 1]
+    m = batch.dense_mask()[0]
     assert m[3, :3].sum() == 0 and m[:3, 3:].sum() == 0 and m[4, 3] and m[2, 0]
     assert batch.targets[0].tolist() == [6, 7, IGNORE, 9, IGNORE]
     assert batch.n_supervised == 3 and batch.n_real == 5
-    assert collate([[a], [b]]).mask is not None  # padded: the short row's padding is masked
+    padded = collate([[a], [b]])  # the short row's padding: each pad token a document of its own
+    assert padded.documents.tolist() == [[0, 0, 0], [0, 0, -3]]
+    assert collate([[a]]).documents is None  # one unpadded row: plain causal
 
 
 def test_packed_loss_equals_records_one_by_one(tiny_model, mixed_data):
@@ -196,11 +199,11 @@ def test_packed_loss_equals_records_one_by_one(tiny_model, mixed_data):
     assert any(len(r) > 1 for r in rows)
     with torch.no_grad():
         b = packed_batch(rows)
-        packed = float(tiny_model.loss(b.tokens, b.targets, b.positions, b.mask, reduction="sum"))
+        packed = float(tiny_model.loss(b.tokens, b.targets, b.positions, reduction="sum", documents=b.documents))
         single = 0.0
         for e in train:
             s = pad_batch([e])
-            single += float(tiny_model.loss(s.tokens, s.targets, s.positions, s.mask, reduction="sum"))
+            single += float(tiny_model.loss(s.tokens, s.targets, s.positions, reduction="sum", documents=s.documents))
     assert packed == pytest.approx(single, rel=1e-5)
 
 

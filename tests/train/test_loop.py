@@ -320,7 +320,7 @@ def test_evaluate_is_token_weighted(tiny_model, mixed_data):
     with torch.no_grad():
         for e in examples:
             b = collate([[e]])
-            total += float(tiny_model.loss(b.tokens, b.targets, b.positions, b.mask, reduction="sum"))
+            total += float(tiny_model.loss(b.tokens, b.targets, b.positions, reduction="sum", documents=b.documents))
             n += b.n_supervised
     assert res["tokens"] == n and res["loss"] == pytest.approx(total / n, rel=1e-5)
     assert res["ppl"] == pytest.approx(math.exp(res["loss"]))
