@@ -17,7 +17,7 @@ from typing import Optional
 import numpy as np
 
 from juno_py.atomic import atomic_write_bytes
-from juno_py.errors import JunoError
+from juno_py.errors import JunoError, show
 from juno_py.models.layout import TARGETS
 
 MAGIC = 0x4C4F5241  # "LORA"
@@ -110,8 +110,10 @@ class AdapterEntry:
 
 def parse_key(key: str) -> tuple[int, str]:
     layer, sep, target = key.partition(":")
-    if not sep or not layer.isdigit() or target not in TARGETS:
-        raise ValueError(f"key {key!r}: expected '<layer>:<target>' with target one of {', '.join(TARGETS)}")
+    if not sep or not (layer.isascii() and layer.isdigit()) or target not in TARGETS:
+        raise ValueError(f"key {show(key)}: expected '<layer>:<target>' with target one of {', '.join(TARGETS)}")
+    if len(layer) > 9:
+        raise ValueError(f"key {show(key)}: layer index of {len(layer)} digits, expected at most 9")
     return int(layer), target
 
 
@@ -130,7 +132,7 @@ class _Reader:
         self.entry = "header"
 
     def fail(self, fld: str, problem: str) -> AdapterFormatError:
-        where = f"entry {self.entry!r}" if self.entry != "header" else "header"
+        where = f"entry {show(self.entry)}" if self.entry != "header" else "header"
         return AdapterFormatError(f"{self.path}: {where}: field {fld} at offset {self.pos}: {problem}")
 
     def take(self, n: int, fld: str) -> bytes:
@@ -256,7 +258,12 @@ def read_adapter(path) -> tuple[int, list[AdapterEntry]]:
         data = path.read_bytes()
     except OSError as e:
         raise AdapterFormatError(f"{path}: cannot read: {e.strerror}") from None
-    r = _Reader(data, str(path))
+    return parse_adapter(data, str(path))
+
+
+def parse_adapter(data: bytes, name: str) -> tuple[int, list[AdapterEntry]]:
+    """`read_adapter` of bytes in memory; `name` is what the errors call the file."""
+    r = _Reader(data, name)
     magic = r.i32("magic") & 0xFFFFFFFF
     if magic != MAGIC:
         r.pos = 0
@@ -321,9 +328,9 @@ def _encode_entry(e: AdapterEntry) -> bytes:
 def encode_adapter(entries: list[AdapterEntry]) -> bytes:
     for e in entries:
         if e.A.shape != (e.rank, e.in_dim) or e.B.shape != (e.out_dim, e.rank):
-            raise ValueError(f"entry {e.key!r}: A {e.A.shape} and B {e.B.shape} do not agree")
+            raise ValueError(f"entry {show(e.key)}: A {e.A.shape} and B {e.B.shape} do not agree")
         if e.mode == Mode.DORA and e.magnitude is None:
-            raise ValueError(f"entry {e.key!r}: a DoRA entry needs its magnitude")
+            raise ValueError(f"entry {show(e.key)}: a DoRA entry needs its magnitude")
     body = [struct.pack(">iii", MAGIC, 2, len(entries))]
     for e in entries:
         payload = _encode_entry(e)
