@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from juno_py.errors import JunoError
+from juno_py.errors import JunoError, one_line
 
 
 class FiniteFloatRange(click.FloatRange):
@@ -58,14 +58,15 @@ def one_line_errors(fn):
 
 @contextlib.contextmanager
 def warnings_to_stderr():
-    """Library warnings (a differing fingerprint, a skipped tensor) as one `juno-py: warning:` line each."""
+    """Library warnings (a differing fingerprint, a skipped tensor) as one `juno-py: warning:` line each, each
+    distinct message once, cut to one line of at most MAX_MESSAGE characters."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             yield
         finally:
-            for w in caught:
-                click.echo(f"juno-py: warning: {w.message}", err=True)
+            for text in dict.fromkeys(one_line(str(w.message)) for w in caught):
+                click.echo(f"juno-py: warning: {text}", err=True)
 
 
 _quiet = False  # under torchrun, ranks other than 0 keep quiet (errors still reach stderr)

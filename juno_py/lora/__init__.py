@@ -13,7 +13,7 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from juno_py.errors import AdapterMismatch
+from juno_py.errors import AdapterMismatch, show
 from juno_py.lora.adapters import AdaptedLinear, AdapterConfig, AdapterSet, LoraAdapter, TensorFingerprints
 from juno_py.lora.format import (
     AdapterEntry,
@@ -128,10 +128,13 @@ def parse_adapter_spec(spec: str) -> tuple[str, float]:
 
 
 def check_entry_fits(
-    model, e: AdapterEntry, path, fps: TensorFingerprints, force: bool = False
+    model, e: AdapterEntry, path, fps: TensorFingerprints, force: bool = False, mismatches: Optional[list] = None
 ) -> AdaptedLinear | nn.Module:
-    """Check one adapter entry against the model's layout; returns the frozen base linear it applies to."""
-    where = f"{path}: entry {e.key!r}"
+    """Check one adapter entry against the model's layout; returns the frozen base linear it applies to.
+
+    A LoRA entry whose fingerprint differs from its base tensor loads anyway: it is appended to `mismatches` as
+    (path, key, tensor) when a list is given (the caller warns once for all of them), else warned about."""
+    where = f"{path}: entry {show(e.key)}"
     try:
         layer, target = parse_key(e.key)
     except ValueError as err:
@@ -150,7 +153,7 @@ def check_entry_fits(
         mine = fps.of(tensor)
         if mine != e.fingerprint:
             what = (
-                f"{where}: fingerprint differs from the base tensor {tensor!r} (type {e.fingerprint.ggml_type} "
+                f"{where}: fingerprint differs from the base tensor {show(tensor)} (type {e.fingerprint.ggml_type} "
                 f"dims {e.fingerprint.dims} vs type {mine.ggml_type} dims {mine.dims}): trained on another "
                 f"base or quantization"
             )
@@ -158,8 +161,26 @@ def check_entry_fits(
                 raise AdapterMismatch(
                     what + "; a DoRA adapter's magnitude is tied to its base, refused (use --force to load it anyway)"
                 )
-            warnings.warn(what, stacklevel=3)
+            if mismatches is None:
+                warnings.warn(what, stacklevel=3)
+            else:
+                mismatches.append((path, e.key, tensor))
     return base
+
+
+def warn_mismatches(model, mismatches: list) -> None:
+    """One warning for every LoRA entry of a load whose fingerprint differs from its base tensor."""
+    if not mismatches:
+        return
+    files = list(dict.fromkeys(str(p) for p, _, _ in mismatches))
+    path, key, tensor = mismatches[0]
+    more = f" and {len(mismatches) - 1} more entries" if len(mismatches) > 1 else ""
+    where = f"{path}" if len(files) == 1 else f"{path} (and {len(files) - 1} more files)"
+    warnings.warn(
+        f"{where}: entry {show(key)}{more}: fingerprint differs from the base tensor {show(tensor)} of "
+        f"{model.gguf.path}: trained on another base or quantization; playing the LoRA anyway",
+        stacklevel=3,
+    )
 
 
 def load_adapters(
@@ -181,10 +202,12 @@ def load_adapters(
     fps = TensorFingerprints(model)
     grouped: dict[str, list[tuple[LoraAdapter, float]]] = defaultdict(list)
     bases: dict[str, nn.Module] = {}
+    mismatches: list = []
     for path, scale, entries in files:
         for e in entries:
-            bases[e.key] = check_entry_fits(model, e, path, fps, force)
+            bases[e.key] = check_entry_fits(model, e, path, fps, force, mismatches)
             grouped[e.key].append((LoraAdapter.from_entry(e).to(_device_of(bases[e.key])), scale))
+    warn_mismatches(model, mismatches)
     detach(model)
     out = {}
     for key, items in sorted(grouped.items(), key=lambda kv: sort_key(kv[0])):
