@@ -185,6 +185,9 @@ def export_peft(base, adapter, output) -> Path:
         "init_lora_weights": True,
         "modules_to_save": None,
     }
+    for name, x in tensors.items():  # B times a baked scale, or a base row norm, can still overflow float32
+        if not np.isfinite(x).all():
+            raise MergeError(f"{adapter}: tensor {name} is not finite in float32; nothing written")
     output.mkdir(parents=True, exist_ok=True)
     blob = save(
         {k: np.ascontiguousarray(v) for k, v in tensors.items()},

@@ -46,7 +46,7 @@ def parse_targets(spec: Union[str, Sequence[str]]) -> tuple[str, ...]:
         t = TARGET_ALIASES.get(n, n)
         if t not in TARGETS:
             raise ValueError(
-                f"unknown target {n!r}: expected qv, all, attn, mlp or a comma list of {', '.join(TARGETS)}"
+                f"unknown target {show(n)}: expected qv, all, attn, mlp or a comma list of {', '.join(TARGETS)}"
             )
         if t not in out:
             out.append(t)
