@@ -19,6 +19,7 @@ import signal
 import struct
 import time
 import tracemalloc
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -490,7 +491,14 @@ def test_fuzz_adapters(seeds):
             tracemalloc.start()
             signal.alarm(30)
             try:
-                run()
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    run()
+                for w in caught:  # a warning is a message a user reads too
+                    text = str(w.message)
+                    stats["max_message"] = max(stats["max_message"], len(text))
+                    if "\n" in text or len(text) > MAX_MESSAGE:
+                        stats["failures"].append(f"case {case} ({label}): warning of {len(text)} characters")
                 stats["loaded"] += 1
             except JunoError as e:
                 stats["refused"] += 1
