@@ -50,7 +50,8 @@ def one_line_errors(fn):
             return fn(*args, **kwargs)
         except (JunoError, FileNotFoundError, PermissionError, IsADirectoryError) as e:
             rank = os.environ.get("RANK") if os.environ.get("WORLD_SIZE", "1") not in ("", "1") else None
-            click.echo(f"juno-py: error{f' (rank {rank})' if rank else ''}: {e}", err=True)  # rank: under torchrun
+            where = f" (rank {rank})" if rank else ""  # under torchrun
+            click.echo(f"juno-py: error{where}: {one_line(str(e))}", err=True)  # one bounded line, whatever raised
             sys.exit(1)
 
     return wrapper
