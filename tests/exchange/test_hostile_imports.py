@@ -338,3 +338,23 @@ def test_imported_adapters_play_back_like_the_original(peft_folder, tmp_path):
     ids = sample_ids(8)
     back = import_peft(base, folder, tmp_path / "back.bin")
     assert torch.allclose(playback_logits(base, back, ids), playback_logits(base, adapter, ids), atol=1e-5)
+
+
+def test_import_command_prints_one_line_for_a_hostile_folder(peft_folder, tmp_path):
+    from click.testing import CliRunner
+
+    from juno_py.cli.main import cli
+
+    base, _, folder = peft_folder
+    w = folder / WEIGHTS_FILE
+    header, data = _header(w)
+    header["__metadata__"]["juno_py"] = json.dumps(
+        {"format": "juno-py adapter parts", "version": 1, "groups": {"model.layers.0.self_attn.q_proj": [{}]}}
+    )
+    _write_header(w, header, data)
+    out = tmp_path / "x.bin"
+    res = CliRunner().invoke(cli, ["import", str(folder), "--model-path", str(base), "--lora-path", str(out)])
+    assert res.exit_code == 1 and res.stdout == "", res.output
+    (line,) = res.stderr.splitlines()
+    assert line.startswith(f"juno-py: error: {w}: module ") and "field key is missing" in line and len(line) < 520
+    assert not out.exists()
