@@ -41,6 +41,8 @@ def show(value, limit: int = 60) -> str:
             return repr(value)
         unit = "characters" if isinstance(value, str) else "bytes"
         return f"{value[:limit]!r}… ({len(value)} {unit})"
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 4 * limit:
+        return f"<an integer of {value.bit_length()} bits>"  # repr of a huge int is slow, and refused past 4300 digits
     if isinstance(value, (int, float)) or value is None:
         text = repr(value)
         return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} digits)"

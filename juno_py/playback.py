@@ -61,7 +61,10 @@ def open_model(model_path, lora_play=None, force=False, weights_cache="auto", co
         weights_cache = "none" if on_gpu else auto_weights_cache(model_path)
     model = load_model(model_path, device=device, weights_cache=weights_cache, compute_dtype=compute_dtype)
     if lora_play:
-        load_adapters(model, [s for s in lora_play.split(",") if s.strip()], force=force)
+        from juno_py.cli.common import warnings_to_stderr
+
+        with warnings_to_stderr():  # a differing fingerprint: one `juno-py: warning:` line, no raw warning
+            load_adapters(model, [s for s in lora_play.split(",") if s.strip()], force=force)
     return model
 
 

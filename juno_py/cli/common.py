@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from juno_py.errors import JunoError
+from juno_py.errors import JunoError, one_line
 
 
 class FiniteFloatRange(click.FloatRange):
@@ -50,7 +50,8 @@ def one_line_errors(fn):
             return fn(*args, **kwargs)
         except (JunoError, FileNotFoundError, PermissionError, IsADirectoryError) as e:
             rank = os.environ.get("RANK") if os.environ.get("WORLD_SIZE", "1") not in ("", "1") else None
-            click.echo(f"juno-py: error{f' (rank {rank})' if rank else ''}: {e}", err=True)  # rank: under torchrun
+            where = f" (rank {rank})" if rank else ""  # under torchrun
+            click.echo(f"juno-py: error{where}: {one_line(str(e))}", err=True)  # one bounded line, whatever raised
             sys.exit(1)
 
     return wrapper
@@ -58,14 +59,15 @@ def one_line_errors(fn):
 
 @contextlib.contextmanager
 def warnings_to_stderr():
-    """Library warnings (a differing fingerprint, a skipped tensor) as one `juno-py: warning:` line each."""
+    """Library warnings (a differing fingerprint, a skipped tensor) as one `juno-py: warning:` line each, each
+    distinct message once, cut to one line of at most MAX_MESSAGE characters."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             yield
         finally:
-            for w in caught:
-                click.echo(f"juno-py: warning: {w.message}", err=True)
+            for text in dict.fromkeys(one_line(str(w.message)) for w in caught):
+                click.echo(f"juno-py: warning: {text}", err=True)
 
 
 _quiet = False  # under torchrun, ranks other than 0 keep quiet (errors still reach stderr)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 
 import click
 import torch
 
 from juno_py.cli.common import one_line_errors
 from juno_py.cli.options import model_options
+from juno_py.errors import JunoError
 from juno_py.playback import open_model
 
 
@@ -41,6 +43,11 @@ def eval_cmd(data, max_seq_len, batch_size, skip_bad_records, as_json, **model_k
     click.echo(f"juno-py eval: {stats.line()}", err=True)
     with torch.no_grad():
         result = evaluate(model, examples, batch_size, pad_id=model.tokenizer.pad_id or 0)
+    if result["tokens"] and not math.isfinite(result["loss"]):
+        raise JunoError(
+            f"the loss over {result['tokens']} tokens is not finite: the model's weights or the adapters played on "
+            f"it ({model_kw.get('lora_play') or 'none'}) hold extreme values"
+        )
     result = {
         "model": str(model.gguf.path),
         "adapters": model_kw.get("lora_play"),

@@ -24,18 +24,20 @@ from typing import Optional
 import numpy as np
 import torch
 
+from juno_py.errors import show
 from juno_py.exchange.interop import (
     Part,
     dump_record,
     finish_import,
     load_record,
+    number,
     part_records,
     split_by_record,
     stack_parts,
 )
 from juno_py.gguf import GGMLType, GGUFFile, GGUFWriter, ValueType
 from juno_py.gguf.quants import dequantize, quantize
-from juno_py.lora.format import AdapterEntry, Init, Mode, Scaling, read_adapter
+from juno_py.lora.format import MAX_ABS_ALPHA, AdapterEntry, Init, Mode, Scaling, read_adapter
 from juno_py.merge.targets import MergeError, ModelTargets, entries_by_tensor
 from juno_py.progress import DEFAULT_INTERVAL, Progress
 
@@ -74,14 +76,14 @@ def export_gguf_lora(
     from juno_py.store import resolve_model
 
     if dtype not in DTYPES:
-        raise MergeError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+        raise MergeError(f"--dtype {show(dtype)}: expected one of {', '.join(DTYPES)}")
     qtype = DTYPES[dtype]
     base_path, output = Path(resolve_model(base)), Path(output)
     _, entries = read_adapter(adapter)
     dora = [e.key for e in entries if e.mode == Mode.DORA]
     if dora:
         raise MergeError(
-            f"{adapter}: entry {dora[0]!r} is DoRA; llama.cpp's LoRA adapters cannot express DoRA's "
+            f"{adapter}: entry {show(dora[0])} is DoRA; llama.cpp's LoRA adapters cannot express DoRA's "
             f"magnitude: merge it into the model instead (juno-py merge --lora-path {adapter})"
         )
     experts = [e.key for e in entries if e.on_experts]
@@ -138,14 +140,15 @@ def _pairs(f: GGUFFile) -> dict[str, dict[str, str]]:
         else:
             if name.endswith("_norm.weight"):
                 warnings.warn(
-                    f"{f.path}: tensor {name!r} skipped (llama.cpp skips norm tensors of adapters too)", stacklevel=3
+                    f"{f.path}: tensor {show(name)} skipped (llama.cpp skips norm tensors of adapters too)",
+                    stacklevel=3,
                 )
                 continue
-            raise MergeError(f"{f.path}: tensor {name!r} has an unexpected suffix, expected .lora_a or .lora_b")
+            raise MergeError(f"{f.path}: tensor {show(name)} has an unexpected suffix, expected .lora_a or .lora_b")
     for base, ab in out.items():
         if len(ab) != 2:
             missing = "lora_b" if "lora_a" in ab else "lora_a"
-            raise MergeError(f"{f.path}: the LoRA pair of {base!r} is missing its {missing}")
+            raise MergeError(f"{f.path}: the LoRA pair of {show(base)} is missing its {missing}")
     return out
 
 
@@ -158,26 +161,26 @@ def import_gguf_lora(base, path, output) -> Path:
         md = f.metadata
         if md.get("general.type") != "adapter" or md.get("adapter.type") != "lora":
             raise MergeError(
-                f"{path}: general.type {md.get('general.type')!r} / adapter.type "
-                f"{md.get('adapter.type')!r}, expected 'adapter' / 'lora' (not a LoRA adapter GGUF)"
+                f"{path}: general.type {show(md.get('general.type'))} / adapter.type "
+                f"{show(md.get('adapter.type'))}, expected 'adapter' / 'lora' (not a LoRA adapter GGUF)"
             )
         targets = ModelTargets(gguf)
         if md.get("general.architecture") != targets.args.architecture:
             raise MergeError(
-                f"{path}: architecture {md.get('general.architecture')!r} does not match the model's "
-                f"{targets.args.architecture!r} ({gguf.path})"
+                f"{path}: architecture {show(md.get('general.architecture'))} does not match the model's "
+                f"{show(targets.args.architecture)} ({gguf.path})"
             )
         field = f.fields.get(ALPHA_KEY)
         if field is not None and field.vtype != ValueType.FLOAT32:
             raise MergeError(
-                f"{path}: metadata {ALPHA_KEY!r} is {field.vtype.name}, expected FLOAT32 (llama.cpp "
+                f"{path}: metadata {ALPHA_KEY} is {field.vtype.name}, expected FLOAT32 (llama.cpp "
                 f"aborts on any other type)"
             )
-        alpha = float(field.value) if field is not None else 0.0
+        alpha = number(field.value, str(path), f"metadata {ALPHA_KEY}", MAX_ABS_ALPHA) if field is not None else 0.0
         records = load_record(md.get(RECORD_KEY), str(path))
         entries: list[AdapterEntry] = []
         for tensor, ab in _pairs(f).items():
-            where = f"{path}: tensor {tensor!r}"
+            where = f"{path}: tensor {show(tensor)}"
             if tensor not in gguf.tensors:
                 raise MergeError(f"{where}: does not exist in the model {gguf.path} (an adapter for another model?)")
             slots = targets.slots_of_tensor(tensor)
@@ -191,13 +194,19 @@ def import_gguf_lora(base, path, output) -> Path:
                 or A.shape[1] != info.n_cols
                 or B.shape[0] != info.n_rows
                 or A.shape[0] != B.shape[1]
+                or A.shape[0] < 1
             ):
                 raise MergeError(
                     f"{where}: lora_a {A.shape} and lora_b {B.shape} do not fit the model tensor "
-                    f"{info.shape}: expected (r, {info.n_cols}) and ({info.n_rows}, r)"
+                    f"{info.shape}: expected (r, {info.n_cols}) and ({info.n_rows}, r) with r >= 1"
                 )
             if tensor in records:
-                split = split_by_record(records[tensor], A, B, None, where)
+
+                def rows_of(il: int, t: str, tensor=tensor) -> Optional[tuple[int, int]]:
+                    slot = targets.layout.blocks[il].targets.get(t) if il < targets.n_layer else None
+                    return slot.rows if slot is not None and slot.tensor == tensor else None
+
+                split = split_by_record(records[tensor], A, B, None, where, rows_of)
             else:
                 rank = A.shape[0]
                 # standard scaling with alpha' such that alpha'/r is llama.cpp's scale

@@ -21,17 +21,19 @@ from typing import Optional
 import numpy as np
 
 from juno_py.atomic import atomic_output
+from juno_py.errors import one_line, show
 from juno_py.exchange.interop import (
     Part,
     dump_record,
     finish_import,
     load_record,
+    number,
     part_records,
     split_by_record,
     stack_parts,
 )
 from juno_py.gguf import GGUFFile
-from juno_py.lora.format import AdapterEntry, Init, Mode, Scaling, read_adapter
+from juno_py.lora.format import MAX_ABS_ALPHA, AdapterEntry, Init, Mode, Scaling, read_adapter
 from juno_py.merge.targets import MergeError, ModelTargets
 from juno_py.models.layout import MOE_TARGETS, TARGETS
 from juno_py.progress import DEFAULT_INTERVAL, Progress
@@ -197,6 +199,9 @@ def export_peft(
         "init_lora_weights": True,
         "modules_to_save": None,
     }
+    for name, x in tensors.items():  # B times a baked scale, or a base row norm, can still overflow float32
+        if not np.isfinite(x).all():
+            raise MergeError(f"{adapter}: tensor {name} is not finite in float32; nothing written")
     output.mkdir(parents=True, exist_ok=True)
     blob = save(
         {k: np.ascontiguousarray(v) for k, v in tensors.items()},
@@ -210,18 +215,92 @@ def export_peft(
 
 
 # ----------------------------------------------------------------------------------------------- import
-def _pattern_value(patterns: dict, name: str, default):
-    """PEFT's rank_pattern / alpha_pattern lookup (peft.utils.other.get_pattern_key)."""
-    for key, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({key})$", name):
+MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json is a few hundred bytes to a few KiB in practice
+MAX_PATTERN_CHARS = 512
+FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+# a pattern key quantifies nothing more than this, and no group: PEFT's regex runs over every module name, and
+# a nested or repeated quantifier ('(a+)+', 'a*a*a*a*a*') backtracks for minutes on a 30-character name
+_QUANTIFIED_GROUP = re.compile(r"\)(?:[*+?]|\{\d)")
+_QUANTIFIER = re.compile(r"(?<!\\)(?:[*+?]|\{\d)")
+MAX_QUANTIFIERS = 2
+
+
+def _pattern_value(patterns: dict, name: str, default, where: str):
+    """PEFT's rank_pattern / alpha_pattern lookup (peft.utils.other.get_pattern_key), for patterns checked to
+    compile and to run in bounded time."""
+    for key, value in patterns.items():
+        if len(key) > MAX_PATTERN_CHARS:
+            raise MergeError(f"{where}: pattern {show(key)} of {len(key)} characters, expected <= {MAX_PATTERN_CHARS}")
+        if _QUANTIFIED_GROUP.search(key) or len(_QUANTIFIER.findall(key)) > MAX_QUANTIFIERS:
+            raise MergeError(
+                f"{where}: pattern {show(key)} quantifies a group or repeats more than {MAX_QUANTIFIERS} times: "
+                f"expected a module name or a simple regular expression"
+            )
+        try:
+            matched = re.match(rf"(.*\.)?({key})$", name)
+        except (re.error, RecursionError, OverflowError) as e:
+            raise MergeError(f"{where}: pattern {show(key)} is not a valid regular expression ({e})") from None
+        if matched:
             return value
     return default
 
 
+def _config(cfg_path: Path) -> dict:
+    """adapter_config.json, checked for everything the import reads."""
+    size = cfg_path.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise MergeError(f"{cfg_path}: {size} bytes, expected at most {MAX_CONFIG_BYTES} for an adapter config")
+    try:
+        cfg = json.loads(cfg_path.read_bytes())
+    except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the parser goes
+        raise MergeError(f"{cfg_path}: not valid JSON ({one_line(str(e), 160)})") from None
+    if not isinstance(cfg, dict):
+        raise MergeError(f"{cfg_path}: a JSON {type(cfg).__name__}, expected an object")
+
+    def flag(name: str) -> bool:
+        v = cfg.get(name)
+        if v is not None and not isinstance(v, bool):
+            raise MergeError(f"{cfg_path}: field {name} is {show(v)}, expected true or false")
+        return bool(v)
+
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise MergeError(f"{cfg_path}: field peft_type is {show(cfg.get('peft_type'))}, expected 'LORA'")
+    if flag("fan_in_fan_out") or flag("lora_bias") or cfg.get("bias", "none") not in ("none", None):
+        raise MergeError(f"{cfg_path}: fan_in_fan_out, lora_bias and trained biases are not supported")
+    out = {"use_rslora": flag("use_rslora"), "use_dora": flag("use_dora")}
+    out["lora_alpha"] = number(cfg.get("lora_alpha", 8), str(cfg_path), "field lora_alpha", MAX_ABS_ALPHA)
+    patterns = cfg.get("alpha_pattern") or {}
+    if not isinstance(patterns, dict):
+        raise MergeError(f"{cfg_path}: field alpha_pattern is {show(patterns)}, expected an object")
+    out["alpha_pattern"] = {
+        k: number(v, str(cfg_path), f"field alpha_pattern[{show(k)}]", MAX_ABS_ALPHA) for k, v in patterns.items()
+    }
+    return out
+
+
+def _weights(path: Path) -> tuple[Optional[str], dict[str, np.ndarray]]:
+    """(the juno-py record or None, tensors as float32) of adapter_model.safetensors."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            record = (f.metadata() or {}).get(RECORD_KEY)
+            tensors = {}
+            for k in f.keys():
+                dtype = f.get_slice(k).get_dtype()
+                if dtype not in FLOAT_DTYPES:
+                    raise MergeError(
+                        f"{path}: tensor {show(k)} has dtype {show(dtype)}, expected one of {', '.join(sorted(FLOAT_DTYPES))}"
+                    )
+                tensors[k] = f.get_tensor(k).to(torch.float32).numpy()
+    except SafetensorError as e:
+        raise MergeError(f"{path}: not a valid safetensors file ({one_line(str(e), 160)})") from None
+    return record, tensors
+
+
 def import_peft(base, folder, output) -> Path:
     """Read a PEFT LoRA/DoRA folder (ours or another tool's) into adapter.bin for `base`."""
-    from safetensors import safe_open
-
     from juno_py.store import resolve_model
 
     folder = Path(folder)
@@ -231,24 +310,18 @@ def import_peft(base, folder, output) -> Path:
             raise MergeError(
                 f"{folder}: {p.name} is missing (a PEFT adapter folder holds {CONFIG_FILE} and {WEIGHTS_FILE})"
             )
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except ValueError as e:
-        raise MergeError(f"{cfg_path}: not valid JSON ({e})") from None
-    if cfg.get("peft_type", "LORA") != "LORA":
-        raise MergeError(f"{cfg_path}: peft_type {cfg.get('peft_type')!r}, expected LORA")
-    if cfg.get("fan_in_fan_out") or cfg.get("lora_bias") or cfg.get("bias", "none") != "none":
-        raise MergeError(f"{cfg_path}: fan_in_fan_out, lora_bias and trained biases are not supported")
-    rslora = bool(cfg.get("use_rslora"))
-    with safe_open(str(weights_path), "np") as f:
-        record_text = (f.metadata() or {}).get(RECORD_KEY)
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    cfg = _config(cfg_path)
+    rslora = cfg["use_rslora"]
+    record_text, tensors = _weights(weights_path)
     modules: dict[str, dict[str, np.ndarray]] = {}
     for key, value in tensors.items():
         m = _KEY.match(key)
         if not m:
-            raise MergeError(f"{weights_path}: tensor {key!r} is not a LoRA A, B or DoRA magnitude")
-        modules.setdefault(m.group("module"), {})[m.group("kind").split(".")[0]] = value.astype(np.float32)
+            raise MergeError(f"{weights_path}: tensor {show(key)} is not a LoRA A, B or DoRA magnitude")
+        kind = m.group("kind").split(".")[0]
+        if kind in modules.setdefault(m.group("module"), {}):
+            raise MergeError(f"{weights_path}: tensor {show(key)}: a second {kind} for its module")
+        modules[m.group("module")][kind] = value
     records = load_record(record_text, str(weights_path))
     base_path = Path(resolve_model(base))
     entries: list[AdapterEntry] = []
@@ -256,10 +329,10 @@ def import_peft(base, folder, output) -> Path:
         targets = ModelTargets(gguf)
         table = targets.spec.hf_modules
         for module, parts in sorted(modules.items()):
-            where = f"{weights_path}: module {module!r}"
+            where = f"{weights_path}: module {show(module)}"
             m = _LAYER.search(module)
             members = [t for t in TARGETS if m and table[t] == m.group("module")]
-            if not members:
+            if not m or not members or not m.group("layer").isascii() or len(m.group("layer")) > 9:
                 raise MergeError(
                     f"{where}: not a module juno-py adapts in {targets.args.architecture} "
                     f"({', '.join(sorted(set(table.values())))} of model.layers.N)"
@@ -269,17 +342,23 @@ def import_peft(base, folder, output) -> Path:
             layer = int(m.group("layer"))
             A, B, mag = parts["lora_A"], parts["lora_B"], parts.get("lora_magnitude_vector")
             n_rows = module_rows(targets, members[0])[2]
-            if A.ndim != 2 or B.ndim != 2 or B.shape != (n_rows, A.shape[0]):
+            if A.ndim != 2 or B.ndim != 2 or A.shape[0] < 1 or B.shape != (n_rows, A.shape[0]):
                 raise MergeError(
-                    f"{where}: A {A.shape} and B {B.shape} do not fit the module's {n_rows} rows "
-                    f"(an adapter for another model?)"
+                    f"{where}: A {A.shape} and B {B.shape} do not fit the module's {n_rows} rows: expected "
+                    f"(r, in) and ({n_rows}, r) with r >= 1 (an adapter for another model?)"
                 )
+            if mag is not None and mag.shape != (n_rows,):
+                raise MergeError(f"{where}: lora_magnitude_vector {mag.shape}, expected ({n_rows},)")
             name = LAYER_MODULE.format(layer=layer, module=m.group("module"))
+
+            def rows_of(il: int, t: str, layer=layer, members=members) -> Optional[tuple[int, int]]:
+                return module_rows(targets, t)[:2] if il == layer and t in members else None
+
             if name in records:
-                split = split_by_record(records[name], A, B, mag, where)
+                split = split_by_record(records[name], A, B, mag, where, rows_of)
             else:
                 # the rank is A's; PEFT's rank_pattern only decides the shapes it creates
-                alpha = float(_pattern_value(cfg.get("alpha_pattern"), name, cfg.get("lora_alpha", 8)))
+                alpha = _pattern_value(cfg["alpha_pattern"], name, cfg["lora_alpha"], str(cfg_path))
                 split = []
                 for t in members:
                     lo, hi, _ = module_rows(targets, t)

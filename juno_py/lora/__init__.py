@@ -18,7 +18,7 @@ from typing import Iterable, Optional, Sequence, Union, cast
 import torch
 from torch import nn
 
-from juno_py.errors import AdapterMismatch
+from juno_py.errors import AdapterMismatch, show
 from juno_py.lora.adapters import (
     AdaptedLinear,
     AdapterConfig,
@@ -72,7 +72,7 @@ def parse_targets(spec: Union[str, Sequence[str]]) -> tuple[str, ...]:
         t = TARGET_ALIASES.get(n, n)
         if t not in ALL_TARGETS:
             raise ValueError(
-                f"unknown target {n!r}: expected qv, all, attn, mlp, experts or a comma list of "
+                f"unknown target {show(n)}: expected qv, all, attn, mlp, experts or a comma list of "
                 f"{', '.join(ALL_TARGETS)}"
             )
         if t not in out:
@@ -201,10 +201,13 @@ def parse_adapter_spec(spec: str) -> tuple[str, float]:
 
 
 def check_entry_fits(
-    model, e: AdapterEntry, path, fps: TensorFingerprints, force: bool = False
+    model, e: AdapterEntry, path, fps: TensorFingerprints, force: bool = False, mismatches: Optional[list] = None
 ) -> AdaptedLinear | nn.Module:
-    """Check one adapter entry against the model's layout; returns the frozen base linear it applies to."""
-    where = f"{path}: entry {e.key[:80]!r}"
+    """Check one adapter entry against the model's layout; returns the frozen base linear it applies to.
+
+    A LoRA entry whose fingerprint differs from its base tensor loads anyway: it is appended to `mismatches` as
+    (path, key, tensor) when a list is given (the caller warns once for all of them), else warned about."""
+    where = f"{path}: entry {show(e.key)}"
     try:
         layer, target, expert = parse_entry_key(e.key)
     except ValueError as err:
@@ -233,7 +236,7 @@ def check_entry_fits(
         mine = fps.of(tensor)
         if mine != e.fingerprint:
             what = (
-                f"{where}: fingerprint differs from the base tensor {tensor!r} (type {e.fingerprint.ggml_type} "
+                f"{where}: fingerprint differs from the base tensor {show(tensor)} (type {e.fingerprint.ggml_type} "
                 f"dims {e.fingerprint.dims} vs type {mine.ggml_type} dims {mine.dims}): trained on another "
                 f"base or quantization"
             )
@@ -241,8 +244,26 @@ def check_entry_fits(
                 raise AdapterMismatch(
                     what + "; a DoRA adapter's magnitude is tied to its base, refused (use --force to load it anyway)"
                 )
-            warnings.warn(what, stacklevel=3)
+            if mismatches is None:
+                warnings.warn(what, stacklevel=3)
+            else:
+                mismatches.append((path, e.key, tensor))
     return base
+
+
+def warn_mismatches(model, mismatches: list) -> None:
+    """One warning for every LoRA entry of a load whose fingerprint differs from its base tensor."""
+    if not mismatches:
+        return
+    files = list(dict.fromkeys(str(p) for p, _, _ in mismatches))
+    path, key, tensor = mismatches[0]
+    more = f" and {len(mismatches) - 1} more entries" if len(mismatches) > 1 else ""
+    where = f"{path}" if len(files) == 1 else f"{path} (and {len(files) - 1} more files)"
+    warnings.warn(
+        f"{where}: entry {show(key)}{more}: fingerprint differs from the base tensor {show(tensor)} of "
+        f"{model.gguf.path}: trained on another base or quantization; playing the LoRA anyway",
+        stacklevel=3,
+    )
 
 
 def load_adapters(
@@ -264,9 +285,10 @@ def load_adapters(
     fps = TensorFingerprints(model)
     # by where each adapter plays: (layer, target, expert or None); an every-expert entry plays on each expert
     grouped: dict[tuple[int, str, Optional[int]], list[tuple[LoraAdapter, float]]] = defaultdict(list)
+    mismatches: list = []
     for path, scale, entries in files:
         for e in entries:
-            base = check_entry_fits(model, e, path, fps, force)
+            base = check_entry_fits(model, e, path, fps, force, mismatches)
             ad = LoraAdapter.from_entry(e).to(_device_of(base))
             layer, target, expert = parse_entry_key(e.key)
             if target not in EXPERT_TARGETS:
@@ -275,6 +297,7 @@ def load_adapters(
                 places = [expert] if expert is not None else list(range(model.args.n_expert))
             for place in places:
                 grouped[layer, target, place].append((ad, scale))
+    warn_mismatches(model, mismatches)
     detach(model)
     out = {}
     for (layer, target, expert), items in sorted(

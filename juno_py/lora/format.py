@@ -17,7 +17,7 @@ from typing import Optional
 import numpy as np
 
 from juno_py.atomic import atomic_write_bytes
-from juno_py.errors import JunoError
+from juno_py.errors import JunoError, show
 from juno_py.models.layout import ALL_TARGETS, EXPERT_TARGETS
 
 MAGIC = 0x4C4F5241  # "LORA"
@@ -128,16 +128,20 @@ def parse_entry_key(key: str) -> tuple[int, str, Optional[int]]:
     every expert of the block; expert None)."""
     layer, sep, rest = key.partition(":")
     target, dot, expert = rest.partition(".")
-    ok = bool(sep) and layer.isdigit() and target in ALL_TARGETS
+    ok = bool(sep) and layer.isascii() and layer.isdigit() and target in ALL_TARGETS
     if ok and target in EXPERT_TARGETS:
-        ok = expert == EVERY_EXPERT or (expert.isdigit() and expert == str(int(expert)))
+        ok = expert == EVERY_EXPERT or (
+            expert.isascii() and expert.isdigit() and len(expert) <= 9 and expert == str(int(expert))
+        )
     elif ok:
         ok = not dot
     if not ok:
         raise ValueError(
-            f"key {key[:80]!r}: expected '<layer>:<target>' with target one of {', '.join(ALL_TARGETS)}, "
+            f"key {show(key)}: expected '<layer>:<target>' with target one of {', '.join(ALL_TARGETS)}, "
             f"expert targets as '<layer>:<target>.<expert>' or '<layer>:<target>.*'"
         )
+    if len(layer) > 9:
+        raise ValueError(f"key {show(key)}: layer index of {len(layer)} digits, expected at most 9")
     return int(layer), target, int(expert) if expert.isdigit() else None
 
 
@@ -163,7 +167,7 @@ class _Reader:
         self.entry = "header"
 
     def fail(self, fld: str, problem: str) -> AdapterFormatError:
-        where = f"entry {self.entry!r}" if self.entry != "header" else "header"
+        where = f"entry {show(self.entry)}" if self.entry != "header" else "header"
         return AdapterFormatError(f"{self.path}: {where}: field {fld} at offset {self.pos}: {problem}")
 
     def take(self, n: int, fld: str) -> bytes:
@@ -289,7 +293,12 @@ def read_adapter(path) -> tuple[int, list[AdapterEntry]]:
         data = path.read_bytes()
     except OSError as e:
         raise AdapterFormatError(f"{path}: cannot read: {e.strerror}") from None
-    r = _Reader(data, str(path))
+    return parse_adapter(data, str(path))
+
+
+def parse_adapter(data: bytes, name: str) -> tuple[int, list[AdapterEntry]]:
+    """`read_adapter` of bytes in memory; `name` is what the errors call the file."""
+    r = _Reader(data, name)
     magic = r.i32("magic") & 0xFFFFFFFF
     if magic != MAGIC:
         r.pos = 0
@@ -354,9 +363,9 @@ def _encode_entry(e: AdapterEntry) -> bytes:
 def encode_adapter(entries: list[AdapterEntry]) -> bytes:
     for e in entries:
         if e.A.shape != (e.rank, e.in_dim) or e.B.shape != (e.out_dim, e.rank):
-            raise ValueError(f"entry {e.key!r}: A {e.A.shape} and B {e.B.shape} do not agree")
+            raise ValueError(f"entry {show(e.key)}: A {e.A.shape} and B {e.B.shape} do not agree")
         if e.mode == Mode.DORA and e.magnitude is None:
-            raise ValueError(f"entry {e.key!r}: a DoRA entry needs its magnitude")
+            raise ValueError(f"entry {show(e.key)}: a DoRA entry needs its magnitude")
     body = [struct.pack(">iii", MAGIC, 2, len(entries))]
     for e in entries:
         payload = _encode_entry(e)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence, Union
 
+from juno_py.errors import show
 from juno_py.gguf import GGUFFile, GGUFWriter, ValueType
 from juno_py.merge.report import MergeReport, TensorReport
 from juno_py.merge.requant import choose_encoding, extreme_code_count, parse_requant
@@ -144,7 +145,7 @@ def merge_model(
                 # the error is computed from the decoded output, so it is finite only if every written value is
                 if not (math.isfinite(enc.max_abs_error) and math.isfinite(enc.delta_sq)):
                     raise MergeError(
-                        f"tensor {name!r}: the merged weights are not finite in {enc.ggml_type.name} (the adapter's "
+                        f"tensor {show(name)}: the merged weights are not finite in {enc.ggml_type.name} (the adapter's "
                         f"delta overflows it); nothing written"
                     )
                 writer.add_tensor(name, enc.raw, enc.ggml_type, info.shape)

@@ -15,6 +15,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
+from juno_py.errors import show
 from juno_py.gguf import quants
 from juno_py.gguf.constants import GGML_BLOCK_SIZES, GGMLType, type_name
 from juno_py.gguf.quants.iquants import I_LAYOUTS
@@ -70,7 +71,7 @@ def parse_requant(spec: Union[str, GGMLType]) -> Policy:
             value = GGMLType[text.upper()]
         except KeyError:
             raise MergeError(
-                f"--requant {spec!r}: expected source, auto or a GGML type name "
+                f"--requant {show(spec)}: expected source, auto or a GGML type name "
                 f"({', '.join(t.lower() for t in quants.quantizable_types())})"
             ) from None
     if value not in _encodable():
@@ -278,7 +279,7 @@ def choose_encoding(info, patches: Sequence[RowPatch], policy: Policy, min_reten
     climb = policy == "auto" or (policy == "source" and not encodable)
     candidates = ladder(source_type, info.n_cols) if climb else candidate_types(policy, source_type, info.n_cols)
     if not candidates:
-        raise MergeError(f"tensor {info.name!r}: no encodable type fits its rows of {info.n_cols} values")
+        raise MergeError(f"tensor {show(info.name)}: no encodable type fits its rows of {info.n_cols} values")
     source_first = candidate_types("source", source_type, info.n_cols)[0]
     values = TensorValues(info, patches)
     choice = None

@@ -17,7 +17,7 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from juno_py.errors import AdapterMismatch, JunoError
+from juno_py.errors import AdapterMismatch, JunoError, show
 from juno_py.kernels.dora import DORA_EPS
 from juno_py.lora.format import AdapterEntry, Fingerprint, Mode, parse_entry_key, parse_key, read_adapter, sort_key
 from juno_py.models.config import ModelArgs, arch_spec
@@ -115,7 +115,7 @@ class ModelTargets:
 
     def check_entry(self, e: AdapterEntry, path, force: bool = False) -> TargetSlot:
         """The slot an entry applies to, after checking its shape and (for DoRA, strictly) its fingerprint."""
-        where = f"{path}: entry {e.key!r}: "
+        where = f"{path}: entry {show(e.key)}: "
         slot = self.slot(e.key, where)
         info = self.gguf.tensor(slot.tensor)
         n_out, n_in = (slot.rows[1] - slot.rows[0]) // self.experts_sharing(e), info.n_cols
@@ -132,7 +132,7 @@ class ModelTargets:
         if e.fingerprint is not None and e.fingerprint != self.fingerprint(slot.tensor):
             mine = self.fingerprint(slot.tensor)
             what = (
-                f"{where}fingerprint differs from the base tensor {slot.tensor!r} (type {e.fingerprint.ggml_type} "
+                f"{where}fingerprint differs from the base tensor {show(slot.tensor)} (type {e.fingerprint.ggml_type} "
                 f"dims {e.fingerprint.dims} vs type {mine.ggml_type} dims {mine.dims}): trained on another base "
                 f"or quantization"
             )
@@ -147,7 +147,7 @@ class ModelTargets:
             path, key, tensor = self.mismatches[0]
             more = f" and {len(self.mismatches) - 1} more" if len(self.mismatches) > 1 else ""
             warnings.warn(
-                f"{path}: entry {key!r}{more}: fingerprint differs from the base tensor {tensor!r} of "
+                f"{path}: entry {show(key)}{more}: fingerprint differs from the base tensor {show(tensor)} of "
                 f"{self.gguf.path}: trained on another base or quantization",
                 stacklevel=3,
             )
@@ -193,7 +193,7 @@ class RowPatch:
             d = d.detach() if isinstance(d, torch.Tensor) else torch.from_numpy(np.asarray(d))
             if d.numel() != self.n_rows * n_cols:
                 raise MergeError(
-                    f"dense delta {self.key!r}: shape {tuple(d.shape)} does not fit rows "
+                    f"dense delta {show(self.key)}: shape {tuple(d.shape)} does not fit rows "
                     f"{self.rows[0]}..{self.rows[1]} x {n_cols} columns"
                 )
             self._dense_value = d.to("cpu", torch.float64).reshape(self.n_rows, n_cols)
@@ -255,27 +255,27 @@ def plan_patches(
             if e.mode == Mode.DORA:
                 if p.loras or p.dense is not None:
                     raise MergeError(
-                        f"{src.path}: entry {e.key!r}: a DoRA entry cannot combine with other changes to the same rows"
+                        f"{src.path}: entry {show(e.key)}: a DoRA entry cannot combine with other changes to the same rows"
                     )
                 p.magnitude = np.asarray(e.magnitude, dtype=np.float32)
             elif p.magnitude is not None:
-                raise MergeError(f"{src.path}: entry {e.key!r}: the rows already carry a DoRA entry")
+                raise MergeError(f"{src.path}: entry {show(e.key)}: the rows already carry a DoRA entry")
             B = np.asarray(e.B, np.float32)
             B = np.tile(B, (targets.experts_sharing(e), 1))  # an every-expert entry: the same B·A on each expert
             p.loras.append(LoraTerm(np.asarray(e.A, np.float32), B, e.scale * src.scale))
     for name, value in (deltas or {}).items():
         key = _as_key(name)
         if key is not None:
-            slot = targets.slot(name, f"dense delta {name!r}: ")
+            slot = targets.slot(name, f"dense delta {show(name)}: ")
             tensor, rows = slot.tensor, slot.rows
         else:
             if name not in targets.gguf.tensors:
-                raise MergeError(f"dense delta {name!r}: tensor is missing from {targets.gguf.path}")
+                raise MergeError(f"dense delta {show(name)}: tensor is missing from {targets.gguf.path}")
             tensor, rows = name, (0, targets.tensor_rows(name))
         p = patch_for(tensor, rows, name)
         if p.magnitude is not None or p.dense is not None:
             raise MergeError(
-                f"dense delta {name!r}: rows {rows[0]}..{rows[1]} of {tensor} already carry a DoRA "
+                f"dense delta {show(name)}: rows {rows[0]}..{rows[1]} of {tensor} already carry a DoRA "
                 f"entry or another dense delta"
             )
         p.dense = value

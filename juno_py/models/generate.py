@@ -9,7 +9,12 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import Tensor
 
+from juno_py.errors import JunoError
 from juno_py.models.model import KVCache, Transformer
+
+
+class NonFiniteLogits(JunoError, FloatingPointError):
+    """The model's next-token logits hold NaN or Inf: weights or adapters with extreme values."""
 
 
 def sample(
@@ -71,6 +76,11 @@ def generate(
     logits = prefill(model, torch.tensor([ids], dtype=torch.long, device=model.embed.device), cache)
     out: list[int] = []
     for step in range(max_new_tokens):
+        if not bool(torch.isfinite(logits).all()):
+            raise NonFiniteLogits(
+                f"the model's logits for generated token {step + 1} are not finite: its weights or the adapters "
+                f"played on it hold extreme values"
+            )
         token = sample(logits, temperature, top_k, top_p, generator)
         if token in stop:
             break

@@ -110,7 +110,7 @@ def evaluate(
         n += b.n_supervised
     for _ in range(math.ceil(len(ordered) / step), min_batches):
         b = pad_batch(list(filler), pad_id)
-        model.loss(b.tokens, b.targets, b.positions, b.mask, chunk=loss_chunk(model), reduction="sum")
+        model.loss(b.tokens, b.targets, b.positions, chunk=loss_chunk(model), reduction="sum", documents=b.documents)
     model.train(was_training)
     loss = total / n if n else float("nan")
     return {"loss": loss, "ppl": math.exp(min(loss, 700.0)) if n else float("nan"), "tokens": n}
