@@ -39,6 +39,7 @@ SHARED_OPTIONS = (
     "lora_gradient_accumulation",
     "max_seq_len",
     "max_steps",
+    "schedule_steps",
     "epochs",
     "lora_loss_target",
     "validation_every",
@@ -200,6 +201,7 @@ def full(**o) -> None:
     """Train every weight of the chosen targets (the rest stays quantized and frozen); write a GGUF. Prints its path."""
     import torch
 
+    from juno_py.atomic import OutputError, check_writable
     from juno_py.lora import parse_targets
     from juno_py.merge import merge_trained, parse_requant
     from juno_py.merge.merge import check_output_path
@@ -231,6 +233,7 @@ def full(**o) -> None:
         max_matrix_norm=matrix_norm,
     )
     output = Path(o["output"])
+    check_writable(output, "--output")  # before a model is pulled or loaded
     if o["threads"]:
         torch.set_num_threads(o["threads"])
     model_file = resolve_model(o["model_path"])
@@ -288,8 +291,13 @@ def full(**o) -> None:
         if result.stop_reason == "interrupted":
             say(f"saved; continue with the same command and --resume (state: {output}.state); no GGUF written")
             return
-        with warnings_to_stderr():
-            report = merge_trained(dense, model_file, output, o["requant"], o["min_retention"], recorder)
+        try:
+            with warnings_to_stderr():
+                report = merge_trained(dense, model_file, output, o["requant"], o["min_retention"], recorder)
+        except OutputError as e:
+            raise OutputError(
+                f"{e}; the trained weights are in {output}.state: run the same command with --resume to write the GGUF"
+            ) from e
     except KeyboardInterrupt:
         say(f"juno-py: stopped without saving; the last checkpoint ({output}.state, if any) is kept")
         sys.exit(130)
@@ -366,6 +374,7 @@ def train_config_from_options(o: dict, *, lr: float, max_grad_norm: float, pad_i
         min_lr=o["min_lr"],
         max_steps=o["max_steps"],
         epochs=o["epochs"],
+        schedule_steps=o["schedule_steps"],
         loss_target=o["loss_target"],
         validation_every=o["validation_every"],
         patience=o["validation_patience"],

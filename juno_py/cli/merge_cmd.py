@@ -88,10 +88,12 @@ def merge(
     events_out,
 ) -> None:
     """Merge an adapter into the base model and write a GGUF that llama.cpp runs. Prints its path."""
+    from juno_py.atomic import check_writable
     from juno_py.merge import merge_model
     from juno_py.metrics import MetricsRecorder
 
     output = Path(output) if output else default_output(lora_path)
+    check_writable(output, "--output")  # before a model is pulled or read
     recorder = MetricsRecorder(events_out=events_out) if (metrics_out or events_out) else None
     try:
         with warnings_to_stderr():

@@ -21,7 +21,17 @@ from torch import nn
 from torch.nn import functional as F
 
 from juno_py.kernels.dora import DORA_EPS, DoraLinearFn, dora_compose_xa, factored_row_norm, layer_training_fused
-from juno_py.lora.format import AdapterEntry, Fingerprint, Init, Mode, Scaling, parse_key, sort_key, write_adapter
+from juno_py.lora.format import (
+    AdapterEntry,
+    Fingerprint,
+    Init,
+    Mode,
+    Scaling,
+    encode_adapter,
+    parse_key,
+    sort_key,
+    write_adapter,
+)
 from juno_py.train.state import FORMAT as STATE_FORMAT
 from juno_py.train.trainable import StepNote, Trainable
 from juno_py.weights.base import has_exact_products
@@ -403,6 +413,10 @@ class AdapterSet(Trainable):
 
     def save(self, path: Union[str, Path]) -> Path:
         return write_adapter(path, self.entries())
+
+    def saved_bytes(self) -> int:
+        """The adapter file's size: its encoding depends on the shapes and keys only, not the values."""
+        return len(encode_adapter(self.entries()))
 
     def weights_changed(self) -> None:
         """Drop every cached DoRA norm (and g, and the playback casts of A and B: `AdaptedLinear.weights_changed`):

@@ -22,6 +22,8 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from juno_py.atomic import OutputError, reason, release, reserve
+from juno_py.lora.format import MAX_ABS_VALUE
 from juno_py.metrics import Identity, MetricsRecorder, format_bytes, peak_rss_bytes, rss_bytes
 from juno_py.train import distributed
 from juno_py.train.cuda_graph import GraphedSteps, graph_blocker, resolve_graphs
@@ -30,6 +32,15 @@ from juno_py.train.optim import TrainOptimizer, as_train_optimizer, build_optimi
 from juno_py.train.state import StateError, save_state, state_path
 from juno_py.train.steps import TrainingDiverged, forward_backward, model_loss
 from juno_py.train.trainable import Trainable
+
+# Divergence: a step whose loss or gradient is not finite stops the run before the optimizer touches anything, and
+# the weights kept are the last good ones: their loss finite and at most EXPLODED_RATIO times the run's first loss
+# (floored at 1 nat), and every value at most MAX_WEIGHT in magnitude (what an adapter file holds at most). Weights
+# past either bound have exploded, even while their numbers are still finite.
+EXPLODED_RATIO = 4.0
+MAX_WEIGHT = MAX_ABS_VALUE
+# slack on the resume state's estimated size: its JSON document, the RNG state, safetensors' header
+STATE_SLACK_BYTES = 1 << 20
 
 
 @dataclass
@@ -47,6 +58,7 @@ class TrainConfig:
     min_lr: float = 0.0
     max_steps: Optional[int] = None
     epochs: Optional[int] = 8
+    schedule_steps: Optional[int] = None  # the schedule's length; None: the epochs' steps, else max_steps
     loss_target: Optional[float] = None  # stop once the last epoch's worth of steps averages at or below it
     validation_every: Optional[int] = None  # optimizer steps between validations; None: once per epoch
     patience: int = 3  # validations without an improvement of min_delta before stopping; 0: never
@@ -161,12 +173,23 @@ def train(
     # how long the run is: --max-steps, else --epochs, whichever comes first when both are given
     steps_per_epoch = math.ceil(len(plan(0)) / cfg.accumulation)
     total_steps = cfg.max_steps if cfg.max_steps is not None else None
+    epoch_steps = None
     if cfg.epochs is not None:
         epoch_steps = sum(math.ceil(len(plan(e)) / cfg.accumulation) for e in range(cfg.epochs))
         total_steps = epoch_steps if total_steps is None else min(total_steps, epoch_steps)
     if total_steps is None:
         raise ValueError("give --max-steps or --epochs: the run needs an end")
+    # how long the schedule is: the run's planned length (--schedule-steps, else the epochs), not where --max-steps
+    # stops it, so a run stopped there and resumed with a larger --max-steps continues the same schedule
+    schedule_steps = cfg.schedule_steps or epoch_steps or total_steps
     min_ratio = cfg.min_lr / cfg.lr if cfg.lr > 0 else 0.0
+    schedule = {
+        "kind": cfg.schedule,
+        "steps": schedule_steps,
+        "warmup_steps": cfg.warmup_steps,
+        "lr": cfg.lr,
+        "min_lr": cfg.min_lr,
+    }
 
     # the settings a resume must share with the run it continues
     identity = {
@@ -186,27 +209,49 @@ def train(
     run = RunState()
     best_weights: Optional[list[torch.Tensor]] = None
     if resume:
-        best_weights = _restore(cfg, run, params, names, optimizer, identity, trainable.state_format)
+        best_weights, saved_schedule = _restore(cfg, run, params, names, optimizer, identity, trainable.state_format)
         say(f"resumed from {state_path(cfg.lora_path)} at step {run.step} (epoch {run.epoch}, batch {run.batch})")
+        if saved_schedule is not None and saved_schedule != schedule:
+            changed = ", ".join(
+                f"{k} {saved_schedule.get(k)} -> {v}" for k, v in schedule.items() if saved_schedule.get(k) != v
+            )
+            say(f"note: the learning-rate schedule differs from the saved run's ({changed}); the rates follow this one")
     trainable.start_run()
+    fmt = trainable.state_format
+    start_step = run.step
+    # the last weights whose loss was finite and not exploded: (step, loss, a copy of the weights); not kept when
+    # the optimizer updates during backward (the weights change before the step's loss is known)
+    good: Optional[tuple[int, float, list[torch.Tensor]]] = None
+    keep_good = not optimizer.updates_in_backward
+    if cfg.lora_path is not None and world.is_main:
+        _reserve_outputs(cfg, trainable, optimizer, params, bool(val_set))
 
-    def checkpoint(reason: str) -> None:
+    def checkpoint(why: str) -> None:
         if cfg.lora_path is None:
             return
         if not world.is_main:  # rank 0 writes; the others wait for it, so no failure elsewhere cuts a save short
             return world.barrier()
         t0 = time.perf_counter()
-        written = trainable.save(cfg.lora_path)  # None: the resume state holds the weights
-        _save(cfg, run, params, names, optimizer, identity, best_weights, trainable.state_format)
+        try:
+            written = trainable.save(cfg.lora_path)  # None: the resume state holds the weights
+            _save(state_path(cfg.lora_path), run, params, names, optimizer, identity, best_weights, schedule, fmt)
+        except OSError as e:
+            rescued = _rescue(cfg.lora_path, trainable, run, params, names, optimizer, identity, best_weights, schedule)
+            raise OutputError(f"{cfg.lora_path}: cannot write ({reason(e)}); {rescued}") from e
         size = Path(written or state_path(cfg.lora_path)).stat().st_size
         recorder.emit(
             "checkpoint",
             step=run.step,
             path=str(cfg.lora_path),
             bytes=size,
-            reason=reason,
+            reason=why,
             ms=1e3 * (time.perf_counter() - t0),
         )
+        if why == "save-every":  # space for the next checkpoint
+            try:
+                _reserve_outputs(cfg, trainable, optimizer, params, bool(val_set))
+            except OutputError as e:
+                say(f"juno-py: warning: {e}")
         world.barrier()
 
     def validate() -> Optional[dict]:
@@ -255,7 +300,7 @@ def train(
             share = distributed.StepShare(step_batches, cfg.batch_size, cfg.pad_id, world, cfg.seed, run.step)
             n_sup, n_tok = share.n_supervised, share.n_tokens  # of the global batch, all ranks together
             lrs = set_learning_rates(
-                optimizer, lr_factor(cfg.schedule, run.step, total_steps, cfg.warmup_steps, min_ratio)
+                optimizer, lr_factor(cfg.schedule, run.step, schedule_steps, cfg.warmup_steps, min_ratio)
             )
             times: dict = {}
             note = trainable.before_step()
@@ -267,12 +312,16 @@ def train(
                 loss_sum = share.forward_backward(step_fn, model, net, cfg.bptt_window, times)
                 if not math.isfinite(loss_sum):
                     raise TrainingDiverged(f"the loss is {loss_sum}")
+                step_loss = loss_sum / max(n_sup, 1)
+                reference = run.first_loss if not math.isnan(run.first_loss) else step_loss
+                if keep_good and step_loss <= EXPLODED_RATIO * max(reference, 1.0) and _bounded(params):
+                    good = _remember(good, run.step, step_loss, params)
                 norm = optimizer.grad_norm(params)
                 if not math.isfinite(norm):
                     raise TrainingDiverged(f"the gradient norm is {norm}")
             except TrainingDiverged as e:
                 optimizer.zero_grad(set_to_none=True)
-                kept = _keep_last_good(checkpoint, params, cfg, optimizer.updates_in_backward)
+                kept = _keep_last_good(checkpoint, params, cfg, good, start_step, optimizer.updates_in_backward)
                 raise TrainingDiverged(f"step {run.step + 1}: {e}: stopped before the optimizer step; {kept}") from None
 
             # --- clip, step
@@ -349,6 +398,9 @@ def train(
     finally:
         if bar is not None:
             bar.close()
+        if cfg.lora_path is not None and stop_reason is None:  # an exception: give the reserved space back
+            release(cfg.lora_path)
+            release(state_path(cfg.lora_path))
 
     # the end: validate the final weights if not yet done, keep the best ones, save
     if stop_reason != "interrupted" and val_set and run.last_val_step != run.step and run.step > 0:
@@ -359,7 +411,15 @@ def train(
                 p.copy_(w)
         say(f"restored the best weights (validation loss {run.best_val:.4f} at step {run.best_step})")
     run.seconds = time.perf_counter() - started
-    checkpoint("interrupted" if stop_reason == "interrupted" else "final")
+    try:
+        if keep_good and not _bounded(params):  # exploded without a non-finite number along the way
+            kept = _keep_last_good(checkpoint, params, cfg, good, start_step)
+            raise TrainingDiverged(f"after step {run.step}: weights above {MAX_WEIGHT:g} in magnitude; {kept}")
+        checkpoint("interrupted" if stop_reason == "interrupted" else "final")
+    finally:
+        if cfg.lora_path is not None:
+            release(cfg.lora_path)
+            release(state_path(cfg.lora_path))
     return TrainResult(
         run.step,
         run.epoch + run.batch / max(1, len(plan(run.epoch))),
@@ -374,19 +434,49 @@ def train(
     )
 
 
-def _keep_last_good(checkpoint: Callable[[str], None], params, cfg: TrainConfig, partial: bool = False) -> str:
-    """After a divergence: the trainable still holds the last good step's weights; save them if they are finite.
-    `partial`: the optimizer updated some weights during this step's backward (per-layer mode), so the weights
-    are not the last good step's: the last checkpoint stays."""
+def _bounded(params) -> bool:
+    """Whether every weight is at most MAX_WEIGHT in magnitude (one read from the device)."""
+    peaks = [torch.linalg.vector_norm(p.detach(), ord=math.inf) for p in params]
+    return bool(torch.stack(peaks).max() <= MAX_WEIGHT) if peaks else True
+
+
+def _remember(good, step: int, loss: float, params) -> tuple[int, float, list[torch.Tensor]]:
+    """Copy the weights into the buffers of the last good weights (allocated once)."""
+    buffers = good[2] if good is not None else [torch.empty_like(p) for p in params]
+    with torch.no_grad():
+        for b, p in zip(buffers, params):
+            b.copy_(p)
+    return step, loss, buffers
+
+
+def _keep_last_good(
+    checkpoint: Callable[[str], None],
+    params,
+    cfg: TrainConfig,
+    good: Optional[tuple[int, float, list[torch.Tensor]]],
+    start_step: int,
+    partial: bool = False,
+) -> str:
+    """After a divergence: put back the last weights whose loss was finite and not exploded, and save them; when
+    no step of this run produced such weights, save nothing. Returns what was done, for the message."""
+    on_disk = cfg.lora_path is not None and (Path(cfg.lora_path).exists() or state_path(cfg.lora_path).exists())
+    kept = f"the last checkpoint {cfg.lora_path} is kept as it was" if on_disk else "nothing was saved"
     if partial:
-        where = f"the last checkpoint {cfg.lora_path} is kept as it was" if cfg.lora_path else "nothing was saved"
-        return f"per-layer updates had already changed some weights during this backward pass; {where}"
+        return f"per-layer updates had already changed some weights during this backward pass; {kept}"
+    if good is None or good[0] == start_step:
+        return (
+            f"no step of this run left good weights (a finite loss at most {EXPLODED_RATIO:g}x the first, values at "
+            f"most {MAX_WEIGHT:g}); {kept}"
+        )
+    step, loss, weights = good
+    with torch.no_grad():
+        for p, w in zip(params, weights):
+            p.copy_(w)
+    what = f"the last good weights (after step {step}, loss {loss:.4f})"
     if cfg.lora_path is None:
-        return "the trained weights are the last good step's"
-    if all(bool(torch.isfinite(p).all()) for p in params):
-        checkpoint("diverged")
-        return f"the last good weights are saved in {cfg.lora_path}"
-    return f"the weights are not finite; the last checkpoint {cfg.lora_path} is kept as it was"
+        return f"the trained weights are {what}"
+    checkpoint("diverged")
+    return f"{what} are saved in {cfg.lora_path}"
 
 
 def _progress_bar(total: int, initial: int, progress: Optional[bool]):
@@ -399,8 +489,57 @@ def _progress_bar(total: int, initial: int, progress: Optional[bool]):
 
 
 # ------------------------------------------------------------------------------------------- resume state
+def _reserve_outputs(
+    cfg: TrainConfig, trainable: Trainable, optimizer: TrainOptimizer, params, keep_best: bool
+) -> None:
+    """Hold disk space for the next checkpoint: the trainable's file and the resume state (weights, the best
+    weights when validating, the optimizer's state), so that a disk filling up during the run cannot take it."""
+    weights = sum(p.numel() * p.element_size() for p in params)
+    state = weights * (2 if keep_best else 1) + optimizer.state_bytes(params) + STATE_SLACK_BYTES
+    own = trainable.saved_bytes()
+    try:
+        if own:
+            reserve(cfg.lora_path, own)
+        reserve(state_path(cfg.lora_path), state)
+    except OutputError:
+        release(cfg.lora_path)
+        raise
+
+
+def _rescue(target, trainable: Trainable, run, params, names, optimizer, identity, best_weights, schedule) -> str:
+    """The weights saved where they can be when `target` cannot be written: $JUNO_PY_HOME/rescued/, else the
+    current folder, else the temporary folder. Returns where, as the end of the error message."""
+    import tempfile
+
+    from juno_py.store import home
+
+    name = f"{time.strftime('%Y%m%d-%H%M%S')}-{Path(target).name}"
+    for folder in (home() / "rescued", Path.cwd(), Path(tempfile.gettempdir())):
+        path = folder / name
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            written = trainable.save(path)
+            fmt = trainable.state_format
+            _save(state_path(path), run, params, names, optimizer, identity, best_weights, schedule, fmt)
+        except OSError:
+            for p in (path, state_path(path)):
+                p.unlink(missing_ok=True)
+            continue
+        saved = f"{path} (resume state {state_path(path)})" if written else str(state_path(path))
+        return f"the trained weights are saved in {saved}; move them to the target, or resume with that path"
+    return "the trained weights could not be saved anywhere"
+
+
 def _save(
-    cfg: TrainConfig, run: RunState, params, names, optimizer: TrainOptimizer, identity: dict, best_weights, fmt: str
+    where: Path,
+    run: RunState,
+    params,
+    names,
+    optimizer: TrainOptimizer,
+    identity: dict,
+    best_weights,
+    schedule: dict,
+    fmt: str,
 ) -> None:
     tensors, steps = optimizer.state_tensors(names)
     for p in params:
@@ -409,8 +548,8 @@ def _save(
         for p, w in zip(params, best_weights):
             tensors[f"best/{names[id(p)]}"] = w
     tensors["rng/torch"] = torch.get_rng_state()
-    meta = {"identity": identity, "run": run.__dict__, "adam_steps": steps}
-    save_state(state_path(cfg.lora_path), tensors, meta, fmt)
+    meta = {"identity": identity, "run": run.__dict__, "adam_steps": steps, "schedule": schedule}
+    save_state(where, tensors, meta, fmt)
 
 
 def _restore(cfg: TrainConfig, run: RunState, params, names, optimizer: TrainOptimizer, identity: dict, fmt: str):
@@ -432,9 +571,10 @@ def _restore(cfg: TrainConfig, run: RunState, params, names, optimizer: TrainOpt
     for k, v in meta["run"].items():
         setattr(run, k, [tuple(x) for x in v] if k == "recent" else v)
     torch.set_rng_state(tensors["rng/torch"])
+    best = None
     if f"best/{names[id(params[0])]}" in tensors:
-        return [tensors[f"best/{names[id(p)]}"].clone() for p in params]
-    return None
+        best = [tensors[f"best/{names[id(p)]}"].clone() for p in params]
+    return best, meta.get("schedule")
 
 
 def _short(value) -> str:
