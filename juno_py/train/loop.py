@@ -394,7 +394,10 @@ def train(
                 stop_reason = "interrupted"
             stop_reason = distributed.agree_stop(stop_reason, world)
             if stop_reason is None and cfg.save_every and run.step % cfg.save_every == 0:
-                checkpoint("save-every")
+                if keep_good and not _bounded(params):  # an adapter file could not even hold them
+                    say(f"step {run.step}: weights above {MAX_WEIGHT:g} in magnitude; checkpoint skipped")
+                else:
+                    checkpoint("save-every")
     finally:
         if bar is not None:
             bar.close()
