@@ -14,6 +14,7 @@ from click.core import ParameterSource
 from juno_py.cli.common import (
     FiniteFloatRange,
     StopFlag,
+    check_output_options,
     load_training_data,
     load_training_model,
     lora_targets_option,
@@ -234,6 +235,7 @@ def full(**o) -> None:
     )
     output = Path(o["output"])
     check_writable(output, "--output")  # before a model is pulled or loaded
+    check_output_options(report=o["report_path"], metrics_out=o["metrics_out"], events_out=o["events_out"])
     if o["threads"]:
         torch.set_num_threads(o["threads"])
     model_file = resolve_model(o["model_path"])

@@ -7,7 +7,15 @@ from pathlib import Path
 
 import click
 
-from juno_py.cli.common import StopFlag, load_training_data, load_training_model, one_line_errors, say, set_quiet
+from juno_py.cli.common import (
+    StopFlag,
+    check_output_options,
+    load_training_data,
+    load_training_model,
+    one_line_errors,
+    say,
+    set_quiet,
+)
 from juno_py.cli.options import training_options
 
 
@@ -39,6 +47,7 @@ def lora(**o) -> None:
         torch.set_num_threads(o["threads"])
     if o["lora_path"]:  # an unwritable output fails now, before a model is pulled or loaded
         check_writable(o["lora_path"], "--lora-path")
+    check_output_options(metrics_out=o["metrics_out"], events_out=o["events_out"])
     model_file = distributed.local_first(world, resolve_model, o["model_path"])  # pulled once per host
     lora_path = Path(o["lora_path"]) if o["lora_path"] else default_adapter_path(o["model_path"], model_file)
     if not o["lora_path"]:

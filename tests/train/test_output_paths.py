@@ -187,3 +187,29 @@ def test_a_final_write_that_fails_saves_the_weights_in_the_rescue_folder(tiny_pa
         assert torch.equal(torch.from_numpy(np.asarray(entry.A)), trained[f"{entry.key}.lora_A"]), entry.key
     _, meta = load_state(state_path(adapter))
     assert meta["run"]["step"] == 3
+
+
+@pytest.mark.parametrize(
+    "command, flag",
+    [
+        ("lora", "--metrics-out"),
+        ("lora", "--events-out"),
+        ("full", "--report"),
+        ("full", "--metrics-out"),
+        ("merge", "--report"),
+        ("merge", "--events-out"),
+    ],
+)
+def test_unwritable_side_outputs_are_refused_before_the_model_loads(command, flag, tmp_path):
+    missing = tmp_path / "no-such-model.gguf"
+    target = tmp_path / "no-such-folder" / "out.json"
+    args = {
+        "lora": ["lora", "--lora-path", tmp_path / "a.bin"],
+        "full": ["full", "--output", tmp_path / "a.gguf"],
+        "merge": ["merge", "--lora-path", missing, "--output", tmp_path / "a.gguf"],
+    }[command]
+    r = invoke(*args, "--model-path", missing, flag, target)
+    assert (
+        r.exit_code == 1
+        and r.stderr.strip() == f"juno-py: error: {flag} {target}: folder {target.parent} does not exist"
+    )
