@@ -223,8 +223,11 @@ def train(
     # the optimizer updates during backward (the weights change before the step's loss is known)
     good: Optional[tuple[int, float, list[torch.Tensor]]] = None
     keep_good = not optimizer.updates_in_backward
+    # where the weights go: the trainable's own file, else (juno-py full) the resume state
+    own_bytes = trainable.saved_bytes() if cfg.lora_path is not None else 0
+    where = None if cfg.lora_path is None else cfg.lora_path if own_bytes else state_path(cfg.lora_path)
     if cfg.lora_path is not None and world.is_main:
-        _reserve_outputs(cfg, trainable, optimizer, params, bool(val_set))
+        _reserve_outputs(cfg, own_bytes, optimizer, params, bool(val_set))
 
     def checkpoint(why: str) -> None:
         if cfg.lora_path is None:
@@ -249,7 +252,7 @@ def train(
         )
         if why == "save-every":  # space for the next checkpoint
             try:
-                _reserve_outputs(cfg, trainable, optimizer, params, bool(val_set))
+                _reserve_outputs(cfg, own_bytes, optimizer, params, bool(val_set))
             except OutputError as e:
                 say(f"juno-py: warning: {e}")
         world.barrier()
@@ -321,7 +324,7 @@ def train(
                     raise TrainingDiverged(f"the gradient norm is {norm}")
             except TrainingDiverged as e:
                 optimizer.zero_grad(set_to_none=True)
-                kept = _keep_last_good(checkpoint, params, cfg, good, start_step, optimizer.updates_in_backward)
+                kept = _keep_last_good(checkpoint, params, where, good, start_step, optimizer.updates_in_backward)
                 raise TrainingDiverged(f"step {run.step + 1}: {e}: stopped before the optimizer step; {kept}") from None
 
             # --- clip, step
@@ -416,7 +419,7 @@ def train(
     run.seconds = time.perf_counter() - started
     try:
         if keep_good and not _bounded(params):  # exploded without a non-finite number along the way
-            kept = _keep_last_good(checkpoint, params, cfg, good, start_step)
+            kept = _keep_last_good(checkpoint, params, where, good, start_step)
             raise TrainingDiverged(f"after step {run.step}: weights above {MAX_WEIGHT:g} in magnitude; {kept}")
         checkpoint("interrupted" if stop_reason == "interrupted" else "final")
     finally:
@@ -455,15 +458,16 @@ def _remember(good, step: int, loss: float, params) -> tuple[int, float, list[to
 def _keep_last_good(
     checkpoint: Callable[[str], None],
     params,
-    cfg: TrainConfig,
+    where: Optional[Path],
     good: Optional[tuple[int, float, list[torch.Tensor]]],
     start_step: int,
     partial: bool = False,
 ) -> str:
-    """After a divergence: put back the last weights whose loss was finite and not exploded, and save them; when
-    no step of this run produced such weights, save nothing. Returns what was done, for the message."""
-    on_disk = cfg.lora_path is not None and (Path(cfg.lora_path).exists() or state_path(cfg.lora_path).exists())
-    kept = f"the last checkpoint {cfg.lora_path} is kept as it was" if on_disk else "nothing was saved"
+    """After a divergence: put back the last weights whose loss was finite and not exploded, and save them at
+    `where` (None: nowhere); when no step of this run produced such weights, save nothing. Returns what was done,
+    for the message."""
+    on_disk = where is not None and Path(where).exists()
+    kept = f"the last checkpoint {where} is kept as it was" if on_disk else "nothing was saved"
     if partial:
         return f"per-layer updates had already changed some weights during this backward pass; {kept}"
     if good is None or good[0] == start_step:
@@ -476,10 +480,10 @@ def _keep_last_good(
         for p, w in zip(params, weights):
             p.copy_(w)
     what = f"the last good weights (after step {step}, loss {loss:.4f})"
-    if cfg.lora_path is None:
+    if where is None:
         return f"the trained weights are {what}"
     checkpoint("diverged")
-    return f"{what} are saved in {cfg.lora_path}"
+    return f"{what} are saved in {where}"
 
 
 def _progress_bar(total: int, initial: int, progress: Optional[bool]):
@@ -492,14 +496,11 @@ def _progress_bar(total: int, initial: int, progress: Optional[bool]):
 
 
 # ------------------------------------------------------------------------------------------- resume state
-def _reserve_outputs(
-    cfg: TrainConfig, trainable: Trainable, optimizer: TrainOptimizer, params, keep_best: bool
-) -> None:
-    """Hold disk space for the next checkpoint: the trainable's file and the resume state (weights, the best
-    weights when validating, the optimizer's state), so that a disk filling up during the run cannot take it."""
+def _reserve_outputs(cfg: TrainConfig, own: int, optimizer: TrainOptimizer, params, keep_best: bool) -> None:
+    """Hold disk space for the next checkpoint: the trainable's file (`own` bytes) and the resume state (weights,
+    the best weights when validating, the optimizer's state), so that a disk filling up cannot take it."""
     weights = sum(p.numel() * p.element_size() for p in params)
     state = weights * (2 if keep_best else 1) + optimizer.state_bytes(params) + STATE_SLACK_BYTES
-    own = trainable.saved_bytes()
     try:
         if own:
             reserve(cfg.lora_path, own)

@@ -83,3 +83,19 @@ def test_an_explosion_at_the_end_of_a_run_saves_no_exploded_weights(tiny_path, m
     )
     assert f"weights above {MAX_WEIGHT:g} in magnitude" in line and line.endswith("nothing was saved")
     assert not out.exists() and not state_path(out).exists()
+
+
+def test_full_training_names_the_resume_state_it_keeps(tiny_path, mixed_data, tmp_path):
+    """`juno-py full` keeps its weights in <output>.state: a diverged run names that file, only if it exists."""
+    out = tmp_path / "f.gguf"
+    args = ["full", "--model-path", tiny_path, "--data", mixed_data, "--output", out, "--optimizer", "adamw"]
+    args += ["--targets", "qv", "--no-galore-per-layer", "--schedule", "constant", "--no-progress"]
+    r = CliRunner().invoke(cli, list(map(str, [*args, "--lr", "1e-4", "--max-steps", 1])), catch_exceptions=False)
+    assert r.exit_code == 0, r.stderr
+    before = state_path(out).read_bytes()
+    line = error_line(CliRunner().invoke(cli, list(map(str, [*args, "--lr", "1e6", "--max-steps", 5]))))
+    if "saved in" in line:
+        assert line.endswith(f"saved in {state_path(out)}")
+    else:
+        assert line.endswith(f"the last checkpoint {state_path(out)} is kept as it was")
+        assert state_path(out).read_bytes() == before
