@@ -158,8 +158,15 @@ def test_files_get_the_umask_permissions(tiny_path, mixed_data, tmp_path):
     assert out.stat().st_mode & 0o777 == 0o640 and state_path(out).stat().st_mode & 0o777 == 0o640
 
 
-def test_a_final_write_that_fails_saves_the_weights_in_the_rescue_folder(tiny_path, mixed_data, tmp_path, monkeypatch):
-    monkeypatch.setenv("JUNO_PY_HOME", str(tmp_path / "home"))
+@pytest.mark.parametrize("home", ["writable", "unwritable"])
+def test_a_final_write_that_fails_saves_the_weights_in_the_rescue_folder(
+    tiny_path, mixed_data, tmp_path, monkeypatch, home
+):
+    """The rescue folder is $JUNO_PY_HOME/rescued/, else the current folder."""
+    monkeypatch.setenv("JUNO_PY_HOME", str(tmp_path / "home") if home == "writable" else "/proc/juno-py")
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    rescue_folder = tmp_path / "home" / "rescued" if home == "writable" else tmp_path / "cwd"
     folder = tmp_path / "out"
     folder.mkdir()
     target = folder / "a.bin"
@@ -177,7 +184,7 @@ def test_a_final_write_that_fails_saves_the_weights_in_the_rescue_folder(tiny_pa
     with pytest.raises(OutputError) as e:
         train(model, adapters, train_set, cfg, stop_requested=remove_the_folder, progress=False, log=lambda s: None)
     message = str(e.value)
-    rescued = list((tmp_path / "home" / "rescued").iterdir())
+    rescued = list(rescue_folder.iterdir())
     adapter = next(p for p in rescued if p.suffix == ".bin")
     assert sorted(rescued) == sorted([adapter, state_path(adapter)])
     assert message.startswith(f"{target}: cannot write (") and f"saved in {adapter}" in message
