@@ -41,6 +41,16 @@ def lora_targets_option(ctx, param, value):
     return value
 
 
+def check_output_options(**paths) -> None:
+    """Each given output option's path (`metrics_out=...`) must be writable: checked before the model loads, so that
+    no run ends in an error over a file written after it (`juno_py.atomic.check_writable`)."""
+    from juno_py.atomic import check_writable
+
+    for name, path in paths.items():
+        if path:
+            check_writable(path, "--" + name.replace("_", "-"))
+
+
 def one_line_errors(fn):
     """Turn a JunoError (or a missing file) into one line on stderr and exit status 1, no traceback."""
 

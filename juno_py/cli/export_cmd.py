@@ -46,16 +46,26 @@ FORMATS = ("peft", "gguf-lora")
 @one_line_errors
 def export(fmt, model_path, lora_path, output, dtype, progress, progress_interval) -> None:
     """Export an adapter for PEFT or llama.cpp. Prints the output path."""
+    from juno_py.atomic import check_writable
     from juno_py.exchange import export_gguf_lora, export_peft
 
     stem = Path(lora_path).stem
+    target = Path(output or (f"{stem}-peft" if fmt == "peft" else f"{stem}.lora.gguf"))
+    # before a model is pulled or read. A PEFT folder's files go inside it, and the folder is made when missing:
+    # then the first missing folder of its path must be creatable
+    probe = target
+    if fmt == "peft":
+        if target.is_dir():
+            probe = target / "adapter_config.json"
+        else:
+            while not probe.parent.exists() and probe.parent != probe.parent.parent:
+                probe = probe.parent
+    check_writable(probe, "--output")
     with warnings_to_stderr():
         if fmt == "peft":
-            out = export_peft(model_path, lora_path, Path(output or f"{stem}-peft"), progress, progress_interval)
+            out = export_peft(model_path, lora_path, target, progress, progress_interval)
         else:
-            out = export_gguf_lora(
-                model_path, lora_path, Path(output or f"{stem}.lora.gguf"), dtype, progress, progress_interval
-            )
+            out = export_gguf_lora(model_path, lora_path, target, dtype, progress, progress_interval)
     click.echo(str(out))
 
 

@@ -14,6 +14,7 @@ from click.core import ParameterSource
 from juno_py.cli.common import (
     FiniteFloatRange,
     StopFlag,
+    check_output_options,
     load_training_data,
     load_training_model,
     lora_targets_option,
@@ -42,6 +43,7 @@ SHARED_OPTIONS = (
     "lora_gradient_accumulation",
     "max_seq_len",
     "max_steps",
+    "schedule_steps",
     "epochs",
     "lora_loss_target",
     "validation_every",
@@ -207,6 +209,7 @@ def full(**o) -> None:
     """Train every weight of the chosen targets (the rest stays quantized and frozen); write a GGUF. Prints its path."""
     import torch
 
+    from juno_py.atomic import OutputError, check_writable
     from juno_py.lora import parse_targets
     from juno_py.merge import merge_trained, parse_requant
     from juno_py.merge.merge import check_output_path
@@ -243,6 +246,8 @@ def full(**o) -> None:
         max_matrix_norm=matrix_norm,
     )
     output = Path(o["output"])
+    check_writable(output, "--output")  # before a model is pulled or loaded
+    check_output_options(report=o["report_path"], metrics_out=o["metrics_out"], events_out=o["events_out"])
     world = distributed.init_from_env(o["device"])  # a rank of a torchrun job (DDP), or a single process
     set_quiet(not world.is_main)
     if world.active:
@@ -310,17 +315,23 @@ def full(**o) -> None:
             return distributed.shutdown()
         report = None
         if world.is_main:  # the replicas hold the same weights: rank 0 writes the GGUF, the others wait for it
-            with warnings_to_stderr():
-                report = merge_trained(
-                    dense,
-                    model_file,
-                    output,
-                    o["requant"],
-                    o["min_retention"],
-                    recorder,
-                    progress=o["progress"],
-                    progress_interval=o["progress_interval"],
-                )
+            try:
+                with warnings_to_stderr():
+                    report = merge_trained(
+                        dense,
+                        model_file,
+                        output,
+                        o["requant"],
+                        o["min_retention"],
+                        recorder,
+                        progress=o["progress"],
+                        progress_interval=o["progress_interval"],
+                    )
+            except OutputError as e:
+                raise OutputError(
+                    f"{e}; the trained weights are in {output}.state: run the same command with --resume to write "
+                    f"the GGUF"
+                ) from e
         world.barrier()
     except KeyboardInterrupt:
         say(f"juno-py: stopped without saving; the last checkpoint ({output}.state, if any) is kept")
@@ -400,6 +411,7 @@ def train_config_from_options(o: dict, *, lr: float, max_grad_norm: float, pad_i
         min_lr=o["min_lr"],
         max_steps=o["max_steps"],
         epochs=o["epochs"],
+        schedule_steps=o["schedule_steps"],
         loss_target=o["loss_target"],
         validation_every=o["validation_every"],
         patience=o["validation_patience"],

@@ -9,6 +9,7 @@ import click
 
 from juno_py.cli.common import (
     StopFlag,
+    check_output_options,
     load_training_data,
     load_training_model,
     one_line_errors,
@@ -27,6 +28,7 @@ def lora(**o) -> None:
     """Train an adapter on a quantized GGUF model; the base stays quantized. Prints the adapter's path."""
     import torch
 
+    from juno_py.atomic import check_writable
     from juno_py.lora import attach, model_targets, parse_targets
     from juno_py.metrics import MetricsRecorder
     from juno_py.store import resolve_model
@@ -49,10 +51,14 @@ def lora(**o) -> None:
         say("sharded: the quantized base, the adapters and their optimizer state are split across the processes")
     if o["threads"]:
         torch.set_num_threads(o["threads"])
+    if o["lora_path"]:  # an unwritable output fails now, before a model is pulled or loaded
+        check_writable(o["lora_path"], "--lora-path")
+    check_output_options(metrics_out=o["metrics_out"], events_out=o["events_out"])
     model_file = distributed.local_first(world, resolve_model, o["model_path"])  # pulled once per host
     lora_path = Path(o["lora_path"]) if o["lora_path"] else default_adapter_path(o["model_path"], model_file)
     if not o["lora_path"]:
         say(f"adapter: {lora_path} (set --lora-path to choose)")
+        check_writable(lora_path, "adapter")
     model = load_training_model(o, model_file, shard=o["shard"])
     train_set, val_set = load_training_data(o, model)
 
@@ -131,6 +137,7 @@ def train_config_from_options(o: dict, *, pad_id: int, lora_path: Path):
         min_lr=o["lora_min_lr"],
         max_steps=o["max_steps"],
         epochs=o["epochs"],
+        schedule_steps=o["schedule_steps"],
         loss_target=o["lora_loss_target"],
         validation_every=o["validation_every"],
         patience=o["lora_validation_patience"],

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from juno_py.cli.common import FiniteFloatRange, one_line_errors, warnings_to_stderr
+from juno_py.cli.common import FiniteFloatRange, check_output_options, one_line_errors, warnings_to_stderr
 from juno_py.cli.options import progress_options
 from juno_py.store import DEFAULT_MODEL
 
@@ -92,10 +92,13 @@ def merge(
     progress_interval,
 ) -> None:
     """Merge an adapter into the base model and write a GGUF that llama.cpp runs. Prints its path."""
+    from juno_py.atomic import check_writable
     from juno_py.merge import merge_model
     from juno_py.metrics import MetricsRecorder
 
     output = Path(output) if output else default_output(lora_path)
+    check_writable(output, "--output")  # before a model is pulled or read
+    check_output_options(report=report_path, metrics_out=metrics_out, events_out=events_out)
     recorder = MetricsRecorder(events_out=events_out) if (metrics_out or events_out) else None
     try:
         with warnings_to_stderr():

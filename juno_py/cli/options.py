@@ -228,7 +228,19 @@ def training_options(fn):
         type=click.IntRange(2),
         help="Longest sequence: longer texts are split, longer chat/prompt/Q&A records dropped (counted).",
     )
-    @click.option("--max-steps", default=None, type=click.IntRange(1), help="Stop after this many optimizer steps.")
+    @click.option(
+        "--max-steps",
+        default=None,
+        type=click.IntRange(1),
+        help="Stop after this many optimizer steps (the schedule keeps the length of --epochs; resume with a "
+        "larger --max-steps to continue it).",
+    )
+    @click.option(
+        "--schedule-steps",
+        default=None,
+        type=click.IntRange(1),
+        help="Length of the learning-rate schedule in optimizer steps (default: the steps of --epochs).",
+    )
     @click.option(
         "--epochs",
         default=LORA_DEFAULTS["epochs"],

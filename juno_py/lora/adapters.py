@@ -27,6 +27,7 @@ from juno_py.lora.format import (
     Init,
     Mode,
     Scaling,
+    encode_adapter,
     parse_entry_key,
     sort_key,
     write_adapter,
@@ -428,6 +429,10 @@ class AdapterSet(Trainable):
 
     def save(self, path: Union[str, Path], values: Optional[dict[str, torch.Tensor]] = None) -> Path:
         return write_adapter(path, self.entries(values))
+
+    def saved_bytes(self) -> int:
+        """The adapter file's size: its encoding depends on the shapes and keys only, not the values."""
+        return len(encode_adapter(self.entries()))
 
     def weights_changed(self) -> None:
         """Drop every cached DoRA norm (and g, and the playback casts of A and B: `AdaptedLinear.weights_changed`):

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence, Union
 
+from juno_py.atomic import check_writable
 from juno_py.errors import show
 from juno_py.gguf import GGUFFile, GGUFWriter, ValueType
 from juno_py.merge.report import MergeReport, TensorReport
@@ -34,14 +35,10 @@ SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
 
 
 def check_output_path(output: Path, inputs: Sequence[Path] = ()) -> None:
-    """Fail early, in one line, on an output we could not write (before any work is done)."""
-    parent = output.parent if str(output.parent) else Path(".")
-    if output.is_dir():
-        raise MergeError(f"output {output}: is a directory, expected a file path")
-    if not parent.is_dir():
-        raise MergeError(f"output {output}: folder {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise MergeError(f"output {output}: folder {parent} is not writable")
+    """Fail early, in one line, on an output we could not write (before any work is done): a directory in its
+    place, a missing folder, a folder that takes no new files (`juno_py.atomic.check_writable`), or one of the
+    command's inputs."""
+    check_writable(output)
     for p in inputs:
         if output.exists() and p.exists() and os.path.samefile(output, p):
             raise MergeError(f"output {output}: is an input of this command; choose another path")

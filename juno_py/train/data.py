@@ -19,8 +19,10 @@ before it generates the answer.
 
 from __future__ import annotations
 
+import codecs
 import json
 import random
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,6 +147,93 @@ def _jsonl_lines(path: Path, f, skip_bad: bool, stats: DataStats) -> Iterable[tu
         lineno += len(pieces) - 1
 
 
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+_ARRAY_CHUNK = 1 << 20  # characters read at a time from a JSON array file
+
+
+def _json_array(path: Path, f, skip_bad: bool, stats: DataStats) -> Iterable[tuple[int, object]]:
+    """(record number, record) of a JSON array file, read one record at a time, each with the bounds of a JSONL
+    line: at most MAX_LINE_BYTES and MAX_DEPTH levels, integers within Python's digit limit. Memory holds one
+    record's text (and a chunk) beside the records read, not the file's text and its parse at once. A record over
+    those bounds is refused, or with skip_bad skipped (counted) when it parses."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    json_decoder = json.JSONDecoder()
+    buf, pos, eof, read = "", 0, False, 0
+
+    def more() -> None:
+        nonlocal buf, pos, eof, read
+        data = f.read(_ARRAY_CHUNK)
+        try:
+            text = decoder.decode(data, final=not data)
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not UTF-8 text (byte {read + e.start})") from None
+        read += len(data)
+        buf, pos = buf[pos:] + text, 0
+        eof = not data
+
+    def skip_space() -> str:
+        """The next character that is not whitespace ('' at the end of the file)."""
+        nonlocal pos
+        while True:
+            pos = _WHITESPACE.match(buf, pos).end()  # type: ignore[union-attr]
+            if pos < len(buf) or eof:
+                return buf[pos : pos + 1]
+            more()
+
+    more()
+    if skip_space() != "[":
+        raise DataError(f"{path}: invalid JSON array: expected '[' at the start")
+    pos += 1
+    number = 0
+    while True:
+        c = skip_space()
+        if c == "]" and number == 0:
+            pos += 1
+            break
+        number += 1
+        where = f"{path}: record {number}"
+        while True:  # parse one record, reading more until it and the character after it are in the buffer
+            try:
+                value, end = json_decoder.raw_decode(buf, pos)
+                complete = end < len(buf) or eof
+            except json.JSONDecodeError as e:
+                if eof:
+                    raise DataError(f"{where}: invalid JSON ({e.msg})") from None
+                complete = False
+            except RecursionError:
+                raise DataError(f"{where}: JSON nested deeper than {MAX_DEPTH} levels") from None
+            except ValueError:  # an integer literal longer than Python converts
+                raise DataError(f"{where}: a number with more than {sys.get_int_max_str_digits()} digits") from None
+            if complete:
+                break
+            if len(buf) - pos > MAX_LINE_BYTES:
+                raise DataError(f"{where}: longer than {MAX_LINE_BYTES // 2**20} MiB; expected a training record")
+            more()
+        size = len(buf[pos:end].encode("utf-8"))
+        pos = end
+        if size > MAX_LINE_BYTES or not _depth_ok(value):
+            problem = (
+                f"longer than {MAX_LINE_BYTES // 2**20} MiB"
+                if size > MAX_LINE_BYTES
+                else f"JSON nested deeper than {MAX_DEPTH} levels"
+            )
+            if not skip_bad:
+                raise DataError(f"{where}: {problem}")
+            stats.skipped_bad += 1
+        else:
+            yield number, value
+        c = skip_space()
+        if c == ",":
+            pos += 1
+            continue
+        if c == "]":
+            pos += 1
+            break
+        raise DataError(f"{where}: invalid JSON array: expected ',' or ']' after the record")
+    if skip_space():
+        raise DataError(f"{path}: invalid JSON array: text after its closing ']'")
+
+
 def read_records(path, skip_bad: bool = False, stats: Optional[DataStats] = None) -> list[tuple[int, dict]]:
     """(line number, record) pairs from a JSONL file, a JSON array, or a plain text file (one text record)."""
     path = Path(path)
@@ -154,20 +243,13 @@ def read_records(path, skip_bad: bool = False, stats: Optional[DataStats] = None
         with open(path, "rb") as f:
             head = f.read(4096).lstrip()
             f.seek(0)
-            whole = path.suffix.lower() in (".txt", ".md", ".text") or head.startswith(b"[")
-            if whole:
+            if path.suffix.lower() in (".txt", ".md", ".text"):
                 try:
-                    text = f.read().decode("utf-8")
+                    return [(1, {"text": f.read().decode("utf-8")})]
                 except UnicodeDecodeError as e:
                     raise DataError(f"{path}: not UTF-8 text (byte {e.start})") from None
-                if path.suffix.lower() in (".txt", ".md", ".text"):
-                    return [(1, {"text": text})]
-                try:
-                    arr = _parse_json(text, str(path))
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{e.lineno}: invalid JSON array: {e.msg}") from None
-                for i, rec in enumerate(arr):
-                    records.append((i + 1, rec))
+            if head.startswith(b"["):
+                records.extend(_json_array(path, f, skip_bad, stats))  # type: ignore[arg-type]
             else:
                 for lineno, line in _jsonl_lines(path, f, skip_bad, stats):
                     if not line.strip():

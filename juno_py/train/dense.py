@@ -144,6 +144,9 @@ class DenseTargets(Trainable):
         GGUF is written once, by the merge, at the end."""
         return None
 
+    def saved_bytes(self) -> int:
+        return 0
+
     # ---- the training loop's hooks: dense weights keep nothing derived from their values ----------------------
     def start_run(self) -> None:
         return None

@@ -475,6 +475,11 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
         c = asdict(self.config)
         return {k: c[k] for k in ("rank", "update_gap", "scale", "svd", "stagger", "oversample", "power_iters")}
 
+    def state_bytes(self, params: Sequence[torch.Tensor]) -> int:
+        """Moments and projectors in fp32, as `state_size` plans them."""
+        size = self.state_size()
+        return 4 * (size["moments"] + size["projector"])
+
     def state_tensors(self, names: dict[int, str]) -> tuple[dict[str, torch.Tensor], dict]:
         """Moments and projectors as tensors; per matrix its step, refresh phase and statistics as JSON."""
         tensors, doc = {}, {"galore": self._config_doc(), "steps": self.steps, "matrices": {}}

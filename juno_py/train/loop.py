@@ -22,6 +22,8 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from juno_py.atomic import OutputError, reason, release, reserve
+from juno_py.lora.format import MAX_ABS_VALUE
 from juno_py.metrics import Identity, MetricsRecorder, format_bytes, peak_rss_bytes
 from juno_py.progress import DEFAULT_INTERVAL, Progress
 from juno_py.train import distributed
@@ -32,6 +34,15 @@ from juno_py.train.sharded import ShardedModel, local_part, shard_state_path, sh
 from juno_py.train.state import StateError, load_state, save_state, state_path
 from juno_py.train.steps import TrainingDiverged, forward_backward, model_loss, resolve_checkpointing
 from juno_py.train.trainable import Trainable
+
+# Divergence: a step whose loss or gradient is not finite stops the run before the optimizer touches anything, and
+# the weights kept are the last good ones: their loss finite and at most EXPLODED_RATIO times the run's first loss
+# (floored at 1 nat), and every value at most MAX_WEIGHT in magnitude (what an adapter file holds at most). Weights
+# past either bound have exploded, even while their numbers are still finite.
+EXPLODED_RATIO = 4.0
+MAX_WEIGHT = MAX_ABS_VALUE
+# slack on the resume state's estimated size: its JSON document, the RNG state, safetensors' header
+STATE_SLACK_BYTES = 1 << 20
 
 
 @dataclass
@@ -49,6 +60,7 @@ class TrainConfig:
     min_lr: float = 0.0
     max_steps: Optional[int] = None
     epochs: Optional[int] = 8
+    schedule_steps: Optional[int] = None  # the schedule's length; None: the epochs' steps, else max_steps
     loss_target: Optional[float] = None  # stop once the last epoch's worth of steps averages at or below it
     validation_every: Optional[int] = None  # optimizer steps between validations; None: once per epoch
     patience: int = 3  # validations without an improvement of min_delta before stopping; 0: never
@@ -173,12 +185,23 @@ def train(
     # how long the run is: --max-steps, else --epochs, whichever comes first when both are given
     steps_per_epoch = math.ceil(len(plan(0)) / cfg.accumulation)
     total_steps = cfg.max_steps if cfg.max_steps is not None else None
+    epoch_steps = None
     if cfg.epochs is not None:
         epoch_steps = sum(math.ceil(len(plan(e)) / cfg.accumulation) for e in range(cfg.epochs))
         total_steps = epoch_steps if total_steps is None else min(total_steps, epoch_steps)
     if total_steps is None:
         raise ValueError("give --max-steps or --epochs: the run needs an end")
+    # how long the schedule is: the run's planned length (--schedule-steps, else the epochs), not where --max-steps
+    # stops it, so a run stopped there and resumed with a larger --max-steps continues the same schedule
+    schedule_steps = cfg.schedule_steps or epoch_steps or total_steps
     min_ratio = cfg.min_lr / cfg.lr if cfg.lr > 0 else 0.0
+    schedule = {
+        "kind": cfg.schedule,
+        "steps": schedule_steps,
+        "warmup_steps": cfg.warmup_steps,
+        "lr": cfg.lr,
+        "min_lr": cfg.min_lr,
+    }
 
     # the settings a resume must share with the run it continues
     identity = {
@@ -198,38 +221,68 @@ def train(
     run = RunState()
     best_weights: Optional[list[torch.Tensor]] = None
     if resume:
-        best_weights = _restore(cfg, run, params, names, optimizer, identity, trainable.state_format, sharded)
+        best_weights, saved_schedule = _restore(
+            cfg, run, params, names, optimizer, identity, trainable.state_format, sharded
+        )
         say(f"resumed from {state_path(cfg.lora_path)} at step {run.step} (epoch {run.epoch}, batch {run.batch})")
+        if saved_schedule is not None and saved_schedule != schedule:
+            changed = ", ".join(
+                f"{k} {saved_schedule.get(k)} -> {v}" for k, v in schedule.items() if saved_schedule.get(k) != v
+            )
+            say(f"note: the learning-rate schedule differs from the saved run's ({changed}); the rates follow this one")
     trainable.start_run()
+    fmt = trainable.state_format
+    start_step = run.step
+    # the last weights whose loss was finite and not exploded: (step, loss, a copy of the weights); not kept when
+    # the optimizer updates during backward (the weights change before the step's loss is known)
+    good: Optional[tuple[int, float, list[torch.Tensor]]] = None
+    keep_good = not optimizer.updates_in_backward
+    # where the weights go: the trainable's own file, else (juno-py full) the resume state
+    own_bytes = trainable.saved_bytes() if cfg.lora_path is not None else 0
+    where = None if cfg.lora_path is None else cfg.lora_path if own_bytes else state_path(cfg.lora_path)
+    if cfg.lora_path is not None and world.is_main:
+        _reserve_outputs(cfg, own_bytes, optimizer, params, bool(val_set))
 
-    def checkpoint(reason: str) -> None:
+    def bounded() -> bool:
+        return _bounded(params, world, sharded)
+
+    def checkpoint(why: str) -> None:
         if cfg.lora_path is None:
             return
         if sharded is not None:
-            return sharded_checkpoint(reason)
+            return sharded_checkpoint(why)
         if not world.is_main:  # rank 0 writes; the others wait for it, so no failure elsewhere cuts a save short
             return world.barrier()
         t0 = time.perf_counter()
-        written = trainable.save(cfg.lora_path)  # None: the resume state holds the weights
-        _save(cfg, run, params, names, optimizer, identity, best_weights, trainable.state_format)
+        try:
+            written = trainable.save(cfg.lora_path)  # None: the resume state holds the weights
+            _save(state_path(cfg.lora_path), run, params, names, optimizer, identity, best_weights, schedule, fmt)
+        except OSError as e:
+            rescued = _rescue(cfg.lora_path, trainable, run, params, names, optimizer, identity, best_weights, schedule)
+            raise OutputError(f"{cfg.lora_path}: cannot write ({reason(e)}); {rescued}") from e
         size = Path(written or state_path(cfg.lora_path)).stat().st_size
         recorder.emit(
             "checkpoint",
             step=run.step,
             path=str(cfg.lora_path),
             bytes=size,
-            reason=reason,
+            reason=why,
             ms=1e3 * (time.perf_counter() - t0),
         )
+        if why == "save-every":  # space for the next checkpoint
+            try:
+                _reserve_outputs(cfg, own_bytes, optimizer, params, bool(val_set))
+            except OutputError as e:
+                say(f"juno-py: warning: {e}")
         world.barrier()
 
-    def sharded_checkpoint(reason: str) -> None:
+    def sharded_checkpoint(why: str) -> None:
         """Every rank writes its shard of the resume state (atomically); the adapter's whole tensors are gathered
         and rank 0 writes adapter.bin, the file one process writes."""
         assert sharded is not None and cfg.lora_path is not None
         t0 = time.perf_counter()
         where = shard_state_path(cfg.lora_path, world.rank, world.size)
-        _save(cfg, run, params, names, optimizer, identity, best_weights, trainable.state_format, sharded, where)
+        _save(where, run, params, names, optimizer, identity, best_weights, schedule, trainable.state_format, sharded)
         values = {n: sharded.full(p) for n, p in trainable.named_parameters()}  # collectives: every rank
         world.barrier()  # every shard is written before adapter.bin names the step
         if world.is_main:
@@ -239,7 +292,7 @@ def train(
                 step=run.step,
                 path=str(cfg.lora_path),
                 bytes=Path(written or where).stat().st_size,
-                reason=reason,
+                reason=why,
                 ms=1e3 * (time.perf_counter() - t0),
             )
         world.barrier()
@@ -296,7 +349,7 @@ def train(
             )
             n_sup, n_tok = share.n_supervised, share.n_tokens  # of the global batch, all ranks together
             lrs = set_learning_rates(
-                optimizer, lr_factor(cfg.schedule, run.step, total_steps, cfg.warmup_steps, min_ratio)
+                optimizer, lr_factor(cfg.schedule, run.step, schedule_steps, cfg.warmup_steps, min_ratio)
             )
             times: dict = {}
             note = trainable.before_step()
@@ -311,12 +364,16 @@ def train(
                 loss_sum = share.forward_backward(step_fn, model, net, cfg.bptt_window, times)
                 if not math.isfinite(loss_sum):
                     raise TrainingDiverged(f"the loss is {loss_sum}")
+                step_loss = loss_sum / max(n_sup, 1)
+                reference = run.first_loss if not math.isnan(run.first_loss) else step_loss
+                if keep_good and step_loss <= EXPLODED_RATIO * max(reference, 1.0) and bounded():
+                    good = _remember(good, run.step, step_loss, params)
                 norm = sharded.grad_norm(params) if sharded is not None else optimizer.grad_norm(params)
                 if not math.isfinite(norm):
                     raise TrainingDiverged(f"the gradient norm is {norm}")
             except TrainingDiverged as e:
                 optimizer.zero_grad(set_to_none=True)
-                kept = _keep_last_good(checkpoint, params, cfg, optimizer.updates_in_backward, world, sharded)
+                kept = _keep_last_good(checkpoint, params, where, good, start_step, optimizer.updates_in_backward)
                 raise TrainingDiverged(f"step {run.step + 1}: {e}: stopped before the optimizer step; {kept}") from None
 
             # --- clip, step
@@ -392,9 +449,15 @@ def train(
                 stop_reason = "interrupted"
             stop_reason = distributed.agree_stop(stop_reason, world)
             if stop_reason is None and cfg.save_every and run.step % cfg.save_every == 0:
-                checkpoint("save-every")
+                if keep_good and not bounded():  # an adapter file could not even hold them
+                    say(f"step {run.step}: weights above {MAX_WEIGHT:g} in magnitude; checkpoint skipped")
+                else:
+                    checkpoint("save-every")
     except BaseException:
         bar.close(aborted=True)
+        if cfg.lora_path is not None:  # give the reserved space back
+            release(cfg.lora_path)
+            release(state_path(cfg.lora_path))
         raise
     bar.close()
 
@@ -407,7 +470,15 @@ def train(
                 p.copy_(w)
         say(f"restored the best weights (validation loss {run.best_val:.4f} at step {run.best_step})")
     run.seconds = time.perf_counter() - started
-    checkpoint("interrupted" if stop_reason == "interrupted" else "final")
+    try:
+        if keep_good and not bounded():  # exploded without a non-finite number along the way
+            kept = _keep_last_good(checkpoint, params, where, good, start_step)
+            raise TrainingDiverged(f"after step {run.step}: weights above {MAX_WEIGHT:g} in magnitude; {kept}")
+        checkpoint("interrupted" if stop_reason == "interrupted" else "final")
+    finally:
+        if cfg.lora_path is not None:
+            release(cfg.lora_path)
+            release(state_path(cfg.lora_path))
     return TrainResult(
         run.step,
         run.epoch + run.batch / max(1, len(plan(run.epoch))),
@@ -422,29 +493,54 @@ def train(
     )
 
 
+def _bounded(params, world: distributed.World = distributed.SINGLE, sharded=None) -> bool:
+    """Whether every weight is at most MAX_WEIGHT in magnitude (one read from the device; sharded: every rank's
+    parts, the ranks agreeing)."""
+    peaks = [torch.linalg.vector_norm(local_part(p).detach(), ord=math.inf) for p in params]
+    ok = bool(torch.stack(peaks).max() <= MAX_WEIGHT) if peaks else True
+    if sharded is not None:
+        ok = world.max(0 if ok else 1) == 0
+    return ok
+
+
+def _remember(good, step: int, loss: float, params) -> tuple[int, float, list[torch.Tensor]]:
+    """Copy the weights into the buffers of the last good weights (allocated once)."""
+    buffers = good[2] if good is not None else [torch.empty_like(p) for p in params]
+    with torch.no_grad():
+        for b, p in zip(buffers, params):
+            b.copy_(p)
+    return step, loss, buffers
+
+
 def _keep_last_good(
     checkpoint: Callable[[str], None],
     params,
-    cfg: TrainConfig,
+    where: Optional[Path],
+    good: Optional[tuple[int, float, list[torch.Tensor]]],
+    start_step: int,
     partial: bool = False,
-    world: distributed.World = distributed.SINGLE,
-    sharded=None,
 ) -> str:
-    """After a divergence: the trainable still holds the last good step's weights; save them if they are finite.
-    `partial`: the optimizer updated some weights during this step's backward (per-layer mode), so the weights
-    are not the last good step's: the last checkpoint stays."""
+    """After a divergence: put back the last weights whose loss was finite and not exploded, and save them at
+    `where` (None: nowhere); when no step of this run produced such weights, save nothing. Returns what was done,
+    for the message."""
+    on_disk = where is not None and Path(where).exists()
+    kept = f"the last checkpoint {where} is kept as it was" if on_disk else "nothing was saved"
     if partial:
-        where = f"the last checkpoint {cfg.lora_path} is kept as it was" if cfg.lora_path else "nothing was saved"
-        return f"per-layer updates had already changed some weights during this backward pass; {where}"
-    if cfg.lora_path is None:
-        return "the trained weights are the last good step's"
-    finite = all(bool(torch.isfinite(local_part(p)).all()) for p in params)
-    if sharded is not None:  # each rank sees its parts: every rank takes the same decision
-        finite = world.max(0 if finite else 1) == 0
-    if finite:
-        checkpoint("diverged")
-        return f"the last good weights are saved in {cfg.lora_path}"
-    return f"the weights are not finite; the last checkpoint {cfg.lora_path} is kept as it was"
+        return f"per-layer updates had already changed some weights during this backward pass; {kept}"
+    if good is None or good[0] == start_step:
+        return (
+            f"no step of this run left good weights (a finite loss at most {EXPLODED_RATIO:g}x the first, values at "
+            f"most {MAX_WEIGHT:g}); {kept}"
+        )
+    step, loss, weights = good
+    with torch.no_grad():
+        for p, w in zip(params, weights):
+            p.copy_(w)
+    what = f"the last good weights (after step {step}, loss {loss:.4f})"
+    if where is None:
+        return f"the trained weights are {what}"
+    checkpoint("diverged")
+    return f"{what} are saved in {where}"
 
 
 def _rate_since_start(run: RunState, resumed_at: tuple[int, float]) -> float:
@@ -468,17 +564,55 @@ def _shard(model, trainable: Trainable, cfg: TrainConfig, world: distributed.Wor
 
 
 # ------------------------------------------------------------------------------------------- resume state
+def _reserve_outputs(cfg: TrainConfig, own: int, optimizer: TrainOptimizer, params, keep_best: bool) -> None:
+    """Hold disk space for the next checkpoint: the trainable's file (`own` bytes) and the resume state (weights,
+    the best weights when validating, the optimizer's state), so that a disk filling up cannot take it."""
+    weights = sum(p.numel() * p.element_size() for p in params)
+    state = weights * (2 if keep_best else 1) + optimizer.state_bytes(params) + STATE_SLACK_BYTES
+    try:
+        if own:
+            reserve(cfg.lora_path, own)
+        reserve(state_path(cfg.lora_path), state)
+    except OutputError:
+        release(cfg.lora_path)
+        raise
+
+
+def _rescue(target, trainable: Trainable, run, params, names, optimizer, identity, best_weights, schedule) -> str:
+    """The weights saved where they can be when `target` cannot be written: $JUNO_PY_HOME/rescued/, else the
+    current folder, else the temporary folder. Returns where, as the end of the error message."""
+    import tempfile
+
+    from juno_py.store import home
+
+    name = f"{time.strftime('%Y%m%d-%H%M%S')}-{Path(target).name}"
+    for folder in (home() / "rescued", Path.cwd(), Path(tempfile.gettempdir())):
+        path = folder / name
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            written = trainable.save(path)
+            fmt = trainable.state_format
+            _save(state_path(path), run, params, names, optimizer, identity, best_weights, schedule, fmt)
+        except OSError:
+            for p in (path, state_path(path)):
+                p.unlink(missing_ok=True)
+            continue
+        saved = f"{path} (resume state {state_path(path)})" if written else str(state_path(path))
+        return f"the trained weights are saved in {saved}; move them to the target, or resume with that path"
+    return "the trained weights could not be saved anywhere"
+
+
 def _save(
-    cfg: TrainConfig,
+    where: Path,
     run: RunState,
     params,
     names,
     optimizer: TrainOptimizer,
     identity: dict,
     best_weights,
+    schedule: dict,
     fmt: str,
     sharded: Optional[ShardedModel] = None,
-    where: Optional[Path] = None,
 ) -> None:
     """The resume state; sharded: this rank's parts of every tensor, at `where`."""
     tensors, steps = optimizer.state_tensors(names)
@@ -489,10 +623,10 @@ def _save(
             tensors[f"best/{names[id(p)]}"] = w
     tensors = {k: local_part(v) for k, v in tensors.items()}
     tensors["rng/torch"] = torch.get_rng_state()
-    meta = {"identity": identity, "run": run.__dict__, "adam_steps": steps}
+    meta = {"identity": identity, "run": run.__dict__, "adam_steps": steps, "schedule": schedule}
     if sharded is not None:
         meta["shard"] = {"rank": sharded.world.rank, "world_size": sharded.world.size}
-    save_state(where or state_path(cfg.lora_path), tensors, meta, fmt)
+    save_state(where, tensors, meta, fmt)
 
 
 def _read_shard(cfg: TrainConfig, sharded: ShardedModel, fmt: str) -> tuple[Path, dict, dict]:
@@ -555,9 +689,10 @@ def _restore(
     for k, v in meta["run"].items():
         setattr(run, k, [tuple(x) for x in v] if k == "recent" else v)
     torch.set_rng_state(tensors["rng/torch"])
+    best = None
     if f"best/{names[id(params[0])]}" in tensors:
-        return [tensors[f"best/{names[id(p)]}"].clone() for p in params]
-    return None
+        best = [tensors[f"best/{names[id(p)]}"].clone() for p in params]
+    return best, meta.get("schedule")
 
 
 def _short(value) -> str:

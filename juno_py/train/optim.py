@@ -54,6 +54,11 @@ class TrainOptimizer:
         """The step's global gradient norm."""
         return grad_norm(params)
 
+    def state_bytes(self, params: Sequence[torch.Tensor]) -> int:
+        """About how many bytes `state_tensors` will hold once every parameter has stepped (Adam: two moments of
+        each parameter's size), for the disk space reserved before the first step."""
+        return sum(2 * p.numel() * p.element_size() for p in params)
+
     def state_tensors(self, names: dict[int, str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The optimizer's state for the resume file: tensors keyed by parameter name (Adam's moments), and a JSON
         document (the step count of each parameter)."""

@@ -6,7 +6,8 @@ The loop, its resume state, its CUDA graphs (`juno_py.train.cuda_graph`) and dat
 (`juno_py.train.distributed`) ask a trainable what they need through these members and nothing else:
 
 - the parameters, by name (the resume state keys them so), and the optimizer's groups with their rates;
-- `train(mode)`, and `save(path)`, which writes the trainable's own file beside the resume state (or nothing);
+- `train(mode)`, and `save(path)`, which writes the trainable's own file beside the resume state (or nothing), and
+  `saved_bytes()`, that file's size, for which the loop reserves disk space before the first step;
 - `state_format`: the name of the resume state's schema, checked on resume;
 - three hooks around the steps: `start_run()` once before the first step (after a resume restored the weights),
   `before_step()` before each step's forward, `after_optimizer_step()` after each optimizer step;
@@ -58,6 +59,10 @@ class Trainable(Protocol):
     def save(self, path: Union[str, Path]) -> Optional[Path]:
         """Write the trainable's own file at `path` and return it; None when the resume state beside it
         (`<path>.state`) is all there is to write."""
+        ...
+
+    def saved_bytes(self) -> int:
+        """The size of the file `save` writes (0 when it writes none), known before the first step."""
         ...
 
     def start_run(self) -> None:

@@ -26,6 +26,12 @@ def run(*args):
         ("full", "--lr", "nan"),
         ("full", "--lr", "inf"),
         ("full", "--max-grad-norm", "nan"),
+        ("full", "--lora-lr", "nan"),
+        ("full", "--lora-min-lr", "inf"),
+        ("full", "--galore-scale", "nan"),
+        ("lora", "--lora-plus-ratio", "nan"),
+        ("lora", "--lora-weight-decay", "inf"),
+        ("merge", "--min-retention", "nan"),
     ],
 )
 def test_non_finite_float_flags_are_refused_naming_the_flag(command, flag, value, tmp_path):

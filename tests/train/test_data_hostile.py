@@ -1,11 +1,14 @@
 """Hostile training data: empty records are skipped and counted, and malformed JSON (deep nesting, huge numbers,
-huge lines) is a one-line error naming the file and line, never a traceback."""
+huge lines or JSON array records) is a one-line error naming the file and line or record, never a traceback."""
+
+import json
 
 import pytest
 from click.testing import CliRunner
 
 from juno_py.cli.main import cli
-from juno_py.train.data import MAX_DEPTH, MAX_LINE_BYTES, DataError, read_records
+from juno_py.train import data as data_module
+from juno_py.train.data import MAX_DEPTH, MAX_LINE_BYTES, DataError, DataStats, read_records
 
 
 def invoke(*args):
@@ -78,3 +81,73 @@ def test_line_numbers_follow_every_line_break(tmp_path):
     with pytest.raises(DataError, match=f"^{data}:5: "):
         read_records(data)
     assert [n for n, _ in read_records(data, skip_bad=True)] == [1, 2, 4]
+
+
+def test_json_array_records_have_the_size_bound_of_a_line(tmp_path):
+    arr = tmp_path / "long.json"
+    with open(arr, "w") as f:
+        f.write('[{"text": "ok"}, {"text": "' + "x" * (MAX_LINE_BYTES + 10) + '"}, {"text": "b"}]')
+    with pytest.raises(DataError, match=f"^{arr}: record 2: longer than 16 MiB") as e:
+        read_records(arr)
+    assert len(str(e.value)) < 200
+    stats = DataStats()
+    assert [n for n, _ in read_records(arr, skip_bad=True, stats=stats)] == [1, 3] and stats.skipped_bad == 1
+
+
+def test_json_array_nesting_is_bounded_per_record(tmp_path):
+    arr = tmp_path / "deep.json"
+    deep = "[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1)
+    arr.write_text(f'[{{"text": "ok"}}, {{"text": "a", "n": {deep}}}]')
+    with pytest.raises(DataError, match=f"^{arr}: record 2: JSON nested deeper than {MAX_DEPTH} levels"):
+        read_records(arr)
+    stats = DataStats()
+    assert [n for n, _ in read_records(arr, skip_bad=True, stats=stats)] == [1] and stats.skipped_bad == 1
+    arr.write_text("[" * 100_000)  # deeper than the parser recurses
+    with pytest.raises(DataError, match="nested deeper"):
+        read_records(arr)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1 << 20])
+def test_json_array_read_in_pieces_equals_json_load(tmp_path, monkeypatch, chunk):
+    """Records cut anywhere by the read size (inside a number, a multi-byte character, an escape) parse as the
+    whole file does with json.loads."""
+    records = [
+        {"text": f'r{i} é€😀 \\" \n', "n": 10**i + i, "f": i / 7, "ok": i % 2 == 0, "x": None, "l": [i, [i]]}
+        for i in range(40)
+    ]
+    text = json.dumps(records, ensure_ascii=False, indent=1 if chunk == 7 else None)
+    arr = tmp_path / "a.json"
+    arr.write_text(" \n" + text + "\n ", encoding="utf-8")
+    monkeypatch.setattr(data_module, "_ARRAY_CHUNK", chunk)
+    assert [r for _, r in read_records(arr)] == json.loads(text)
+
+
+@pytest.mark.parametrize(
+    "content, says",
+    [
+        ('[{"text": "a"}, ]', "record 2: invalid JSON"),
+        ('[{"text": "a"} {"text": "b"}]', "expected ',' or ']'"),
+        ('[{"text": "a"}] [', "text after its closing"),
+        ('[{"text": "a"}', "expected ',' or ']'"),
+        ("[]", None),
+    ],
+)
+def test_malformed_json_arrays_are_one_line_errors(tmp_path, content, says):
+    arr = tmp_path / "bad.json"
+    arr.write_text(content)
+    if says is None:
+        assert read_records(arr) == []
+        return
+    with pytest.raises(DataError, match=f"^{arr}: .*{says}"):
+        read_records(arr)
+
+
+def test_degenerate_json_array_records_are_skipped_and_counted(tiny_path, tmp_path):
+    arr = tmp_path / "d.json"
+    arr.write_text(json.dumps([{"text": ""}, {"text": "hello there"}, {"prompt": "", "completion": ""}]))
+    r = invoke(
+        "--model-path", tiny_path, "--data", arr, "--lora-path", tmp_path / "a.bin", "--max-steps", 2,
+        "--lora-rank", 2, "--no-progress",
+    )  # fmt: skip
+    assert r.exit_code == 0, r.stderr
+    assert "2 records with nothing to learn skipped" in r.stderr

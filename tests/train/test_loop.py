@@ -112,7 +112,7 @@ def test_grad_checkpoint_gives_the_same_gradients(tiny_model, mixed_data):
         torch.testing.assert_close(gc, g[name], rtol=1e-5, atol=1e-7)
 
 
-def run(tiny_path, data, lora_path=None, stop_at=None, resume=False, hook=None, recorder=None, **kw):
+def run(tiny_path, data, lora_path=None, stop_at=None, resume=False, hook=None, recorder=None, log=None, **kw):
     from juno_py.models import load_model
 
     model = load_model(tiny_path)
@@ -133,7 +133,7 @@ def run(tiny_path, data, lora_path=None, stop_at=None, resume=False, hook=None, 
         resume=resume,
         stop_requested=stop,
         progress=False,
-        log=lambda s: None,
+        log=log or (lambda s: None),
     )
     return result, adapters
 
@@ -164,6 +164,47 @@ def test_resume_equals_an_uninterrupted_run(tiny_path, mixed_data, tmp_path, mod
     e_whole = {e.key: e for e in read_adapter(tmp_path / "whole.bin")[1]}
     for e in read_adapter(tmp_path / "part.bin")[1]:
         assert (e.A == e_whole[e.key].A).all() and (e.B == e_whole[e.key].B).all()
+
+
+def test_stopping_at_max_steps_and_resuming_continues_the_schedule(tiny_path, mixed_data, tmp_path):
+    """The warmup-cosine schedule spans the planned epochs, not --max-steps: a run stopped at step 6 and resumed to
+    step 12 takes the same steps, at the same rates, as a run straight to step 12."""
+    kw = dict(schedule="warmup-cosine", warmup_steps=2, min_lr=1e-4, epochs=3, dropout=0.1)
+    rec = MetricsRecorder(events_out=tmp_path / "whole.jsonl")
+    whole, a_whole = run(tiny_path, mixed_data, tmp_path / "whole.bin", max_steps=12, recorder=rec, **kw)
+    rec.close()
+    first, _ = run(tiny_path, mixed_data, tmp_path / "part.bin", max_steps=6, **kw)
+    assert first.steps == 6 and first.stop_reason == "max steps"
+    _, meta = load_state(state_path(tmp_path / "part.bin"))
+    planned = meta["schedule"]["steps"]
+    assert planned > 12  # three epochs of the data
+    notes = []
+    rec = MetricsRecorder(events_out=tmp_path / "rest.jsonl")
+    rest, a_rest = run(
+        tiny_path, mixed_data, tmp_path / "part.bin", max_steps=12, resume=True, recorder=rec, log=notes.append, **kw
+    )
+    rec.close()
+    assert rest.steps == whole.steps == 12 and not any("learning-rate schedule" in n for n in notes)
+    for name, p in params(a_whole).items():
+        assert torch.equal(params(a_rest)[name], p), name
+
+    def rates(path):
+        return [e["lr_a"] for e in map(json.loads, path.read_text().splitlines()) if e["kind"] == "train_step"]
+
+    assert rates(tmp_path / "rest.jsonl") == rates(tmp_path / "whole.jsonl")[6:]
+    assert rates(tmp_path / "whole.jsonl")[5] > 0.5 * 5e-3  # still near the peak at step 6 of the planned length
+
+
+def test_a_schedule_changed_on_resume_is_said(tiny_path, mixed_data, tmp_path):
+    kw = dict(schedule="warmup-cosine", epochs=3)
+    run(tiny_path, mixed_data, tmp_path / "a.bin", max_steps=2, **kw)
+    _, meta = load_state(state_path(tmp_path / "a.bin"))
+    notes = []
+    run(tiny_path, mixed_data, tmp_path / "a.bin", max_steps=4, schedule_steps=5, resume=True, log=notes.append, **kw)
+    said = [n for n in notes if "learning-rate schedule" in n]
+    assert len(said) == 1 and f"steps {meta['schedule']['steps']} -> 5" in said[0] and "\n" not in said[0]
+    _, meta = load_state(state_path(tmp_path / "a.bin"))
+    assert meta["schedule"]["steps"] == 5
 
 
 def test_resume_refuses_other_data(tiny_path, mixed_data, tmp_path):
