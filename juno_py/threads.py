@@ -1,6 +1,6 @@
 """How many CPU threads the computation uses: torch's intra-op threads and the native matrix-vector pool.
 
-`choose()` picks a count from the CPUs this process may run on (`os.sched_getaffinity`) and how busy they are now:
+`choose()` takes an explicit count (an option, else OMP_NUM_THREADS), or picks one from the CPUs this process may run on (`os.sched_getaffinity`) and how busy they are now:
 the idle share of those CPUs over a short sample of `/proc/stat` (or, where that cannot be read, the 1-minute load
 average of `/proc/loadavg`). Threads beyond the idle CPUs do not add speed; they wait for a core while the others
 wait for them at every synchronisation, which on a shared machine makes a step several times slower than one thread.
@@ -65,9 +65,17 @@ def idle_cpus(sample_s: float = 0.05, cpus: Optional[list[int]] = None) -> float
         return float(len(cpus))
 
 
+def env_threads() -> Optional[int]:
+    """OMP_NUM_THREADS when it is set to a positive whole number (a launcher's or the user's choice), else None."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 def choose(requested: Optional[int] = None, sample_s: float = 0.05) -> int:
-    """`requested` if given; otherwise the idle allowed CPUs, rounded to the nearest whole one (at least one, at
-    most the allowed CPUs)."""
+    """`requested` if given, else OMP_NUM_THREADS if set; otherwise the idle allowed CPUs, rounded to the nearest
+    whole one (at least one, at most the allowed CPUs)."""
+    if requested is None:
+        requested = env_threads()
     if requested is not None:
         if requested < 1:
             raise ValueError(f"threads must be at least 1, got {requested}")
@@ -155,4 +163,4 @@ class StallGuard:
         self._since_change = 0
 
 
-__all__ = ["allowed_cpus", "idle_cpus", "choose", "apply", "setup", "native_threads", "StallGuard"]
+__all__ = ["allowed_cpus", "idle_cpus", "env_threads", "choose", "apply", "setup", "native_threads", "StallGuard"]

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from juno_py.cli.common import one_line_errors, warnings_to_stderr
+from juno_py.cli.options import threads_option
 from juno_py.store import DEFAULT_MODEL
 
 FORMATS = ("peft", "gguf-lora")
@@ -41,11 +42,14 @@ FORMATS = ("peft", "gguf-lora")
     show_default=True,
     help="Tensor type of a GGUF-LoRA export.",
 )
+@threads_option
 @one_line_errors
-def export(fmt, model_path, lora_path, output, dtype) -> None:
+def export(fmt, model_path, lora_path, output, dtype, threads) -> None:
     """Export an adapter for PEFT or llama.cpp. Prints the output path."""
+    from juno_py import threads as cpu_threads
     from juno_py.exchange import export_gguf_lora, export_peft
 
+    cpu_threads.setup(threads)
     stem = Path(lora_path).stem
     with warnings_to_stderr():
         if fmt == "peft":

@@ -198,8 +198,8 @@ def world_size() -> int:
 @one_line_errors
 def full(**o) -> None:
     """Train every weight of the chosen targets (the rest stays quantized and frozen); write a GGUF. Prints its path."""
-    import torch
-
+    from juno_py import threads as cpu_threads
+    from juno_py.cli.lora_cmd import thread_guard
     from juno_py.lora import parse_targets
     from juno_py.merge import merge_trained, parse_requant
     from juno_py.merge.merge import check_output_path
@@ -231,8 +231,7 @@ def full(**o) -> None:
         max_matrix_norm=matrix_norm,
     )
     output = Path(o["output"])
-    if o["threads"]:
-        torch.set_num_threads(o["threads"])
+    n_threads = cpu_threads.setup(o["threads"])
     model_file = resolve_model(o["model_path"])
     check_output_path(output, [Path(model_file)])
 
@@ -280,6 +279,7 @@ def full(**o) -> None:
                 progress=o["progress"],
                 log=say,
                 optimizer=optimizer,
+                thread_guard=thread_guard(o, n_threads, world_size() > 1),
             )
         say(result.summary())
         if galore:

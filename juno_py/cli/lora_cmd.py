@@ -16,8 +16,7 @@ from juno_py.cli.options import training_options
 @one_line_errors
 def lora(**o) -> None:
     """Train an adapter on a quantized GGUF model; the base stays quantized. Prints the adapter's path."""
-    import torch
-
+    from juno_py import threads as cpu_threads
     from juno_py.lora import attach, parse_targets
     from juno_py.metrics import MetricsRecorder
     from juno_py.store import resolve_model
@@ -34,8 +33,7 @@ def lora(**o) -> None:
     if world.active:
         o["device"] = str(world.device)
         say(f"data parallel: {world.size} processes ({world.backend}); each takes its share of every global batch")
-    if o["threads"]:
-        torch.set_num_threads(o["threads"])
+    n_threads = cpu_threads.setup(o["threads"])
     model_file = distributed.local_first(world, resolve_model, o["model_path"])  # pulled once per host
     lora_path = Path(o["lora_path"]) if o["lora_path"] else default_adapter_path(o["model_path"], model_file)
     if not o["lora_path"]:
@@ -68,6 +66,7 @@ def lora(**o) -> None:
                 stop_requested=stop,
                 progress=o["progress"],
                 log=say,
+                thread_guard=thread_guard(o, n_threads, world.active),
             )
     except KeyboardInterrupt:
         say(f"juno-py: stopped without saving; the last checkpoint ({lora_path}, if any) is kept")
@@ -82,6 +81,17 @@ def lora(**o) -> None:
     if world.is_main:
         click.echo(str(lora_path))
     distributed.shutdown()
+
+
+def thread_guard(o: dict, n_threads: int, distributed_run: bool):
+    """The training loop's StallGuard on the CPU: fewer threads when steps stall, unless --threads (or
+    OMP_NUM_THREADS) fixed the count; None on a GPU and for a data-parallel run (its launcher shares the cores)."""
+    from juno_py import threads as cpu_threads
+
+    if str(o["device"]).startswith("cuda") or distributed_run:
+        return None
+    fixed = o["threads"] is not None or cpu_threads.env_threads() is not None
+    return cpu_threads.StallGuard(n_threads, fixed=fixed)
 
 
 def adapter_config_from_options(o: dict):

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from juno_py.cli.common import FiniteFloatRange, one_line_errors, warnings_to_stderr
+from juno_py.cli.options import threads_option
 from juno_py.store import DEFAULT_MODEL
 
 
@@ -73,6 +74,7 @@ def default_output(lora_path: str) -> Path:
     default=None,
     help="Append the merge metrics event as one JSON line.",
 )
+@threads_option
 @one_line_errors
 def merge(
     model_path,
@@ -86,9 +88,13 @@ def merge(
     force,
     metrics_out,
     events_out,
+    threads,
 ) -> None:
     """Merge an adapter into the base model and write a GGUF that llama.cpp runs. Prints its path."""
+    from juno_py import threads as cpu_threads
     from juno_py.merge import merge_model
+
+    cpu_threads.setup(threads)
     from juno_py.metrics import MetricsRecorder
 
     output = Path(output) if output else default_output(lora_path)

@@ -9,6 +9,16 @@ import click
 from juno_py.cli.common import FiniteFloatRange, lora_targets_option
 from juno_py.store import DEFAULT_MODEL
 
+THREADS_HELP = (
+    "CPU threads of the computation (torch's and the native products'); default: the idle CPUs this process "
+    "may run on, measured at the start (a training run drops threads when its steps stall)."
+)
+
+
+def threads_option(fn):
+    """`--threads N` (None: `juno_py.threads.choose()` picks), shared by every command that computes."""
+    return click.option("--threads", default=None, type=click.IntRange(1), help=THREADS_HELP)(fn)
+
 
 def model_options(fn):
     @click.option(
@@ -47,6 +57,7 @@ def model_options(fn):
         show_default=True,
         help="Torch device; on cuda the weights stay quantized on the GPU (Triton decodes them).",
     )
+    @threads_option
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         return fn(*args, **kwargs)
@@ -304,7 +315,7 @@ def training_options(fn):
         show_default=True,
         help="Torch device; on cuda the base stays quantized on the GPU (Triton decodes it).",
     )
-    @click.option("--threads", default=None, type=click.IntRange(1), help="CPU threads (default: torch's choice).")
+    @threads_option
     @click.option(
         "--nproc",
         default=None,
@@ -361,8 +372,13 @@ def auto_weights_cache(model_path) -> str:
     return "fp32" if fp32_bytes < available // 4 else "none"
 
 
-def open_model(model_path, lora_play=None, force=False, weights_cache="auto", compute_dtype="fp32", device="cpu"):
+def open_model(
+    model_path, lora_play=None, force=False, weights_cache="auto", compute_dtype="fp32", device="cpu", threads=None
+):
+    from juno_py import threads as cpu_threads
     from juno_py.lora import load_adapters
+
+    cpu_threads.setup(threads)
     from juno_py.models import load_model
 
     on_gpu = str(device).startswith("cuda")

@@ -1,6 +1,7 @@
 """Typed metrics events, their JSONL stream, and the `metrics.json` summary (count, mean, last, p95 per series).
 
-An event is a kind (`train_step`, `validation`, `norm_refresh`, `checkpoint`, `playback`, `merge`, `galore`) plus
+An event is a kind (`train_step`, `validation`, `norm_refresh`, `checkpoint`, `playback`, `merge`, `galore`,
+`threads`) plus
 identity fields shared by a whole run and the numbers of that moment. `MetricsRecorder` turns every numeric
 field of every event into a series named `<kind>.<field>`; a series that never received a value reports 0.
 """
@@ -19,7 +20,7 @@ from typing import Any, Optional
 
 from juno_py.atomic import atomic_output
 
-EVENT_KINDS = ("train_step", "validation", "norm_refresh", "checkpoint", "playback", "merge", "galore")
+EVENT_KINDS = ("train_step", "validation", "norm_refresh", "checkpoint", "playback", "merge", "galore", "threads")
 
 # series every summary carries, so consumers can rely on them (0 when the run produced none)
 STANDARD_SERIES = (

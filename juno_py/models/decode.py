@@ -6,11 +6,13 @@ once. The products of a block that share an input run as one call (q, k and v; g
 native thread pool (`juno_py.threads.native_threads`). Adapters apply as two small products each: LoRAs (several,
 with their playback scales) add `coef · B·(A·h)` to the base product; a DoRA adapter composes as `AdaptedLinear`
 composes it. Keys and values go into the model's preallocated `KVCache`; the products write into buffers allocated
-once per decoder; RoPE angles come from a table computed once for the cache's positions.
+once per decoder; RoPE angles come from a table computed once for the cache's positions. The steps between the
+products (RMSNorm with the residual add, RoPE, attention over the cache, the gated activation) are single native
+calls too, so a token costs a few dozen calls per block rather than a few hundred torch operations.
 
-What a step computes is the model's own forward for one token (the same norms, RoPE, attention and activations, by the
-same modules), with the frozen products regrouped as fused dot products: the logits equal `Transformer`'s within
-float32 rounding. `NativeDecoder.unsupported(model)` says why a model cannot take this path (another device or
+What a step computes is the model's own forward for one token (the same norm weights, RoPE angles, attention and
+activation formulas), with the frozen products regrouped as fused dot products: the logits equal `Transformer`'s
+within float32 rounding. `NativeDecoder.unsupported(model)` says why a model cannot take this path (another device or
 dtype, a base the native products do not cover, adapters in training with dropout, no native library); generation
 then decodes through the model's forward.
 """
@@ -20,12 +22,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from juno_py import threads
 from juno_py.gguf.quants import native
-from juno_py.models.model import KVCache, Transformer, apply_rope, rope_cos_sin
+from juno_py.models.model import KVCache, Transformer, rope_cos_sin
 from juno_py.weights.frozen import FrozenQuantLinear
 
 
@@ -56,9 +57,9 @@ def _linear_blocker(module, what: str) -> Optional[str]:
 
 class _Slot:
     """One frozen linear of the decoder: the native task writing its base product into `out`, then its bias and
-    adapters."""
+    adapters, in place."""
 
-    def __init__(self, lib, module, x: Tensor):
+    def __init__(self, module, x: Tensor):
         base, adapted = _base_of(module)
         assert base is not None
         self.base, self.adapted = base, adapted
@@ -76,41 +77,66 @@ class _Slot:
                 for w, a in zip(adapted.weights, adapted.adapters):
                     A, B = a.factors(torch.float32)
                     self.loras.append((A, B, float(w) * a.scale))
+        self.plain = self.dora is None and not self.loras and self.bias is None
 
-    def finish(self) -> Tensor:
-        """The linear's output for the input `x`, after its native base product ran: `out` itself (adapters and
-        bias added in place), or a new tensor for a DoRA composition."""
+    def finish(self) -> None:
+        """The linear's output for the input `x` into `out`, after its native base product ran there."""
+        if self.plain:
+            return
         y = self.out
         if self.dora is not None:
             from juno_py.kernels.dora import dora_compose_xa
 
             ad, mod = self.dora, self.adapted
             xa, B = ad.delta_parts(self.x.unsqueeze(0))
-            y = dora_compose_xa(y.unsqueeze(0), xa, B, mod.dora_scale(torch.float32), ad.scale)[0]
+            y.copy_(dora_compose_xa(y.unsqueeze(0), xa, B, mod.dora_scale(torch.float32), ad.scale)[0])
         else:
             for A, B, coef in self.loras:
                 y.add_(torch.mv(B, torch.mv(A, self.x)), alpha=coef)
         if self.bias is not None:
-            y = y.add_(self.bias) if y is self.out else y + self.bias
-        return y
+            y.add_(self.bias)
+
+
+def _norm(module) -> tuple[int, float]:
+    """(pointer to the weights, eps) of an RMSNorm module (fp32: the decoder runs only fp32 activations)."""
+    w = module.weight
+    assert w.dtype == torch.float32 and w.is_contiguous()
+    return w.data_ptr(), float(module.eps)
 
 
 class _Layer:
-    def __init__(self, lib, blk, args):
+    def __init__(self, blk, args, cache: KVCache):
         n_embd = args.n_embd
+        self.blk = blk
         self.h_attn = torch.empty(n_embd)
         self.h_ffn = torch.empty(n_embd)
         self.attn_out = torch.empty(args.n_head * args.head_dim_v)
         lin = blk.linears
-        self.q, self.k, self.v = (_Slot(lib, lin[t], self.h_attn) for t in ("wq", "wk", "wv"))
-        self.o = _Slot(lib, lin["wo"], self.attn_out)
-        self.gate, self.up = (_Slot(lib, lin[t], self.h_ffn) for t in ("wgate", "wup"))
+        self.q, self.k, self.v = (_Slot(lin[t], self.h_attn) for t in ("wq", "wk", "wv"))
+        self.o = _Slot(lin["wo"], self.attn_out)
+        self.gate, self.up = (_Slot(lin[t], self.h_ffn) for t in ("wgate", "wup"))
         self.act_out = torch.empty(self.gate.base.out_features)
-        self.down = _Slot(lib, lin["wdown"], self.act_out)
+        self.down = _Slot(lin["wdown"], self.act_out)
+        self.slots = (self.q, self.k, self.v, self.o, self.gate, self.up, self.down)
+        lib = native.library()
         self.plan_qkv = native.MatvecPlan(lib, [s.task for s in (self.q, self.k, self.v)])
         self.plan_o = native.MatvecPlan(lib, [self.o.task])
         self.plan_gate_up = native.MatvecPlan(lib, [self.gate.task, self.up.task])
         self.plan_down = native.MatvecPlan(lib, [self.down.task])
+        norms = blk.norms
+        self.attn_norm, self.ffn_norm = _norm(norms["attn_norm"]), _norm(norms["ffn_norm"])
+        self.qk_norms = (_norm(norms["attn_q_norm"]), _norm(norms["attn_k_norm"])) if blk.spec.qk_norm else None
+        self.post_norms = (
+            (_norm(norms["post_attention_norm"]), _norm(norms["post_ffw_norm"])) if blk.spec.sandwich_norms else None
+        )
+        self.k_cache, self.v_cache = cache.k[blk.layer], cache.v[blk.layer]
+        assert self.k_cache.is_contiguous() and self.v_cache.is_contiguous()
+        self.act = ACTIVATION_CODES[blk.spec.activation]
+        self.neox = int(blk.spec.rope_style == "neox")
+
+
+# the gated activations the native step computes, by ArchSpec.activation
+ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1}
 
 
 class NativeDecoder:
@@ -119,18 +145,22 @@ class NativeDecoder:
     Build with `NativeDecoder.build(model, cache)`, which returns None where the path does not apply."""
 
     def __init__(self, model: Transformer, cache: KVCache, lib):
-        self.model, self.cache, self.args = model, cache, model.args
+        self.model, self.cache, self.args, self.lib = model, cache, model.args, lib
         a = self.args
-        self.layers = [_Layer(lib, blk, a) for blk in model.blocks]
+        self.layers = [_Layer(blk, a, cache) for blk in model.blocks]
+        self.x = torch.empty(a.n_embd)  # the residual stream
         self.h_out = torch.empty(a.n_embd)
-        self.output = _Slot(lib, model.output, self.h_out)
+        self.output = _Slot(model.output, self.h_out)
         self.plan_output = native.MatvecPlan(lib, [self.output.task])
-        positions = torch.arange(cache.max_len).unsqueeze(0)
-        self.positions = positions
-        self.ropes = [
-            rope_cos_sin(positions, getattr(model, f"_inv_freq{i}"), a.rope_attn_factor, torch.float32)
-            for i in range(len(model._rope_keys))
-        ]
+        self.out_norm = _norm(model.norm)
+        self.scores = torch.empty(cache.max_len)
+        self.positions = torch.arange(cache.max_len).unsqueeze(0)
+        # cos and sin [max_len, rope_dim / 2] per RoPE table, fp32 as the forward computes them
+        self.ropes = []
+        for i in range(len(model._rope_keys)):
+            cos, sin = rope_cos_sin(self.positions, getattr(model, f"_inv_freq{i}"), a.rope_attn_factor)
+            self.ropes.append((cos[0, :, 0].contiguous(), sin[0, :, 0].contiguous()))
+        self.n_rot = 2 * self.ropes[0][0].shape[-1]
         self.token = torch.zeros(1, 1, dtype=torch.long)
 
     @staticmethod
@@ -143,6 +173,8 @@ class NativeDecoder:
         if cache is not None and (cache.k[0].shape[0] != 1 or cache.k[0].dtype != torch.float32):
             return "the cache is not a float32 cache of batch 1"
         for blk in model.blocks:
+            if blk.spec.activation not in ACTIVATION_CODES:
+                return f"block {blk.layer} has the activation {blk.spec.activation!r}"
             for t, m in blk.linears.items():
                 reason = _linear_blocker(m, f"block {blk.layer} {t}")
                 if reason:
@@ -163,60 +195,72 @@ class NativeDecoder:
 
     @torch.no_grad()
     def step(self, token: int) -> Tensor:
-        model, cache, a = self.model, self.cache, self.args
+        model, cache, a, lib = self.model, self.cache, self.args, self.lib
         pos = cache.length
         if pos >= cache.max_len:
             raise ValueError(f"KV cache holds {cache.max_len} tokens; {pos} used, 1 more requested")
         cache.extend(self.positions[:, pos : pos + 1])
         self.token[0, 0] = token
-        x = model.embed_tokens(self.token)[0, 0]
+        self.x.copy_(model.embed_tokens(self.token)[0, 0])
         n = threads.native_threads()
-        for blk, L in zip(model.blocks, self.layers):
+        x, n_embd = self.x.data_ptr(), a.n_embd
+        pending = None  # the previous block's output, added to the residual stream by the next norm
+        for L in self.layers:
+            blk = L.blk
             cos, sin = self.ropes[model._rope_of_layer[blk.layer]]
-            rope = (cos[:, pos : pos + 1], sin[:, pos : pos + 1])
-            x = x + self._attention(blk, L, x, rope, pos, n)
-            x = x + self._feed_forward(blk, L, x, n)
-        self.h_out.copy_(model.norm(x))
+            w, eps = L.attn_norm
+            lib.juno_residual_rmsnorm(x, pending, w, n_embd, 1, eps, L.h_attn.data_ptr())
+            L.plan_qkv.run(n)
+            L.q.finish(), L.k.finish(), L.v.finish()
+            q, k = L.q.out.data_ptr(), L.k.out.data_ptr()
+            if L.qk_norms is not None:
+                (wq, eq), (wk, ek) = L.qk_norms
+                lib.juno_residual_rmsnorm(q, None, wq, a.head_dim, a.n_head, eq, q)
+                lib.juno_residual_rmsnorm(k, None, wk, a.head_dim, a.n_head_kv, ek, k)
+            c, s = cos[pos].data_ptr(), sin[pos].data_ptr()
+            lib.juno_rope(q, a.n_head, a.head_dim, self.n_rot, c, s, L.neox)
+            lib.juno_rope(k, a.n_head_kv, a.head_dim, self.n_rot, c, s, L.neox)
+            L.k_cache[0, :, pos].copy_(L.k.out.view(a.n_head_kv, a.head_dim))
+            L.v_cache[0, :, pos].copy_(L.v.out.view(a.n_head_kv, a.head_dim_v))
+            lo = max(0, pos + 1 - blk.window) if blk.window else 0
+            lib.juno_attend(
+                q,
+                L.k_cache.data_ptr(),
+                L.v_cache.data_ptr(),
+                a.n_head,
+                a.n_head_kv,
+                a.head_dim,
+                a.head_dim_v,
+                cache.max_len * a.head_dim,
+                cache.max_len * a.head_dim_v,
+                lo,
+                pos + 1,
+                a.attn_scale,
+                self.scores.data_ptr(),
+                L.attn_out.data_ptr(),
+            )
+            L.plan_o.run(n)
+            L.o.finish()
+            o = L.o.out.data_ptr()
+            if L.post_norms is not None:
+                lib.juno_residual_rmsnorm(o, None, L.post_norms[0][0], n_embd, 1, L.post_norms[0][1], o)
+            w, eps = L.ffn_norm
+            lib.juno_residual_rmsnorm(x, o, w, n_embd, 1, eps, L.h_ffn.data_ptr())
+            L.plan_gate_up.run(n)
+            L.gate.finish(), L.up.finish()
+            lib.juno_gated(L.gate.out.data_ptr(), L.up.out.data_ptr(), L.act_out.numel(), L.act, L.act_out.data_ptr())
+            L.plan_down.run(n)
+            L.down.finish()
+            pending = L.down.out.data_ptr()
+            if L.post_norms is not None:
+                lib.juno_residual_rmsnorm(pending, None, L.post_norms[1][0], n_embd, 1, L.post_norms[1][1], pending)
+        w, eps = self.out_norm
+        lib.juno_residual_rmsnorm(x, pending, w, n_embd, 1, eps, self.h_out.data_ptr())
         self.plan_output.run(n)
-        logits = self.output.finish()
+        self.output.finish()
+        logits = self.output.out
         cap = a.final_logit_softcap
         return torch.tanh(logits / cap) * cap if cap > 0 else logits
-
-    def _attention(self, blk, L: _Layer, x: Tensor, rope, pos: int, n: int) -> Tensor:
-        a, cache = self.args, self.cache
-        L.h_attn.copy_(blk.norms["attn_norm"](x))
-        L.plan_qkv.run(n)
-        q = L.q.finish().view(1, 1, a.n_head, a.head_dim)
-        k = L.k.finish().view(1, 1, a.n_head_kv, a.head_dim)
-        v = L.v.finish().view(1, a.n_head_kv, a.head_dim_v)
-        if blk.spec.qk_norm:
-            q, k = blk.norms["attn_q_norm"](q), blk.norms["attn_k_norm"](k)
-        style = blk.spec.rope_style
-        q, k = apply_rope(q, *rope, style), apply_rope(k, *rope, style)
-        kc, vc = cache.k[blk.layer], cache.v[blk.layer]
-        kc[0, :, pos] = k[0, 0]
-        vc[0, :, pos] = v[0]
-        lo = max(0, pos + 1 - blk.window) if blk.window else 0
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            kc[:, :, lo : pos + 1],
-            vc[:, :, lo : pos + 1],
-            scale=a.attn_scale,
-            enable_gqa=a.n_head != a.n_head_kv,
-        )
-        L.attn_out.copy_(y.reshape(-1))
-        L.plan_o.run(n)
-        h = L.o.finish()
-        return blk.norms["post_attention_norm"](h) if blk.spec.sandwich_norms else h
-
-    def _feed_forward(self, blk, L: _Layer, x: Tensor, n: int) -> Tensor:
-        L.h_ffn.copy_(blk.norms["ffn_norm"](x))
-        L.plan_gate_up.run(n)
-        gate, up = L.gate.finish(), L.up.finish()
-        torch.mul(blk.act(gate), up, out=L.act_out)
-        L.plan_down.run(n)
-        h = L.down.finish()
-        return blk.norms["post_ffw_norm"](h) if blk.spec.sandwich_norms else h
 
 
 __all__ = ["NativeDecoder"]

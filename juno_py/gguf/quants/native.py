@@ -5,7 +5,9 @@ It decodes whole rows of the block types in `TYPES` to float32 or bfloat16, bit 
 (same float32 operations in the same order, the fp16 scales converted through a table built from torch), and
 multiplies rows of the types in `MATVEC_TYPES` by a float32 vector straight from their bytes (`matvec`,
 `MatvecPlan`: fused dequantize-dot, W never written out, the rows shared by a small pool of threads inside the
-library); the products are the decoded W's within float32 rounding, not bit for bit. Without
+library); the products are the decoded W's within float32 rounding, not bit for bit. The small steps of a
+one-token decode (RMSNorm with the residual add, RoPE, attention over a cache, gated activation) are there too,
+for `juno_py.models.decode`. Without
 a compiler, when the build or load fails, or with `JUNO_PY_NATIVE=0`, `decode` returns None and callers use the
 torch codecs; the reason is logged once at debug level.
 
@@ -222,7 +224,7 @@ def build(compiler: str, path: Path, flags: tuple[str, ...] = FLAGS) -> None:
     os.close(fd)
     try:
         proc = subprocess.run(
-            [compiler, *flags, "-o", tmp, str(SOURCE), "-lpthread"], capture_output=True, text=True, timeout=300
+            [compiler, *flags, "-o", tmp, str(SOURCE), "-lpthread", "-lm"], capture_output=True, text=True, timeout=300
         )
         if proc.returncode != 0:
             raise OSError(f"{compiler} exited with {proc.returncode}: {proc.stderr.strip()[-2000:]}")
@@ -249,6 +251,15 @@ def open_library(path: Path) -> ctypes.CDLL:
     ]
     lib.juno_matvec.restype = ctypes.c_int
     lib.juno_matvec.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    P, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    for name, argtypes in (
+        ("juno_residual_rmsnorm", [P, P, P, I64, I64, F32, P]),
+        ("juno_rope", [P, I64, I64, I64, P, P, ctypes.c_int]),
+        ("juno_attend", [P, P, P, I64, I64, I64, I64, I64, I64, I64, I64, F32, P, P]),
+        ("juno_gated", [P, P, I64, ctypes.c_int, P]),
+    ):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = None, argtypes
     lib.juno_set_f16_table.restype = None
     lib.juno_set_f16_table.argtypes = [ctypes.c_void_p]
     # every float16 bit pattern through torch's own (vectorized) conversion: the scales' NaN, infinity and

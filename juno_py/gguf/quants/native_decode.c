@@ -1080,3 +1080,89 @@ int juno_matvec(const juno_mv_task *tasks, int n_tasks, int n_threads) {
     pthread_mutex_unlock(&mv_call);
     return 0;
 }
+
+/* ---- the small steps of a one-token decode ----------------------------------------------------------------------
+ *
+ * What a decode step does between its matrix-vector products, on vectors of one token, in float32 with float64
+ * sums where a long sum is taken: the model's RMSNorm, RoPE, attention over the cached keys and gated activation,
+ * the same formulas as the torch modules (within float32 rounding of them). One call each instead of the dozen small
+ * torch operations each would be. */
+
+#include <math.h>
+
+/* x += h (h may be null), then out[g] = x[g] / rms(x[g]) · w for each of n_groups groups of n (w: n values) */
+void juno_residual_rmsnorm(float *x, const float *h, const float *w, int64_t n, int64_t n_groups, float eps,
+                           float *out) {
+    for (int64_t g = 0; g < n_groups; g++) {
+        float *xg = x + g * n;
+        if (h)
+            for (int64_t i = 0; i < n; i++) xg[i] += h[g * n + i];
+        double ss = 0.0;
+        for (int64_t i = 0; i < n; i++) ss += (double)xg[i] * xg[i];
+        const float r = 1.0f / sqrtf((float)(ss / (double)n) + eps);
+        for (int64_t i = 0; i < n; i++) out[g * n + i] = xg[i] * r * w[i];
+    }
+}
+
+/* rotate the first n_rot features of each of n_heads heads (head_dim apart) in place by the angles of one position:
+ * adjacent pairs (neox == 0) or the halves of the rotated part (neox != 0); cos and sin hold n_rot / 2 values */
+void juno_rope(float *x, int64_t n_heads, int64_t head_dim, int64_t n_rot, const float *cos_, const float *sin_,
+               int neox) {
+    const int64_t half = n_rot / 2;
+    for (int64_t h = 0; h < n_heads; h++) {
+        float *p = x + h * head_dim;
+        for (int64_t i = 0; i < half; i++) {
+            const int64_t a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+            const float xa = p[a], xb = p[b], c = cos_[i], s = sin_[i];
+            p[a] = xa * c - xb * s;
+            p[b] = xa * s + xb * c;
+        }
+    }
+}
+
+/* out[h] = softmax(scale · q[h]·K[j]) · V over positions j in [lo, hi) for each query head h, its key/value head
+ * h / (n_head / n_kv); K and V rows of head g at position j: k + g·k_head + j·d (and v + g·v_head + j·dv);
+ * scores: scratch of hi − lo floats */
+void juno_attend(const float *q, const float *k, const float *v, int64_t n_head, int64_t n_kv, int64_t d, int64_t dv,
+                 int64_t k_head, int64_t v_head, int64_t lo, int64_t hi, float scale, float *scores, float *out) {
+    const int64_t group = n_head / n_kv;
+    for (int64_t h = 0; h < n_head; h++) {
+        const float *qh = q + h * d, *kh = k + (h / group) * k_head, *vh = v + (h / group) * v_head;
+        float m = -INFINITY;
+        for (int64_t j = lo; j < hi; j++) {
+            const float *kj = kh + j * d;
+            vf32 acc = splat_f32(0.0f);
+            int64_t i = 0;
+            for (; i + LANES <= d; i += LANES) acc = fma_f32(load_f32(qh + i), load_f32(kj + i), acc);
+            float s = hsum_f32(acc);
+            for (; i < d; i++) s += qh[i] * kj[i];
+            s *= scale;
+            scores[j - lo] = s;
+            if (s > m) m = s;
+        }
+        double total = 0.0;
+        for (int64_t j = lo; j < hi; j++) {
+            const float e = expf(scores[j - lo] - m);
+            scores[j - lo] = e;
+            total += e;
+        }
+        float *oh = out + h * dv;
+        for (int64_t i = 0; i < dv; i++) oh[i] = 0.0f;
+        const float inv = (float)(1.0 / total);
+        for (int64_t j = lo; j < hi; j++) {
+            const float p = scores[j - lo] * inv;
+            const float *vj = vh + j * dv;
+            for (int64_t i = 0; i < dv; i++) oh[i] += p * vj[i];
+        }
+    }
+}
+
+/* out = act(gate) · up over n values: act 0 is SiLU, 1 GELU with the tanh approximation */
+void juno_gated(const float *gate, const float *up, int64_t n, int act, float *out) {
+    for (int64_t i = 0; i < n; i++) {
+        const float g = gate[i];
+        const float a = act == 0 ? g / (1.0f + expf(-g))
+                                 : 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+        out[i] = a * up[i];
+    }
+}
