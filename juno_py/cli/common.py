@@ -143,3 +143,14 @@ def load_training_data(o: dict, model) -> tuple[list, list]:
     if not train_set:
         raise click.UsageError("no training sequences left (all records dropped by --max-seq-len?)")
     return train_set, val_set
+
+
+def thread_guard(o: dict, n_threads: int, distributed_run: bool):
+    """The training loop's StallGuard on the CPU: fewer threads when steps stall, unless --threads (or
+    OMP_NUM_THREADS) fixed the count; None on a GPU and for a data-parallel run (its launcher shares the cores)."""
+    from juno_py import threads as cpu_threads
+
+    if str(o["device"]).startswith("cuda") or distributed_run:
+        return None
+    fixed = o["threads"] is not None or cpu_threads.env_threads() is not None
+    return cpu_threads.StallGuard(n_threads, fixed=fixed)

@@ -19,6 +19,7 @@ from juno_py.cli.common import (
     lora_targets_option,
     one_line_errors,
     say,
+    thread_guard,
     warnings_to_stderr,
 )
 from juno_py.cli.options import training_options
@@ -199,7 +200,6 @@ def world_size() -> int:
 def full(**o) -> None:
     """Train every weight of the chosen targets (the rest stays quantized and frozen); write a GGUF. Prints its path."""
     from juno_py import threads as cpu_threads
-    from juno_py.cli.lora_cmd import thread_guard
     from juno_py.lora import parse_targets
     from juno_py.merge import merge_trained, parse_requant
     from juno_py.merge.merge import check_output_path

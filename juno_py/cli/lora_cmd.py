@@ -7,7 +7,15 @@ from pathlib import Path
 
 import click
 
-from juno_py.cli.common import StopFlag, load_training_data, load_training_model, one_line_errors, say, set_quiet
+from juno_py.cli.common import (
+    StopFlag,
+    load_training_data,
+    load_training_model,
+    one_line_errors,
+    say,
+    set_quiet,
+    thread_guard,
+)
 from juno_py.cli.options import training_options
 
 
@@ -81,17 +89,6 @@ def lora(**o) -> None:
     if world.is_main:
         click.echo(str(lora_path))
     distributed.shutdown()
-
-
-def thread_guard(o: dict, n_threads: int, distributed_run: bool):
-    """The training loop's StallGuard on the CPU: fewer threads when steps stall, unless --threads (or
-    OMP_NUM_THREADS) fixed the count; None on a GPU and for a data-parallel run (its launcher shares the cores)."""
-    from juno_py import threads as cpu_threads
-
-    if str(o["device"]).startswith("cuda") or distributed_run:
-        return None
-    fixed = o["threads"] is not None or cpu_threads.env_threads() is not None
-    return cpu_threads.StallGuard(n_threads, fixed=fixed)
 
 
 def adapter_config_from_options(o: dict):
