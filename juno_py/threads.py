@@ -114,12 +114,21 @@ class StallGuard:
     than that rate, twice in a row, is a stall: another process took a core, and threads that wait for one another
     at every synchronisation slow the whole step. The guard then moves to one thread fewer (`apply`) and keeps the
     count whose recent steps are fastest: if the fewer threads are slower than the stalled steps were, it goes back.
-    Every `recheck` steps at a reduced count it looks at the idle CPUs and tries one thread more where they allow.
+    Every `recheck` steps below `max_threads` (default: the allowed CPUs) it looks at the idle CPUs and tries one
+    thread more where they allow.
     Nothing changes when the count was given explicitly (`fixed`)."""
 
-    def __init__(self, threads: int, fixed: bool = False, slack: float = 1.5, recheck: int = 50):
+    def __init__(
+        self,
+        threads: int,
+        fixed: bool = False,
+        slack: float = 1.5,
+        recheck: int = 50,
+        max_threads: Optional[int] = None,
+    ):
         self.threads, self.fixed, self.slack, self.recheck = int(threads), fixed, slack, recheck
-        self.max_threads = int(threads)
+        # the most it may return to: the allowed CPUs (a run that started on a busy machine may grow)
+        self.max_threads = max(int(threads), len(allowed_cpus()) if max_threads is None else int(max_threads))
         self.best: dict[int, float] = {}  # best seconds per unit of work at each count
         self.recent: dict[int, float] = {}  # the last step's seconds per unit at each count
         self._slow = 0
@@ -150,7 +159,7 @@ class StallGuard:
         elif fewer is not None and fewer < rate / self.slack:
             self._move(n - 1)
         elif n < self.max_threads and self._since_change >= self.recheck:
-            if idle_cpus() >= 0.5:  # a core more than this run's own threads is free
+            if idle_cpus(0.02) >= 0.5:  # a core more than this run's own threads is free
                 self._move(n + 1)
             else:
                 self._since_change = 1

@@ -8,6 +8,7 @@ dequantize + GEMM products) in blocks of `PREFILL_BLOCK` tokens.
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -75,10 +76,12 @@ def generate(
     stop_ids: Optional[Iterable[int]] = None,
     on_token: Optional[Callable[[int], None]] = None,
     native: bool = True,
+    thread_guard=None,
 ) -> list[int]:
     """New token ids after the prompt `ids`, at most `max_new_tokens`; stops before emitting a token of `stop_ids`
     (the stop token is not returned). `on_token` sees each token as it is produced. `native`: decode through
-    `NativeDecoder` where the model allows it (False: always through the model's forward)."""
+    `NativeDecoder` where the model allows it (False: always through the model's forward). `thread_guard`: a
+    `juno_py.threads.StallGuard` told each decode step's wall time, which drops CPU threads when steps stall."""
     ids = list(ids)
     if not ids:
         raise ValueError("generate needs at least one prompt token")
@@ -96,5 +99,8 @@ def generate(
         if on_token is not None:
             on_token(token)
         if step + 1 < max_new_tokens:
+            start = time.perf_counter()
             logits = decoder.step(token) if decoder is not None else decode_one_token(model, token, cache)
+            if thread_guard is not None:
+                thread_guard.observe(time.perf_counter() - start, 1)
     return out

@@ -275,3 +275,16 @@ def test_smollm2_greedy_tokens_are_the_forwards(lib, smollm2_path, monkeypatch):
         m.setenv("JUNO_PY_NATIVE", "0")
         slow = generate(model, ids, 32)
     assert fast == slow
+
+
+def test_generate_tells_the_thread_guard_every_decode_step(lib, tiny_gguf):
+    seen = []
+
+    class Recording(threads.StallGuard):
+        def observe(self, seconds, work=1.0):
+            seen.append((seconds, work))
+            return self.threads
+
+    model = load_model(tiny_gguf("llama", GGMLType.Q8_0))
+    out = generate(model, sample_ids(3, seed=14), 7, thread_guard=Recording(1, fixed=True))
+    assert len(out) == 7 and len(seen) == 6 and all(s > 0 and w == 1 for s, w in seen)
