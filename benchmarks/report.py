@@ -27,6 +27,7 @@ ORDER = [
     "gpu-decode",
     "gpu-matvec",
     "cross-entropy",
+    "cpu-decode",
     "cpu-forward",
     "frozen-linear",
     "codecs",

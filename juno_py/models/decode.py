@@ -211,7 +211,8 @@ class NativeDecoder:
             w, eps = L.attn_norm
             lib.juno_residual_rmsnorm(x, pending, w, n_embd, 1, eps, L.h_attn.data_ptr())
             L.plan_qkv.run(n)
-            L.q.finish(), L.k.finish(), L.v.finish()
+            for slot in (L.q, L.k, L.v):
+                slot.finish()
             q, k = L.q.out.data_ptr(), L.k.out.data_ptr()
             if L.qk_norms is not None:
                 (wq, eq), (wk, ek) = L.qk_norms
@@ -247,7 +248,8 @@ class NativeDecoder:
             w, eps = L.ffn_norm
             lib.juno_residual_rmsnorm(x, o, w, n_embd, 1, eps, L.h_ffn.data_ptr())
             L.plan_gate_up.run(n)
-            L.gate.finish(), L.up.finish()
+            L.gate.finish()
+            L.up.finish()
             lib.juno_gated(L.gate.out.data_ptr(), L.up.out.data_ptr(), L.act_out.numel(), L.act, L.act_out.data_ptr())
             L.plan_down.run(n)
             L.down.finish()
