@@ -28,6 +28,7 @@ ORDER = [
     "gpu-decode",
     "gpu-matvec",
     "cross-entropy",
+    "cpu-decode",
     "cpu-forward",
     "frozen-linear",
     "codecs",

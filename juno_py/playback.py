@@ -46,13 +46,17 @@ def auto_weights_cache(model_path) -> str:
     return "fp32" if fp32_bytes < available // 4 else "none"
 
 
-def open_model(model_path, lora_play=None, force=False, weights_cache="auto", compute_dtype="fp32", device="cpu"):
+def open_model(
+    model_path, lora_play=None, force=False, weights_cache="auto", compute_dtype="fp32", device="cpu", threads=None
+):
     """The model for inference, with the adapters of `lora_play` (`A[:scale][,B[:scale]]`) played on it.
     compute_dtype auto: bf16 on a GPU, fp32 on the CPU; weights_cache auto: see `auto_weights_cache` (on a GPU:
     none, the bytes stay quantized there)."""
+    from juno_py import threads as cpu_threads
     from juno_py.lora import load_adapters
     from juno_py.models import load_model
 
+    cpu_threads.setup(threads)
     on_gpu = str(device).startswith("cuda")
     if compute_dtype == "auto":
         compute_dtype = "bf16" if on_gpu else "fp32"
@@ -113,6 +117,7 @@ def complete(
     sampling: Sampling,
     on_text: Optional[Callable[[str], None]] = None,
     cancelled: Optional[Callable[[], bool]] = None,
+    thread_guard=None,
 ) -> Completion:
     """Generate after the prompt `ids` (stopping at the tokenizer's end-of-generation tokens, `sampling.stop`
     texts or `max_tokens`); `on_text` receives the reply's text piece by piece, whole characters only and never
@@ -166,6 +171,7 @@ def complete(
             seed=sampling.seed,
             stop_ids=tok.eog_ids,
             on_token=on_token,
+            thread_guard=thread_guard,
         )
     except _Finished:
         pass

@@ -184,3 +184,14 @@ def say_metrics_files(o: dict, sinks: list) -> None:
         say("metrics: not kept; --events-out metrics.jsonl keeps every step (juno-py plot draws it)")
     for sink in sinks:
         say(f"tensorboard: {sink.log_dir} (view: tensorboard --logdir {sink.log_dir})")
+
+
+def thread_guard(o: dict, n_threads: int, distributed_run: bool):
+    """The training loop's StallGuard on the CPU: fewer threads when steps stall, unless --threads (or
+    OMP_NUM_THREADS) fixed the count; None on a GPU and for a data-parallel run (its launcher shares the cores)."""
+    from juno_py import threads as cpu_threads
+
+    if str(o["device"]).startswith("cuda") or distributed_run:
+        return None
+    fixed = o["threads"] is not None or cpu_threads.env_threads() is not None
+    return cpu_threads.StallGuard(n_threads, fixed=fixed)

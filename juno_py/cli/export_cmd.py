@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from juno_py.cli.common import one_line_errors, warnings_to_stderr
-from juno_py.cli.options import progress_options
+from juno_py.cli.options import progress_options, threads_option
 from juno_py.store import DEFAULT_MODEL
 
 FORMATS = ("peft", "gguf-lora")
@@ -43,12 +43,15 @@ FORMATS = ("peft", "gguf-lora")
     help="Tensor type of a GGUF-LoRA export.",
 )
 @progress_options
+@threads_option
 @one_line_errors
-def export(fmt, model_path, lora_path, output, dtype, progress, progress_interval) -> None:
+def export(fmt, model_path, lora_path, output, dtype, progress, progress_interval, threads) -> None:
     """Export an adapter for PEFT or llama.cpp. Prints the output path."""
+    from juno_py import threads as cpu_threads
     from juno_py.atomic import check_writable
     from juno_py.exchange import export_gguf_lora, export_peft
 
+    cpu_threads.setup(threads)
     stem = Path(lora_path).stem
     target = Path(output or (f"{stem}-peft" if fmt == "peft" else f"{stem}.lora.gguf"))
     # before a model is pulled or read. A PEFT folder's files go inside it, and the folder is made when missing:

@@ -23,6 +23,7 @@ from juno_py.cli.common import (
     say,
     say_metrics_files,
     set_quiet,
+    thread_guard,
     warnings_to_stderr,
 )
 from juno_py.cli.options import training_options
@@ -207,8 +208,7 @@ def world_size() -> int:
 @one_line_errors
 def full(**o) -> None:
     """Train every weight of the chosen targets (the rest stays quantized and frozen); write a GGUF. Prints its path."""
-    import torch
-
+    from juno_py import threads as cpu_threads
     from juno_py.atomic import OutputError, check_writable
     from juno_py.lora import parse_targets
     from juno_py.merge import merge_trained, parse_requant
@@ -253,8 +253,7 @@ def full(**o) -> None:
     if world.active:
         o["device"] = str(world.device)
         say(f"data parallel: {world.size} processes ({world.backend}); each takes its share of every global batch")
-    if o["threads"]:
-        torch.set_num_threads(o["threads"])
+    n_threads = cpu_threads.setup(o["threads"])
     model_file = distributed.local_first(world, resolve_model, o["model_path"])  # pulled once per host
     check_output_path(output, [Path(model_file)])
 
@@ -304,6 +303,7 @@ def full(**o) -> None:
                 log=say,
                 optimizer=optimizer,
                 progress_interval=o["progress_interval"],
+                thread_guard=thread_guard(o, n_threads, world.active),
             )
         say(result.summary())
         say_metrics_files(o, sinks)

@@ -11,7 +11,9 @@ from juno_py.cli.options import model_options
 from juno_py.playback import open_model
 
 
-def _reply(model, messages, max_tokens, temperature, top_k, top_p, seed, stream_out) -> tuple[str, int, float]:
+def _reply(
+    model, messages, max_tokens, temperature, top_k, top_p, seed, stream_out, guard=None
+) -> tuple[str, int, float]:
     from juno_py.playback import Sampling, complete
 
     def write(text: str) -> None:
@@ -19,7 +21,9 @@ def _reply(model, messages, max_tokens, temperature, top_k, top_p, seed, stream_
         stream_out.flush()
 
     ids = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    done = complete(model, ids, Sampling(max_tokens, temperature, top_k, top_p, seed), on_text=write)
+    done = complete(
+        model, ids, Sampling(max_tokens, temperature, top_k, top_p, seed), on_text=write, thread_guard=guard
+    )
     stream_out.write("\n")
     stream_out.flush()
     return model.tokenizer.decode(done.token_ids), done.completion_tokens, done.seconds
@@ -41,7 +45,12 @@ def _reply(model, messages, max_tokens, temperature, top_k, top_p, seed, stream_
 @one_line_errors
 def local(prompt, system, max_tokens, temperature, top_k, top_p, seed, **model_kw) -> None:
     """Chat with a model; /reset clears the history, /exit (or Ctrl-D) leaves."""
+    from juno_py import threads as cpu_threads
+
     model = open_model(**model_kw)
+    # decode steps that stall (another process took a core) move to fewer threads, unless --threads fixed them
+    fixed = model_kw.get("threads") is not None or cpu_threads.env_threads() is not None
+    guard = cpu_threads.StallGuard(cpu_threads.native_threads(), fixed=fixed)
     base = [{"role": "system", "content": system}] if system else []
     if prompt is not None:
         _, n, dt = _reply(
@@ -53,6 +62,7 @@ def local(prompt, system, max_tokens, temperature, top_k, top_p, seed, **model_k
             top_p,
             seed,
             sys.stdout,
+            guard,
         )
         click.echo(f"[{n} tokens, {n / max(dt, 1e-9):.1f} tokens/s]", err=True)
         return
@@ -74,6 +84,6 @@ def local(prompt, system, max_tokens, temperature, top_k, top_p, seed, **model_k
         if not cmd:
             continue
         history.append({"role": "user", "content": line})
-        text, n, dt = _reply(model, history, max_tokens, temperature, top_k or None, top_p, seed, sys.stdout)
+        text, n, dt = _reply(model, history, max_tokens, temperature, top_k or None, top_p, seed, sys.stdout, guard)
         history.append({"role": "assistant", "content": text})
         click.echo(f"[{n} tokens, {n / max(dt, 1e-9):.1f} tokens/s]", err=True)

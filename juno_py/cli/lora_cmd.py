@@ -17,6 +17,7 @@ from juno_py.cli.common import (
     say,
     say_metrics_files,
     set_quiet,
+    thread_guard,
 )
 from juno_py.cli.options import training_options
 
@@ -26,8 +27,7 @@ from juno_py.cli.options import training_options
 @one_line_errors
 def lora(**o) -> None:
     """Train an adapter on a quantized GGUF model; the base stays quantized. Prints the adapter's path."""
-    import torch
-
+    from juno_py import threads as cpu_threads
     from juno_py.atomic import check_writable
     from juno_py.lora import attach, model_targets, parse_targets
     from juno_py.metrics import MetricsRecorder
@@ -49,8 +49,7 @@ def lora(**o) -> None:
         say(f"data parallel: {world.size} processes ({world.backend}); each takes its share of every global batch")
     if o["shard"]:
         say("sharded: the quantized base, the adapters and their optimizer state are split across the processes")
-    if o["threads"]:
-        torch.set_num_threads(o["threads"])
+    n_threads = cpu_threads.setup(o["threads"])
     if o["lora_path"]:  # an unwritable output fails now, before a model is pulled or loaded
         check_writable(o["lora_path"], "--lora-path")
     check_output_options(metrics_out=o["metrics_out"], events_out=o["events_out"])
@@ -89,6 +88,7 @@ def lora(**o) -> None:
                 progress=o["progress"],
                 log=say,
                 progress_interval=o["progress_interval"],
+                thread_guard=thread_guard(o, n_threads, world.active),
             )
     except KeyboardInterrupt:
         say(f"juno-py: stopped without saving; the last checkpoint ({lora_path}, if any) is kept")

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from juno_py.cli.common import FiniteFloatRange, check_output_options, one_line_errors, warnings_to_stderr
-from juno_py.cli.options import progress_options
+from juno_py.cli.options import progress_options, threads_option
 from juno_py.store import DEFAULT_MODEL
 
 
@@ -75,6 +75,7 @@ def default_output(lora_path: str) -> Path:
     help="Append the merge metrics event as one JSON line.",
 )
 @progress_options
+@threads_option
 @one_line_errors
 def merge(
     model_path,
@@ -90,10 +91,14 @@ def merge(
     events_out,
     progress,
     progress_interval,
+    threads,
 ) -> None:
     """Merge an adapter into the base model and write a GGUF that llama.cpp runs. Prints its path."""
+    from juno_py import threads as cpu_threads
     from juno_py.atomic import check_writable
     from juno_py.merge import merge_model
+
+    cpu_threads.setup(threads)
     from juno_py.metrics import MetricsRecorder
 
     output = Path(output) if output else default_output(lora_path)

@@ -9,6 +9,16 @@ import click
 from juno_py.cli.common import FiniteFloatRange, lora_targets_option
 from juno_py.store import DEFAULT_MODEL
 
+THREADS_HELP = (
+    "CPU threads of the computation (torch's and the native products'); default: the idle CPUs this process "
+    "may run on, measured at the start (a training run drops threads when its steps stall)."
+)
+
+
+def threads_option(fn):
+    """`--threads N` (None: `juno_py.threads.choose()` picks), shared by every command that computes."""
+    return click.option("--threads", default=None, type=click.IntRange(1), help=THREADS_HELP)(fn)
+
 
 def base_model_options(fn):
     """The model and how it is kept: --model-path, --force, --weights-cache, --compute-dtype, --device."""
@@ -43,6 +53,7 @@ def base_model_options(fn):
         show_default=True,
         help="Torch device; on cuda the weights stay quantized on the GPU (Triton decodes them).",
     )
+    @threads_option
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         return fn(*args, **kwargs)
@@ -343,7 +354,7 @@ def training_options(fn):
         show_default=True,
         help="Torch device; on cuda the base stays quantized on the GPU (Triton decodes it).",
     )
-    @click.option("--threads", default=None, type=click.IntRange(1), help="CPU threads (default: torch's choice).")
+    @threads_option
     @click.option(
         "--nproc",
         default=None,

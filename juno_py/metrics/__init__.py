@@ -1,9 +1,9 @@
 """Typed metrics events, their JSONL stream, and the `metrics.json` summary (count, mean, last, p95 per series).
 
 An event is a kind (`train_step`, `validation`, `norm_refresh`, `checkpoint`, `playback`, `merge`, `galore`,
-`expert_load`) plus identity fields shared by a whole run and the numbers of that moment. `MetricsRecorder` turns
-every numeric field of every event into a series named `<kind>.<field>`; a series that never received a value
-reports 0.
+`expert_load`, `threads`) plus identity fields shared by a whole run and the numbers of that moment.
+`MetricsRecorder` turns every numeric field of every event into a series named `<kind>.<field>`; a series that never
+received a value reports 0.
 """
 
 from __future__ import annotations
@@ -20,7 +20,17 @@ from typing import Any, Optional, Sequence
 
 from juno_py.atomic import atomic_output
 
-EVENT_KINDS = ("train_step", "validation", "norm_refresh", "checkpoint", "playback", "merge", "galore", "expert_load")
+EVENT_KINDS = (
+    "train_step",
+    "validation",
+    "norm_refresh",
+    "checkpoint",
+    "playback",
+    "merge",
+    "galore",
+    "expert_load",
+    "threads",
+)
 
 # series every summary carries, so consumers can rely on them (0 when the run produced none)
 STANDARD_SERIES = (

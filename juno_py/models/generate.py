@@ -1,16 +1,25 @@
 """Text generation with a KV cache: `prefill` the prompt, `decode_one_token` at a time, `generate` around both.
 Greedy at temperature 0; otherwise temperature, top-k and top-p sampling from a seeded generator.
+
+On the CPU `generate` decodes through `NativeDecoder` (every frozen product straight from the quantized bytes) where
+the model allows it, and through the model's forward elsewhere; the prompt is prefilled through the forward (the
+dequantize + GEMM products) in blocks of `PREFILL_BLOCK` tokens.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Iterable, Optional
 
 import torch
 from torch import Tensor
 
 from juno_py.errors import JunoError
+from juno_py.models.decode import NativeDecoder
 from juno_py.models.model import KVCache, Transformer
+
+# prompt tokens per prefill forward: bounds the activations (and the attention scores) a long prompt holds at once
+PREFILL_BLOCK = 512
 
 
 class NonFiniteLogits(JunoError, FloatingPointError):
@@ -41,9 +50,16 @@ def sample(
 
 
 @torch.no_grad()
-def prefill(model: Transformer, tokens: Tensor, cache: KVCache) -> Tensor:
-    """Run the prompt `[1, T]` through the model, filling the cache; logits `[vocab]` of its last position."""
-    hidden = model(tokens, cache=cache)
+def prefill(model: Transformer, tokens: Tensor, cache: KVCache, block: int = PREFILL_BLOCK) -> Tensor:
+    """Run the prompt `[1, T]` through the model in blocks of `block` tokens, filling the cache; logits `[vocab]`
+    of its last position."""
+    if block < 1:
+        raise ValueError(f"prefill block must be at least 1 token, got {block}")
+    hidden = None
+    for start in range(0, tokens.shape[1], block):
+        hidden = model(tokens[:, start : start + block], cache=cache)
+    if hidden is None:
+        raise ValueError("prefill needs at least one prompt token")
     return model.project(hidden[0, -1])
 
 
@@ -64,9 +80,13 @@ def generate(
     seed: Optional[int] = None,
     stop_ids: Optional[Iterable[int]] = None,
     on_token: Optional[Callable[[int], None]] = None,
+    native: bool = True,
+    thread_guard=None,
 ) -> list[int]:
     """New token ids after the prompt `ids`, at most `max_new_tokens`; stops before emitting a token of `stop_ids`
-    (the stop token is not returned). `on_token` sees each token as it is produced."""
+    (the stop token is not returned). `on_token` sees each token as it is produced. `native`: decode through
+    `NativeDecoder` where the model allows it (False: always through the model's forward). `thread_guard`: a
+    `juno_py.threads.StallGuard` told each decode step's wall time, which drops CPU threads when steps stall."""
     ids = list(ids)
     if not ids:
         raise ValueError("generate needs at least one prompt token")
@@ -74,6 +94,7 @@ def generate(
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     cache = model.new_cache(batch=1, max_len=len(ids) + max_new_tokens)
     logits = prefill(model, torch.tensor([ids], dtype=torch.long, device=model.embed.device), cache)
+    decoder = NativeDecoder.build(model, cache) if native and max_new_tokens > 1 else None
     out: list[int] = []
     for step in range(max_new_tokens):
         if not bool(torch.isfinite(logits).all()):
@@ -88,5 +109,8 @@ def generate(
         if on_token is not None:
             on_token(token)
         if step + 1 < max_new_tokens:
-            logits = decode_one_token(model, token, cache)
+            start = time.perf_counter()
+            logits = decoder.step(token) if decoder is not None else decode_one_token(model, token, cache)
+            if thread_guard is not None:
+                thread_guard.observe(time.perf_counter() - start, 1)
     return out

@@ -26,6 +26,7 @@ from juno_py.atomic import OutputError, reason, release, reserve
 from juno_py.lora.format import MAX_ABS_VALUE
 from juno_py.metrics import Identity, MetricsRecorder, format_bytes, peak_rss_bytes
 from juno_py.progress import DEFAULT_INTERVAL, Progress
+from juno_py.threads import StallGuard
 from juno_py.train import distributed
 from juno_py.train.cuda_graph import GraphedSteps, graph_blocker, resolve_graphs
 from juno_py.train.data import Example, plan_epoch
@@ -147,6 +148,7 @@ def train(
     log: Optional[Callable[[str], None]] = None,
     optimizer: Union[TrainOptimizer, torch.optim.Optimizer, None] = None,
     progress_interval: float = DEFAULT_INTERVAL,
+    thread_guard: Optional[StallGuard] = None,
 ) -> TrainResult:
     """Train `trainable` (set up on `model`) on `train_set`; see TrainConfig for every knob.
 
@@ -157,7 +159,9 @@ def train(
     `trainable`: the adapters attached to the model or dense weights for full training
     (`juno_py.train.dense.densify`). `optimizer`: default AdamW over the trainable's groups; a `TrainOptimizer` may
     report the step's norm itself (GaLore's per-layer mode updates during backward and frees gradients); a torch
-    optimizer with Adam's state runs as it is (`optim.TorchOptimizer`).
+    optimizer with Adam's state runs as it is (`optim.TorchOptimizer`). `thread_guard`: told each step's wall time
+    and tokens, it drops CPU threads when steps stall (`juno_py.threads.StallGuard`); each change is logged and
+    recorded as a "threads" event.
     """
     if not train_set:
         raise ValueError("no training examples")
@@ -403,6 +407,12 @@ def train(
                 run.epoch, run.batch = run.epoch + 1, 0
             run.seconds = time.perf_counter() - started
             step_seconds = time.perf_counter() - t_step
+            if thread_guard is not None:
+                before = thread_guard.threads
+                after = thread_guard.observe(time.perf_counter() - t_step, n_tok)
+                if after != before:
+                    say(f"step {run.step}: {after} CPU threads from now on (were {before}: the steps' wall time)")
+                    recorder.emit("threads", step=run.step, threads=after, previous=before)
             recorder.emit(
                 "train_step",
                 step=run.step,

@@ -3,14 +3,21 @@
 The forward multiplies each block of `chunk_rows` rows into its slice of the output, the transpose accumulates the
 blocks' products in fp32, and neither keeps a block once it is used, so no `[n_out, n_in]` float weight exists
 unless a resident cache (`cache="bf16"|"fp32"`) is asked for. Decoding runs in the torch codecs.
+
+Up to MATVEC_MAX_TOKENS tokens in fp32 (decoding one token at a time) multiply straight from the quantized bytes
+instead, through the native fused dequantize-dot (`juno_py.gguf.quants.native.matvec`): each weight byte is read
+once and no float W is written, not even a block of it; the products are the decoded W's within float32 rounding.
+Where the native library is unavailable the blocks stream as above.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 
+from juno_py import threads
+from juno_py.gguf.quants import native
 from juno_py.weights.base import ExactProducts, FrozenBase
 from juno_py.weights.frozen import FrozenQuantLinear
 
@@ -19,6 +26,10 @@ from juno_py.weights.frozen import FrozenQuantLinear
 # AVX-512 BF16; at 1 token the bf16 product is no faster at all). A bf16 cache needs no cast and always
 # computes in bf16.
 BF16_MIN_TOKENS = 16
+# up to this many tokens an fp32 product runs through the native matvec from the bytes: each token reads the
+# quantized W once (under a byte per weight for the 4- to 8-bit types), against 4 bytes per weight for one pass
+# over an fp32 cache or a decoded block
+MATVEC_MAX_TOKENS = 4
 
 
 class StreamingQuantLinear(FrozenQuantLinear, resident=False):
@@ -81,9 +92,29 @@ class StreamingQuantLinear(FrozenQuantLinear, resident=False):
             del w
         return out
 
+    def _native_product(self, x: torch.Tensor, exact: bool) -> Optional[torch.Tensor]:
+        """`x·Wᵀ` `[tokens, n_out]` from the bytes by the native matvec, or None where it does not apply: more than
+        MATVEC_MAX_TOKENS tokens, an input or matmul dtype other than fp32 (a bf16 product, or one over a bf16
+        cache's rounded W), a type without a kernel, no native library."""
+        if x.dtype != torch.float32 or x.shape[-1] != self._n_in or self._ggml_type not in native.MATVEC_TYPES:
+            return None
+        tokens = x.numel() // self._n_in
+        if not 0 < tokens <= MATVEC_MAX_TOKENS or self._matmul_dtype(x, tokens, exact) != torch.float32:
+            return None
+        if not exact and self.weight_cache is not None and self.weight_cache.dtype != torch.float32:
+            return None
+        out = torch.empty(tokens, self._n_out, dtype=torch.float32)
+        return native.matvec(
+            self._ggml_type, self.raw, x.detach().reshape(tokens, self._n_in), out, threads.native_threads()
+        )
+
     def _forward_product(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
-        """`x·Wᵀ` for x `[..., n_in]`: each block of rows of W multiplies into its column slice of the output.
-        `exact`: fp32 operands over W decoded from the bytes, whatever the compute dtype and cache."""
+        """`x·Wᵀ` for x `[..., n_in]`: each block of rows of W multiplies into its column slice of the output (a few
+        fp32 tokens: the native matvec from the bytes). `exact`: fp32 operands over W decoded from the bytes,
+        whatever the compute dtype and cache."""
+        fast = self._native_product(x, exact)
+        if fast is not None:
+            return fast if x.dim() == 2 else fast.reshape(*x.shape[:-1], self._n_out)
         xc, out = self._operands(x, self._n_in, self._n_out, "input", exact)
         for a, b, w in self._blocks(xc.dtype, exact=exact):
             if xc.dtype == out.dtype:
@@ -132,4 +163,4 @@ if TYPE_CHECKING:  # mypy checks that the backend provides both Protocols
 FrozenBase.register(StreamingQuantLinear)
 ExactProducts.register(StreamingQuantLinear)
 
-__all__ = ["StreamingQuantLinear", "BF16_MIN_TOKENS"]
+__all__ = ["StreamingQuantLinear", "BF16_MIN_TOKENS", "MATVEC_MAX_TOKENS"]

@@ -112,7 +112,18 @@ def test_grad_checkpoint_gives_the_same_gradients(tiny_model, mixed_data):
         torch.testing.assert_close(gc, g[name], rtol=1e-5, atol=1e-7)
 
 
-def run(tiny_path, data, lora_path=None, stop_at=None, resume=False, hook=None, recorder=None, log=None, **kw):
+def run(
+    tiny_path,
+    data,
+    lora_path=None,
+    stop_at=None,
+    resume=False,
+    hook=None,
+    recorder=None,
+    log=None,
+    thread_guard=None,
+    **kw,
+):
     from juno_py.models import load_model
 
     model = load_model(tiny_path)
@@ -134,6 +145,7 @@ def run(tiny_path, data, lora_path=None, stop_at=None, resume=False, hook=None, 
         stop_requested=stop,
         progress=False,
         log=log or (lambda s: None),
+        thread_guard=thread_guard,
     )
     return result, adapters
 
@@ -484,3 +496,32 @@ def test_a_run_starts_with_an_exact_u(tiny_model, mixed_data):
     cfg = TrainConfig(lr=1e-3, batch_size=2, max_steps=1, epochs=None, schedule="constant", seed=3)
     train(tiny_model, adapters, train_set, cfg, progress=False, log=lambda s: None)
     assert all(m._running_u is None for m in mods)  # reset (and, on the CPU, never started)
+
+
+def test_the_thread_guard_sees_every_step_and_its_changes_are_events(tiny_path, mixed_data, tmp_path):
+    from juno_py import threads
+
+    seen = []
+
+    class Scripted(threads.StallGuard):
+        def observe(self, seconds, work=1.0):
+            seen.append((seconds, work))
+            if len(seen) == 2:
+                self._move(1)
+            return self.threads
+
+    before = torch.get_num_threads()
+    rec = MetricsRecorder(events_out=tmp_path / "events.jsonl")
+    try:
+        run(tiny_path, mixed_data, max_steps=3, epochs=None, recorder=rec, thread_guard=Scripted(2))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+        threads.apply(before)
+    rec.close()
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    steps = [e for e in events if e["kind"] == "train_step"]
+    assert len(seen) == 3 and all(s > 0 for s, _ in seen)
+    assert [w for _, w in seen] == [e["tokens"] for e in steps]
+    moved = [e for e in events if e["kind"] == "threads"]
+    assert [(e["step"], e["previous"], e["threads"]) for e in moved] == [(2, 2, 1)]

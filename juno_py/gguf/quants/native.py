@@ -2,7 +2,12 @@
 `$JUNO_PY_HOME/native`, called through ctypes (which releases the GIL for the call).
 
 It decodes whole rows of the block types in `TYPES` to float32 or bfloat16, bit for bit as the torch codecs do
-(same float32 operations in the same order, the fp16 scales converted through a table built from torch). Without
+(same float32 operations in the same order, the fp16 scales converted through a table built from torch), and
+multiplies rows of the types in `MATVEC_TYPES` by a float32 vector straight from their bytes (`matvec`,
+`MatvecPlan`: fused dequantize-dot, W never written out, the rows shared by a small pool of threads inside the
+library); the products are the decoded W's within float32 rounding, not bit for bit. The small steps of a
+one-token decode (RMSNorm with the residual add, RoPE, attention over a cache, gated activation) are there too,
+for `juno_py.models.decode`. Without
 a compiler, when the build or load fails, or with `JUNO_PY_NATIVE=0`, `decode` returns None and callers use the
 torch codecs; the reason is logged once at debug level.
 
@@ -30,7 +35,7 @@ import torch
 from juno_py.gguf.constants import GGML_BLOCK_SIZES, GGMLType
 
 SOURCE = Path(__file__).with_name("native_decode.c")
-ABI = 2  # juno_native_abi() of the source this module speaks to
+ABI = 3  # juno_native_abi() of the source this module speaks to
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off")
 TYPES = frozenset(
     int(t)
@@ -58,6 +63,9 @@ TYPES = frozenset(
     )
 )
 OUT_DTYPES = (torch.float32, torch.bfloat16)
+# the types `matvec` multiplies from their bytes: every block type above and the float rows
+MATVEC_TYPES = TYPES | frozenset(int(t) for t in (GGMLType.F32, GGMLType.F16, GGMLType.BF16))
+MATVEC_MAX_TASKS = 64  # products of one call (MV_MAX_TASKS in the source)
 # threads one decode is split over (pthreads inside the library): one, because a training step ran slower with
 # two (measured in the training loop): right after a matmul torch's threads hold the cores
 THREADS = 1
@@ -90,6 +98,95 @@ def decode(ggml_type: int, blocks: torch.Tensor, dtype: torch.dtype) -> Optional
         return None
     lib = library()
     return None if lib is None else decode_with(lib, ggml_type, blocks, dtype, THREADS)
+
+
+class MatvecTask(ctypes.Structure):
+    """One product `y[:n_rows] = W · x` of `juno_matvec` (juno_mv_task in the source)."""
+
+    _fields_ = [
+        ("ggml_type", ctypes.c_int64),
+        ("w", ctypes.c_void_p),
+        ("row_bytes", ctypes.c_int64),
+        ("n_rows", ctypes.c_int64),
+        ("n_in", ctypes.c_int64),
+        ("x", ctypes.c_void_p),
+        ("y", ctypes.c_void_p),
+    ]
+
+
+def check_matvec_operands(ggml_type: int, raw: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
+    """ValueError unless `raw` (uint8 `[n_rows, row_bytes]`, rows of `ggml_type` blocks, each byte next to the
+    last) times `x` (float32 `[n_in]`, contiguous) fits `y` (float32 `[n_rows]`, contiguous), all on the CPU."""
+    if int(ggml_type) not in MATVEC_TYPES:
+        raise ValueError(f"the native matvec has no GGML type {ggml_type}")
+    block_size, type_size = GGML_BLOCK_SIZES[int(ggml_type)]
+    n_in = x.numel()
+    ok = (
+        raw.dtype == torch.uint8
+        and raw.dim() == 2
+        and (raw.shape[0] < 2 or raw.stride(1) == 1)
+        and raw.shape[1] * block_size == n_in * type_size
+        and x.dtype == y.dtype == torch.float32
+        and x.is_contiguous()
+        and y.is_contiguous()
+        and y.numel() == raw.shape[0]
+        and raw.device.type == x.device.type == y.device.type == "cpu"
+    )
+    if not ok:
+        raise ValueError(
+            f"native matvec: weight {raw.dtype} {tuple(raw.shape)}, input {x.dtype} {tuple(x.shape)}, output "
+            f"{y.dtype} {tuple(y.shape)}: expected uint8 [n, {n_in * type_size // block_size}] rows, contiguous "
+            f"float32 [{n_in}] and [n], on the CPU"
+        )
+
+
+def task_for(ggml_type: int, raw: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> MatvecTask:
+    """The task `y = W · x` over tensors the caller keeps alive while it runs (checked first)."""
+    check_matvec_operands(ggml_type, raw, x, y)
+    stride = raw.stride(0) if raw.shape[0] > 1 else raw.shape[1]
+    return MatvecTask(int(ggml_type), raw.data_ptr(), stride, raw.shape[0], x.numel(), x.data_ptr(), y.data_ptr())
+
+
+class MatvecPlan:
+    """A fixed list of products run by one `juno_matvec` call: q, k and v of a block read one input, gate and up
+    another. Built once over tensors whose memory stays put (the decoder's buffers); `run` then costs one call."""
+
+    def __init__(self, lib: ctypes.CDLL, tasks: list[MatvecTask], keep: tuple = ()):
+        if not 0 < len(tasks) <= MATVEC_MAX_TASKS:
+            raise ValueError(f"a matvec plan holds 1 to {MATVEC_MAX_TASKS} products, got {len(tasks)}")
+        self._lib = lib
+        self._array = (MatvecTask * len(tasks))(*tasks)
+        self._n = len(tasks)
+        self._keep = keep  # the tensors the tasks point into
+
+    def run(self, threads: int) -> None:
+        rc = self._lib.juno_matvec(self._array, self._n, int(threads))
+        if rc != 0:
+            raise RuntimeError(f"native matvec failed with status {rc}")
+
+
+def matvec(
+    ggml_type: int, raw: torch.Tensor, x: torch.Tensor, out: Optional[torch.Tensor] = None, threads: int = 1
+) -> Optional[torch.Tensor]:
+    """`W · x` for each row of `x` (float32 `[n_in]` or `[k, n_in]`): float32 `[n_rows]` or `[k, n_rows]`, from
+    the bytes `raw` (uint8 `[n_rows, row_bytes]` on the CPU). None where the native library is unavailable or has
+    no kernel for the type."""
+    if int(ggml_type) not in MATVEC_TYPES:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    xs = x.reshape(-1, x.shape[-1]).contiguous()
+    if out is None:
+        out = torch.empty(xs.shape[0], raw.shape[0], dtype=torch.float32)
+    ys = out.view(xs.shape[0], raw.shape[0])
+    done = 0
+    while done < xs.shape[0]:  # at most MATVEC_MAX_TASKS inputs a call
+        part = range(done, min(done + MATVEC_MAX_TASKS, xs.shape[0]))
+        tasks = [task_for(ggml_type, raw, xs[i], ys[i]) for i in part]
+        MatvecPlan(lib, tasks).run(threads)
+        done = part.stop
+    return out.view(*x.shape[:-1], raw.shape[0])
 
 
 def cache_dir() -> Path:
@@ -127,7 +224,7 @@ def build(compiler: str, path: Path, flags: tuple[str, ...] = FLAGS) -> None:
     os.close(fd)
     try:
         proc = subprocess.run(
-            [compiler, *flags, "-o", tmp, str(SOURCE), "-lpthread"], capture_output=True, text=True, timeout=300
+            [compiler, *flags, "-o", tmp, str(SOURCE), "-lpthread", "-lm"], capture_output=True, text=True, timeout=300
         )
         if proc.returncode != 0:
             raise OSError(f"{compiler} exited with {proc.returncode}: {proc.stderr.strip()[-2000:]}")
@@ -152,6 +249,17 @@ def open_library(path: Path) -> ctypes.CDLL:
         ctypes.c_int,
         ctypes.c_int,
     ]
+    lib.juno_matvec.restype = ctypes.c_int
+    lib.juno_matvec.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    P, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    for name, argtypes in (
+        ("juno_residual_rmsnorm", [P, P, P, I64, I64, F32, P]),
+        ("juno_rope", [P, I64, I64, I64, P, P, ctypes.c_int]),
+        ("juno_attend", [P, P, P, I64, I64, I64, I64, I64, I64, I64, I64, F32, P, P]),
+        ("juno_gated", [P, P, I64, ctypes.c_int, P]),
+    ):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = None, argtypes
     lib.juno_set_f16_table.restype = None
     lib.juno_set_f16_table.argtypes = [ctypes.c_void_p]
     # every float16 bit pattern through torch's own (vectorized) conversion: the scales' NaN, infinity and

@@ -26,7 +26,7 @@
 #error "GGUF blocks are little-endian: the native decoder reads them in place"
 #endif
 
-#define JUNO_NATIVE_ABI 2
+#define JUNO_NATIVE_ABI 3
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 /* ---- vectors of LANES int32/float32 lanes: one register of the widest unit the target has ------------------------ */
@@ -78,9 +78,15 @@ ALWAYS_INLINE vu16 narrow_u16(vu32 x) { return __builtin_convertvector(x, vu16);
 #endif
 
 ALWAYS_INLINE vf32 splat_f32(float x) {
+#if LANES == 16
+    return (vf32)_mm512_set1_ps(x); /* one broadcast: GCC builds the generic loop lane by lane */
+#elif LANES == 8
+    return (vf32)_mm256_set1_ps(x);
+#else
     vf32 v;
     for (int i = 0; i < LANES; i++) v[i] = x;
     return v;
+#endif
 }
 
 ALWAYS_INLINE vu32 lane_index(void) {
@@ -589,4 +595,574 @@ int juno_decode_blocks(int ggml_type, const uint8_t *src, int64_t first, int64_t
             run_part(&parts[t]); /* no thread to be had: this one does the part */
     }
     return 0;
+}
+
+/* ---- fused dequantize-dot: matrix-vector products straight from the blocks ---------------------------------------
+ *
+ * y[r] = Σ_i W[r, i] · x[i] for the rows of a GGUF tensor, never writing W out: each block's codes are widened to
+ * float lanes, multiplied by x and accumulated in vectors; the block or sub-block scale multiplies its accumulated
+ * run once, and an affine type's bias (its minimum) multiplies the precomputed sum of x over the run. This is the
+ * decoded W's dot product regrouped (code·scale·x summed as scale·Σ code·x): float32 sums in another order, not the
+ * same bits as decode-then-GEMM, within float32 rounding of them. The types without a fused kernel here decode one
+ * block into a buffer on the stack and take its dot product; F32, F16 and BF16 rows convert as they are read.
+ *
+ * The rows of a call (one or several tasks: q, k and v of a block share their input) are split in chunks that the
+ * calling thread and the pool's workers claim one at a time, so a thread the system descheduled holds back one
+ * chunk, not a fixed share. Workers spin briefly for the next call, then sleep. */
+
+#include <stdlib.h>
+#include <sched.h>
+
+ALWAYS_INLINE vf32 load_f32(const float *p) {
+    vf32 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* a·b + c, one rounding where the target has FMA (the compile flags forbid contracting a*b+c on their own) */
+ALWAYS_INLINE vf32 fma_f32(vf32 a, vf32 b, vf32 c) {
+#if LANES == 16
+    return (vf32)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif LANES == 8 && defined(__FMA__)
+    return (vf32)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
+ALWAYS_INLINE float hsum_f32(vf32 v) {
+    float s = 0.0f;
+    for (int i = 0; i < LANES; i++) s += v[i];
+    return s;
+}
+
+/* acc + Σ code_i · x_i over a run of n elements, lane by lane */
+ALWAYS_INLINE vf32 dot_run(run_codes c, const float *x, int n, vf32 acc) {
+    for (int i = 0; i < n; i += LANES) acc = fma_f32(__builtin_convertvector(codes_at(c, i), vf32), load_f32(x + i), acc);
+    return acc;
+}
+
+/* one row: x and xs16 (sums of x over each run of 16 elements) start at the row's first element */
+typedef float (*row_dot_fn)(const uint8_t *row, const float *x, const float *xs16, int64_t n_blocks);
+
+/* Q4_0, Q4_1, Q5_0, Q5_1: value = d · (code − offset) (+ m) */
+ALWAYS_INLINE float dot_nibble_rows(const uint8_t *row, const float *x, const float *xs16, int64_t n_blocks,
+                                    int type_size, int qs_at, int qh_at, int offset, int affine) {
+    vf32 acc = splat_f32(0.0f);
+    float bias_sum = 0.0f;
+    for (int64_t ib = 0; ib < n_blocks; ib++) {
+        const uint8_t *b = row + ib * type_size;
+        const float *xb = x + 32 * ib;
+        vf32 part = splat_f32(0.0f);
+        for (int h = 0; h < 2; h++) {
+            run_codes c = field_run(b + qs_at, 4 * h, 0x0F, offset);
+            if (qh_at) {
+                c.word_bits = 1;
+                memcpy(&c.word, b + qh_at, 4);
+                c.word_at = 16 * h;
+            }
+            part = dot_run(c, xb + 16 * h, 16, part);
+        }
+        acc = fma_f32(splat_f32(f16_at(b)), part, acc);
+        if (affine) bias_sum += f16_at(b + 2) * (xs16[2 * ib] + xs16[2 * ib + 1]);
+    }
+    return hsum_f32(acc) + bias_sum;
+}
+
+static float dot_q4_0(const uint8_t *r, const float *x, const float *s, int64_t n) {
+    return dot_nibble_rows(r, x, s, n, 18, 2, 0, 8, 0);
+}
+static float dot_q4_1(const uint8_t *r, const float *x, const float *s, int64_t n) {
+    return dot_nibble_rows(r, x, s, n, 20, 4, 0, 0, 1);
+}
+static float dot_q5_0(const uint8_t *r, const float *x, const float *s, int64_t n) {
+    return dot_nibble_rows(r, x, s, n, 22, 6, 2, 16, 0);
+}
+static float dot_q5_1(const uint8_t *r, const float *x, const float *s, int64_t n) {
+    return dot_nibble_rows(r, x, s, n, 24, 8, 4, 0, 1);
+}
+
+static float dot_q8_0(const uint8_t *row, const float *x, const float *xs16, int64_t n_blocks) {
+    (void)xs16;
+    vf32 acc = splat_f32(0.0f);
+    for (int64_t ib = 0; ib < n_blocks; ib++) {
+        const uint8_t *b = row + 34 * ib;
+        acc = fma_f32(splat_f32(f16_at(b)), dot_run(field_run(b + 2, 0, 0, 0), x + 32 * ib, 32, splat_f32(0.0f)), acc);
+    }
+    return hsum_f32(acc);
+}
+
+static float dot_q2_k(const uint8_t *row, const float *x, const float *xs16, int64_t n_blocks) {
+    vf32 acc = splat_f32(0.0f);
+    float bias_sum = 0.0f;
+    for (int64_t ib = 0; ib < n_blocks; ib++) {
+        const uint8_t *b = row + 84 * ib;
+        const float d = f16_at(b + 80), neg_dmin = -f16_at(b + 82);
+        for (int s = 0; s < 16; s++) {
+            const vf32 part = dot_run(crumb_run(b + 16, s, 0), x + 256 * ib + 16 * s, 16, splat_f32(0.0f));
+            acc = fma_f32(splat_f32(d * (float)(b[s] & 0x0F)), part, acc);
+            bias_sum += neg_dmin * (float)(b[s] >> 4) * xs16[16 * ib + s];
+        }
+    }
+    return hsum_f32(acc) + bias_sum;
+}
+
+static float dot_q3_k(const uint8_t *row, const float *x, const float *xs16, int64_t n_blocks) {
+    (void)xs16;
+    vf32 acc = splat_f32(0.0f);
+    for (int64_t ib = 0; ib < n_blocks; ib++) {
+        const uint8_t *b = row + 110 * ib, *sc = b + 96;
+        const float d = f16_at(b + 108);
+        for (int s = 0; s < 16; s++) {
+            const int low = s < 8 ? sc[s] & 0x0F : sc[s - 8] >> 4;
+            const int high = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
+            const run_codes c = with_high(crumb_run(b + 32, s, 4), b + 16 * (s % 2), s / 2, 1, 2);
+            acc = fma_f32(splat_f32(d * (float)((low | high << 4) - 32)),
+                          dot_run(c, x + 256 * ib + 16 * s, 16, splat_f32(0.0f)), acc);
+        }
+    }
+    return hsum_f32(acc);
+}
+
+ALWAYS_INLINE float dot_k4_rows(const uint8_t *row, const float *x, const float *xs16, int64_t n_blocks,
+                                int type_size, int qs_at, int qh_at) {
+    vf32 acc = splat_f32(0.0f);
+    float bias_sum = 0.0f;
+    for (int64_t ib = 0; ib < n_blocks; ib++) {
+        const uint8_t *b = row + ib * type_size;
+        const float d = f16_at(b), neg_dmin = -f16_at(b + 2);
+        for (int s = 0; s < 8; s++) {
+            int sc, m;
+            k_scale_min(b + 4, s, &sc, &m);
+            run_codes c = field_run(b + qs_at + 32 * (s / 2), 4 * (s % 2), 0x0F, 0);
+            if (qh_at) c = with_high(c, b + qh_at, s, 1, 4);
+            acc = fma_f32(splat_f32((float)sc * d), dot_run(c, x + 256 * ib + 32 * s, 32, splat_f32(0.0f)), acc);
+            bias_sum += (float)m * neg_dmin * (xs16[16 * ib + 2 * s] + xs16[16 * ib + 2 * s + 1]);
+        }
+    }
+    return hsum_f32(acc) + bias_sum;
+}
+
+static float dot_q4_k(const uint8_t *r, const float *x, const float *s, int64_t n) {
+    return dot_k4_rows(r, x, s, n, 144, 16, 0);
+}
+static float dot_q5_k(const uint8_t *r, const float *x, const float *s, int64_t n) {
+    return dot_k4_rows(r, x, s, n, 176, 48, 16);
+}
+
+static float dot_q6_k(const uint8_t *row, const float *x, const float *xs16, int64_t n_blocks) {
+    (void)xs16;
+    vf32 acc = splat_f32(0.0f);
+    for (int64_t ib = 0; ib < n_blocks; ib++) {
+        const uint8_t *b = row + 210 * ib;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = f16_at(b + 208);
+        for (int s = 0; s < 16; s++) {
+            const int g = s / 8, r = 16 * (s % 8);
+            const run_codes c = with_high(field_run(b + 64 * g + r % 64, r < 64 ? 0 : 4, 0x0F, 32),
+                                          b + 128 + 32 * g + r % 32, 2 * (r / 32), 3, 4);
+            acc = fma_f32(splat_f32(d * (float)sc[s]), dot_run(c, x + 256 * ib + 16 * s, 16, splat_f32(0.0f)), acc);
+        }
+    }
+    return hsum_f32(acc);
+}
+
+/* the other block types: one block decoded to float32 on the stack, then its dot product */
+#define DECODED_DOT(name, block_size, type_size)                                                                 \
+    static float dot_##name(const uint8_t *row, const float *x, const float *xs16, int64_t n_blocks) {          \
+        (void)xs16;                                                                                              \
+        float buf[block_size] __attribute__((aligned(64)));                                                      \
+        vf32 acc = splat_f32(0.0f);                                                                              \
+        for (int64_t ib = 0; ib < n_blocks; ib++) {                                                              \
+            dec_##name(row + ib * (type_size), buf, 0, 0);                                                       \
+            for (int i = 0; i < (block_size); i += LANES)                                                        \
+                acc = fma_f32(load_f32(buf + i), load_f32(x + (block_size) * ib + i), acc);                      \
+        }                                                                                                        \
+        return hsum_f32(acc);                                                                                    \
+    }
+
+DECODED_DOT(iq2_xxs, 256, 66)
+DECODED_DOT(iq2_xs, 256, 74)
+DECODED_DOT(iq3_xxs, 256, 98)
+DECODED_DOT(iq1_s, 256, 50)
+DECODED_DOT(iq3_s, 256, 110)
+DECODED_DOT(iq2_s, 256, 82)
+DECODED_DOT(iq1_m, 256, 56)
+DECODED_DOT(tq1_0, 256, 54)
+DECODED_DOT(tq2_0, 256, 66)
+DECODED_DOT(mxfp4, 32, 17)
+
+/* float rows (block size 1: any length, the tail lane by lane) */
+static float dot_f32(const uint8_t *row, const float *x, const float *xs16, int64_t n) {
+    (void)xs16;
+    const float *w = (const float *)row; /* GGUF aligns tensor data; a row of floats is 4-byte aligned */
+    vf32 acc = splat_f32(0.0f);
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) acc = fma_f32(load_f32(w + i), load_f32(x + i), acc);
+    float s = hsum_f32(acc);
+    for (; i < n; i++) s += w[i] * x[i];
+    return s;
+}
+
+ALWAYS_INLINE float bf16_value(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static float dot_bf16(const uint8_t *row, const float *x, const float *xs16, int64_t n) {
+    (void)xs16;
+    vf32 acc = splat_f32(0.0f);
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        vu16 h;
+        memcpy(&h, row + 2 * i, sizeof h);
+        const vu32 u = __builtin_convertvector(h, vu32) << 16;
+        acc = fma_f32((vf32)u, load_f32(x + i), acc);
+    }
+    float s = hsum_f32(acc);
+    for (; i < n; i++) {
+        uint16_t h;
+        memcpy(&h, row + 2 * i, 2);
+        s += bf16_value(h) * x[i];
+    }
+    return s;
+}
+
+static float dot_f16(const uint8_t *row, const float *x, const float *xs16, int64_t n) {
+    (void)xs16;
+    vf32 acc = splat_f32(0.0f);
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+#if LANES == 16
+        const vf32 w = (vf32)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 2 * i)));
+#elif LANES == 8 && defined(__F16C__)
+        const vf32 w = (vf32)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * i)));
+#else
+        vf32 w;
+        for (int l = 0; l < LANES; l++) w[l] = f16_at(row + 2 * (i + l));
+#endif
+        acc = fma_f32(w, load_f32(x + i), acc);
+    }
+    float s = hsum_f32(acc);
+    for (; i < n; i++) s += f16_at(row + 2 * i) * x[i];
+    return s;
+}
+
+/* by GGML type id, with the block size (elements) */
+static row_dot_fn row_dot_of(int ggml_type, int *block_size) {
+    *block_size = 256;
+    switch (ggml_type) {
+        case 0: *block_size = 1; return dot_f32;
+        case 1: *block_size = 1; return dot_f16;
+        case 30: *block_size = 1; return dot_bf16;
+        case 2: *block_size = 32; return dot_q4_0;
+        case 3: *block_size = 32; return dot_q4_1;
+        case 6: *block_size = 32; return dot_q5_0;
+        case 7: *block_size = 32; return dot_q5_1;
+        case 8: *block_size = 32; return dot_q8_0;
+        case 10: return dot_q2_k;
+        case 11: return dot_q3_k;
+        case 12: return dot_q4_k;
+        case 13: return dot_q5_k;
+        case 14: return dot_q6_k;
+        case 16: return dot_iq2_xxs;
+        case 17: return dot_iq2_xs;
+        case 18: return dot_iq3_xxs;
+        case 19: return dot_iq1_s;
+        case 21: return dot_iq3_s;
+        case 22: return dot_iq2_s;
+        case 29: return dot_iq1_m;
+        case 34: return dot_tq1_0;
+        case 35: return dot_tq2_0;
+        case 39: *block_size = 32; return dot_mxfp4;
+        default: return 0;
+    }
+}
+
+/* one product y[0 .. n_rows) = W · x: W's rows are row_bytes apart from w */
+typedef struct {
+    int64_t ggml_type;
+    const uint8_t *w;
+    int64_t row_bytes, n_rows, n_in;
+    const float *x;
+    float *y;
+} juno_mv_task;
+
+int juno_matvec_supports(int ggml_type) {
+    int bs;
+    return row_dot_of(ggml_type, &bs) != 0;
+}
+
+/* ---- the pool -------------------------------------------------------------------------------------------------- */
+
+#define MV_MAX_TASKS 64
+#define MV_CHUNK_ELEMENTS 16384 /* weights per claimed chunk: about 10 µs of work */
+
+typedef struct {
+    const juno_mv_task *tasks;
+    int n_tasks;
+    int64_t first_chunk[MV_MAX_TASKS + 1]; /* chunk index where each task starts */
+    int64_t rows_per_chunk[MV_MAX_TASKS];
+    row_dot_fn fn[MV_MAX_TASKS];
+    int block_size[MV_MAX_TASKS];
+    uint64_t serial; /* products started so far, this one included */
+} mv_job;
+
+/* state: generation (bits 40-63), chunks in the job (20-39), next chunk to claim (0-19). Claiming compares the
+ * whole word, so a worker that saw an old generation can never claim a chunk of a newer job. */
+static volatile uint64_t mv_state;
+static volatile int64_t mv_done;
+static mv_job mv_current;
+static volatile int mv_active = 0; /* workers taking part: the thread count asked for, minus the caller */
+static int mv_workers = 0;          /* workers started */
+static volatile int mv_sleepers = 0;
+static pthread_mutex_t mv_mutex = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t mv_wake = PTHREAD_COND_INITIALIZER;
+static pthread_mutex_t mv_call = PTHREAD_MUTEX_INITIALIZER; /* one product at a time */
+
+#define MV_GEN(s) ((s) >> 40)
+#define MV_TOTAL(s) (((s) >> 20) & 0xFFFFF)
+#define MV_NEXT(s) ((s) & 0xFFFFF)
+#define MV_MAX_CHUNKS 0xFFFFF
+
+ALWAYS_INLINE void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+typedef struct {
+    float *xs16;
+    int64_t cap;
+    const float *for_x; /* the input whose sums xs16 holds, in the product numbered for_serial */
+    uint64_t for_serial;
+} mv_scratch;
+
+static int run_chunk(mv_job *job, int64_t chunk, mv_scratch *scratch) {
+    int t = 0;
+    while (chunk >= job->first_chunk[t + 1]) t++;
+    const juno_mv_task *task = &job->tasks[t];
+    const int64_t r0 = (chunk - job->first_chunk[t]) * job->rows_per_chunk[t];
+    int64_t r1 = r0 + job->rows_per_chunk[t];
+    if (r1 > task->n_rows) r1 = task->n_rows;
+    const int bs = job->block_size[t];
+    const float *xs16 = 0;
+    if (bs > 1) {
+        const int64_t n16 = task->n_in / 16;
+        if (scratch->for_x != task->x || scratch->for_serial != job->serial) {
+            if (scratch->cap < n16) {
+                float *p = (float *)realloc(scratch->xs16, sizeof(float) * (size_t)n16);
+                if (!p) return -1;
+                scratch->xs16 = p, scratch->cap = n16;
+            }
+            for (int64_t k = 0; k < n16; k++) {
+                float s = 0.0f;
+                for (int i = 0; i < 16; i++) s += task->x[16 * k + i];
+                scratch->xs16[k] = s;
+            }
+            scratch->for_x = task->x, scratch->for_serial = job->serial;
+        }
+        xs16 = scratch->xs16;
+    }
+    const int64_t n_blocks = task->n_in / bs;
+    const row_dot_fn fn = job->fn[t];
+    for (int64_t r = r0; r < r1; r++) task->y[r] = fn(task->w + r * task->row_bytes, task->x, xs16, n_blocks);
+    return 0;
+}
+
+/* claim and run chunks of generation gen until none is left */
+static void work_on(uint64_t gen, mv_scratch *scratch) {
+    for (;;) {
+        uint64_t s = __atomic_load_n(&mv_state, __ATOMIC_ACQUIRE);
+        if (MV_GEN(s) != gen || MV_NEXT(s) >= MV_TOTAL(s)) return;
+        if (!__atomic_compare_exchange_n(&mv_state, &s, s + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) continue;
+        run_chunk(&mv_current, (int64_t)MV_NEXT(s), scratch);
+        __atomic_add_fetch(&mv_done, 1, __ATOMIC_RELEASE);
+    }
+}
+
+static int mv_spin = 20000; /* pause iterations a worker waits for the next product before it sleeps */
+
+static void *mv_worker(void *arg) {
+    const int id = (int)(intptr_t)arg;
+    mv_scratch scratch = {0, 0, 0, 0};
+    uint64_t seen = MV_GEN(__atomic_load_n(&mv_state, __ATOMIC_ACQUIRE));
+    for (;;) {
+        uint64_t gen = seen;
+        for (int i = 0; i < mv_spin; i++) {
+            gen = MV_GEN(__atomic_load_n(&mv_state, __ATOMIC_ACQUIRE));
+            if (gen != seen) break;
+            cpu_relax();
+        }
+        if (gen == seen) {
+            pthread_mutex_lock(&mv_mutex);
+            __atomic_add_fetch(&mv_sleepers, 1, __ATOMIC_SEQ_CST);
+            while ((gen = MV_GEN(__atomic_load_n(&mv_state, __ATOMIC_SEQ_CST))) == seen)
+                pthread_cond_wait(&mv_wake, &mv_mutex);
+            __atomic_sub_fetch(&mv_sleepers, 1, __ATOMIC_SEQ_CST);
+            pthread_mutex_unlock(&mv_mutex);
+        }
+        seen = gen;
+        if (id < __atomic_load_n(&mv_active, __ATOMIC_ACQUIRE)) work_on(gen, &scratch);
+    }
+    return 0;
+}
+
+static mv_scratch mv_caller_scratch = {0, 0, 0, 0};
+
+/* y = W · x for each task, over n_threads threads (the caller and n_threads − 1 pool workers). Returns 0, -1 for
+ * a type without a kernel, -2 for too many tasks or chunks, -3 for a row length that is not whole blocks. */
+int juno_matvec(const juno_mv_task *tasks, int n_tasks, int n_threads) {
+    if (n_tasks <= 0) return 0;
+    if (n_tasks > MV_MAX_TASKS) return -2;
+    if (n_threads < 1) n_threads = 1;
+    if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;
+    pthread_mutex_lock(&mv_call);
+    mv_job *job = &mv_current;
+    job->tasks = tasks;
+    job->n_tasks = n_tasks;
+    job->serial++;
+    job->first_chunk[0] = 0;
+    for (int t = 0; t < n_tasks; t++) {
+        int bs;
+        job->fn[t] = row_dot_of((int)tasks[t].ggml_type, &bs);
+        if (!job->fn[t]) {
+            pthread_mutex_unlock(&mv_call);
+            return -1;
+        }
+        if (tasks[t].n_in % bs || (bs > 1 && tasks[t].n_in % 16)) {
+            pthread_mutex_unlock(&mv_call);
+            return -3;
+        }
+        job->block_size[t] = bs;
+        int64_t rows = MV_CHUNK_ELEMENTS / (tasks[t].n_in > 0 ? tasks[t].n_in : 1);
+        if (rows < 1) rows = 1;
+        job->rows_per_chunk[t] = rows;
+        job->first_chunk[t + 1] = job->first_chunk[t] + (tasks[t].n_rows + rows - 1) / rows;
+    }
+    const int64_t total = job->first_chunk[n_tasks];
+    if (total > MV_MAX_CHUNKS) {
+        pthread_mutex_unlock(&mv_call);
+        return -2;
+    }
+    /* a product too small to share, or one thread: the caller alone */
+    int helpers = n_threads - 1;
+    if (total < 2) helpers = 0;
+    while (mv_workers < helpers) {
+        pthread_t th;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int ok = pthread_create(&th, &attr, mv_worker, (void *)(intptr_t)mv_workers) == 0;
+        pthread_attr_destroy(&attr);
+        if (!ok) break;
+        mv_workers++;
+    }
+    if (helpers > mv_workers) helpers = mv_workers;
+    __atomic_store_n(&mv_active, helpers, __ATOMIC_RELEASE);
+    __atomic_store_n(&mv_done, 0, __ATOMIC_RELEASE);
+    const uint64_t gen = (MV_GEN(__atomic_load_n(&mv_state, __ATOMIC_ACQUIRE)) + 1) & 0xFFFFFF;
+    __atomic_store_n(&mv_state, gen << 40 | (uint64_t)total << 20, __ATOMIC_SEQ_CST);
+    if (helpers && __atomic_load_n(&mv_sleepers, __ATOMIC_SEQ_CST)) {
+        pthread_mutex_lock(&mv_mutex);
+        pthread_cond_broadcast(&mv_wake);
+        pthread_mutex_unlock(&mv_mutex);
+    }
+    work_on(gen, &mv_caller_scratch);
+    for (int64_t i = 0; __atomic_load_n(&mv_done, __ATOMIC_ACQUIRE) < total; i++) {
+        if (i < 4096)
+            cpu_relax();
+        else
+            sched_yield(); /* a worker holding a chunk was descheduled: let it run */
+    }
+    pthread_mutex_unlock(&mv_call);
+    return 0;
+}
+
+/* ---- the small steps of a one-token decode ----------------------------------------------------------------------
+ *
+ * What a decode step does between its matrix-vector products, on vectors of one token, in float32 with float64
+ * sums where a long sum is taken: the model's RMSNorm, RoPE, attention over the cached keys and gated activation,
+ * the same formulas as the torch modules (within float32 rounding of them). One call each instead of the dozen small
+ * torch operations each would be. */
+
+#include <math.h>
+
+/* x += h (h may be null), then out[g] = x[g] / rms(x[g]) · w for each of n_groups groups of n (w: n values) */
+void juno_residual_rmsnorm(float *x, const float *h, const float *w, int64_t n, int64_t n_groups, float eps,
+                           float *out) {
+    for (int64_t g = 0; g < n_groups; g++) {
+        float *xg = x + g * n;
+        if (h)
+            for (int64_t i = 0; i < n; i++) xg[i] += h[g * n + i];
+        double ss = 0.0;
+        for (int64_t i = 0; i < n; i++) ss += (double)xg[i] * xg[i];
+        const float r = 1.0f / sqrtf((float)(ss / (double)n) + eps);
+        for (int64_t i = 0; i < n; i++) out[g * n + i] = xg[i] * r * w[i];
+    }
+}
+
+/* rotate the first n_rot features of each of n_heads heads (head_dim apart) in place by the angles of one position:
+ * adjacent pairs (neox == 0) or the halves of the rotated part (neox != 0); cos and sin hold n_rot / 2 values */
+void juno_rope(float *x, int64_t n_heads, int64_t head_dim, int64_t n_rot, const float *cos_, const float *sin_,
+               int neox) {
+    const int64_t half = n_rot / 2;
+    for (int64_t h = 0; h < n_heads; h++) {
+        float *p = x + h * head_dim;
+        for (int64_t i = 0; i < half; i++) {
+            const int64_t a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+            const float xa = p[a], xb = p[b], c = cos_[i], s = sin_[i];
+            p[a] = xa * c - xb * s;
+            p[b] = xa * s + xb * c;
+        }
+    }
+}
+
+/* out[h] = softmax(scale · q[h]·K[j]) · V over positions j in [lo, hi) for each query head h, its key/value head
+ * h / (n_head / n_kv); K and V rows of head g at position j: k + g·k_head + j·d (and v + g·v_head + j·dv);
+ * scores: scratch of hi − lo floats */
+void juno_attend(const float *q, const float *k, const float *v, int64_t n_head, int64_t n_kv, int64_t d, int64_t dv,
+                 int64_t k_head, int64_t v_head, int64_t lo, int64_t hi, float scale, float *scores, float *out) {
+    const int64_t group = n_head / n_kv;
+    for (int64_t h = 0; h < n_head; h++) {
+        const float *qh = q + h * d, *kh = k + (h / group) * k_head, *vh = v + (h / group) * v_head;
+        float m = -INFINITY;
+        for (int64_t j = lo; j < hi; j++) {
+            const float *kj = kh + j * d;
+            vf32 acc = splat_f32(0.0f);
+            int64_t i = 0;
+            for (; i + LANES <= d; i += LANES) acc = fma_f32(load_f32(qh + i), load_f32(kj + i), acc);
+            float s = hsum_f32(acc);
+            for (; i < d; i++) s += qh[i] * kj[i];
+            s *= scale;
+            scores[j - lo] = s;
+            if (s > m) m = s;
+        }
+        double total = 0.0;
+        for (int64_t j = lo; j < hi; j++) {
+            const float e = expf(scores[j - lo] - m);
+            scores[j - lo] = e;
+            total += e;
+        }
+        float *oh = out + h * dv;
+        for (int64_t i = 0; i < dv; i++) oh[i] = 0.0f;
+        const float inv = (float)(1.0 / total);
+        for (int64_t j = lo; j < hi; j++) {
+            const float p = scores[j - lo] * inv;
+            const float *vj = vh + j * dv;
+            for (int64_t i = 0; i < dv; i++) oh[i] += p * vj[i];
+        }
+    }
+}
+
+/* out = act(gate) · up over n values: act 0 is SiLU, 1 GELU with the tanh approximation */
+void juno_gated(const float *gate, const float *up, int64_t n, int act, float *out) {
+    for (int64_t i = 0; i < n; i++) {
+        const float g = gate[i];
+        const float a = act == 0 ? g / (1.0f + expf(-g))
+                                 : 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+        out[i] = a * up[i];
+    }
 }
