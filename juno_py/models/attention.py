@@ -14,6 +14,10 @@ explicit boolean `[B, T, S]` restriction. `attend` picks the kernel in one place
 - "chunked": the dense computation over blocks of queries, each recomputed in backward (activation
   checkpointing per block), so memory is O(T · chunk) instead of O(T²): the CPU above the dense limit.
 
+Where this process cannot compile flex_attention (a compiler error from Dynamo, Inductor or Triton for this
+model's shapes), the first failure is reported once, as a warning, and the masked paths serve from then on:
+"dense" while `B·T·S` is at most `dense_limit()`, else "chunked".
+
 Every backend computes the same function; `tests/models/test_attention.py` checks logits and adapter gradients
 of each against the dense reference in float64.
 """
@@ -21,6 +25,7 @@ of each against the dense reference in float64.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
@@ -179,7 +184,22 @@ def attend(
     if backend == "chunked":
         return _chunked(q, k, v, mask, scale, enable_gqa)
     if backend == "flex":
-        return _flex()(q, k, v, block_mask=mask.block_mask(), scale=scale, enable_gqa=enable_gqa)
+        if "flex" not in _flex_failed:
+            try:
+                return _flex()(q, k, v, block_mask=mask.block_mask(), scale=scale, enable_gqa=enable_gqa)
+            except Exception as e:
+                if not _is_compile_failure(e):
+                    raise
+                _flex_failed["flex"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                warnings.warn(
+                    f"flex_attention could not be compiled for this model ({_flex_failed['flex']}); attention "
+                    f"falls back to masked SDPA, in blocks of queries where a whole mask would be large",
+                    stacklevel=2,
+                )
+        b, t, s = mask.shape
+        if b * t * s <= dense_limit():
+            return _sdpa_masked(q, k, v, mask, scale, enable_gqa)
+        return _chunked(q, k, v, mask, scale, enable_gqa)
     raise ValueError(f"attention backend is {backend!r}: expected one of {', '.join(BACKENDS)}")
 
 
@@ -209,6 +229,20 @@ def _chunked(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float,
 
 # ------------------------------------------------------------------------------------------------------ flex
 _compiled: dict[str, Callable] = {}
+_flex_failed: dict[str, str] = {}  # "flex": why compiling it failed in this process (then the masked paths serve)
+
+
+def _is_compile_failure(e: BaseException) -> bool:
+    """Whether `e` comes from torch.compile's compiler stack (Dynamo, Inductor, Triton lowering): a kernel this
+    process cannot build, not an error of the inputs (out of memory and shape errors are raised as they are)."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return False
+    names = {type(x).__name__ for x in (e, e.__cause__, e.__context__) if x is not None}
+    modules = {type(x).__module__ for x in (e, e.__cause__, e.__context__) if x is not None}
+    return bool(
+        names & {"BackendCompilerFailed", "InductorError", "LoweringException", "NoValidChoicesError"}
+        or any(m.startswith(("torch._dynamo", "torch._inductor", "triton")) for m in modules)
+    )
 
 
 def _flex() -> Callable:

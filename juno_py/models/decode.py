@@ -173,6 +173,8 @@ class NativeDecoder:
         if cache is not None and (cache.k[0].shape[0] != 1 or cache.k[0].dtype != torch.float32):
             return "the cache is not a float32 cache of batch 1"
         for blk in model.blocks:
+            if getattr(blk, "moe", None) is not None:
+                return f"block {blk.layer} is a mixture of experts: it decodes through the model's own forward"
             if blk.spec.activation not in ACTIVATION_CODES:
                 return f"block {blk.layer} has the activation {blk.spec.activation!r}"
             for t, m in blk.linears.items():

@@ -184,6 +184,16 @@ def is_sharded(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
+# the oldest torch whose FSDP2 shards the frozen uint8 parameters (torch 2.11's raises "only Tensors of floating
+# point dtype can require gradients" when fully_shard wraps them)
+MIN_TORCH = (2, 13)
+
+
+def _torch_release() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a sharded tensor (the tensor itself when it is not sharded)."""
     return t.to_local() if is_sharded(t) else t  # type: ignore[attr-defined, no-any-return]
@@ -246,6 +256,12 @@ def shard(model: nn.Module, world: World, prefetch: Optional[int] = None) -> Sha
 
     if not world.active:
         raise DistributedError("--shard needs several processes: start them with torchrun or --nproc")
+    if _torch_release() < MIN_TORCH:
+        raise DistributedError(
+            f"--shard needs torch {'.'.join(map(str, MIN_TORCH))} or newer, this is torch {torch.__version__}: the "
+            f"FSDP2 of older releases refuses the quantized base's uint8 parameters; train data-parallel without "
+            f"--shard, or upgrade torch"
+        )
     device = world.device
     if model.embed.device.type != "cpu":  # type: ignore[union-attr]
         raise DistributedError("shard the model while it is on the CPU: each rank moves only its part to the device")

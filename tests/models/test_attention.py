@@ -261,3 +261,31 @@ def test_long_packed_training_step_never_holds_a_t_by_t_tensor(tiny_gguf):
         forward_backward(model, batch, denominator=1.0)
     for a, b in zip(grads, (p.grad for p in params)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_a_flex_that_cannot_compile_falls_back_to_the_masked_paths(tiny_gguf, monkeypatch):
+    """A process whose compiler cannot build flex_attention (an Inductor lowering error) trains on: one warning,
+    then the masked SDPA paths, with the dense reference's logits and gradients."""
+    from juno_py.models import attention
+
+    def refuses(*args, **kwargs):
+        raise torch._inductor.exc.InductorError(RuntimeError("NoValidChoicesError: no choices"), None)
+
+    model, params = _model(tiny_gguf, "llama")
+    batch = packed_batch([_examples([5, 9]), _examples([4, 6], seed=3)], 0)
+    reference = _logits_and_grads(model, params, batch, "dense")
+    monkeypatch.setattr(attention, "_flex_failed", {})
+    monkeypatch.setitem(attention._compiled, "flex", refuses)
+    with pytest.warns(UserWarning, match="flex_attention could not be compiled"):
+        fell_back = _logits_and_grads(model, params, batch, "flex")
+    _assert_same(fell_back, reference)
+    assert "InductorError" in attention._flex_failed["flex"]
+    _assert_same(_logits_and_grads(model, params, batch, "flex"), reference)  # no second attempt, no warning
+
+
+def test_errors_of_the_inputs_are_not_taken_for_compile_failures():
+    from juno_py.models.attention import _is_compile_failure
+
+    assert not _is_compile_failure(torch.OutOfMemoryError("out of memory"))
+    assert not _is_compile_failure(ValueError("shapes"))
+    assert _is_compile_failure(torch._inductor.exc.InductorError(RuntimeError("lowering"), None))
