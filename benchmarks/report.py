@@ -28,6 +28,7 @@ ORDER = [
     "gpu-decode",
     "gpu-matvec",
     "cross-entropy",
+    "elementwise-gpu",
     "cpu-forward",
     "frozen-linear",
     "codecs",
