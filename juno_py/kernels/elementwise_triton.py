@@ -27,6 +27,9 @@ ELEMENTWISE_BLOCK = 1024  # elements a program of the gated activations
 ROPE_HEADS = 8  # heads (of q and k together) a RoPE program
 GELU_K = 0.7978845608028654  # sqrt(2/π)
 GELU_C = 0.044715
+# the same as compile-time constants: a compiled @triton.jit function may read only constexpr globals
+_GELU_K = tl.constexpr(GELU_K)
+_GELU_C = tl.constexpr(GELU_C)
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
@@ -135,8 +138,8 @@ def _gate_sigmoid(g, GELU: tl.constexpr):
     """(σ(v), dv/dg) with v = g for silu (silu(g) = g·σ(g)) and v = 2k(g + c·g³) for gelu_tanh, whose
     ½(1 + tanh(v/2)) is σ(v): gelu_tanh(g) = g·σ(v) without tanh's cancellation near −1."""
     if GELU:
-        v = 2.0 * GELU_K * (g + GELU_C * g * g * g)
-        dv = 2.0 * GELU_K * (1.0 + 3.0 * GELU_C * g * g)
+        v = 2.0 * _GELU_K * (g + _GELU_C * g * g * g)
+        dv = 2.0 * _GELU_K * (1.0 + 3.0 * _GELU_C * g * g)
     else:
         v = g
         dv = tl.full(g.shape, 1.0, tl.float32)
