@@ -255,8 +255,10 @@ def _rope_kernel(
     HK,
     D,
     HALF,
+    sq_b,
     sq_t,
     sq_h,
+    sk_b,
     sk_t,
     sk_h,
     sc_b,
@@ -293,8 +295,8 @@ def _rope_kernel(
     hk = tl.where(is_k, h - HQ, 0)
     mq = is_q & in_d
     mk = is_k & in_d
-    q_row = q_ptr + tok * sq_t + h * sq_h
-    k_row = k_ptr + tok * sk_t + hk * sk_h
+    q_row = q_ptr + b * sq_b + t * sq_t + h * sq_h
+    k_row = k_ptr + b * sk_b + t * sk_t + hk * sk_h
     x = tl.where(
         is_q,
         tl.load(q_row + d, mask=mq, other=0.0).to(tl.float32),
@@ -316,11 +318,8 @@ def _rope_kernel(
 
 
 def _heads(x: torch.Tensor) -> torch.Tensor:
-    """x `[B, T, H, D]` with unit feature stride and the tokens of a row one stride apart (`[B·T]` flattens)."""
-    b, t, h, _ = x.shape
-    if x.stride(3) != 1 or (b > 1 and x.stride(0) != t * x.stride(1)):
-        x = x.contiguous()
-    return x
+    """x `[B, T, H, D]` with a unit feature stride (any other strides: attention's gradients come head-major)."""
+    return x if x.stride(3) == 1 else x.contiguous()
 
 
 def _table(c: torch.Tensor, b: int, t: int) -> torch.Tensor:
@@ -362,7 +361,7 @@ def rope_apply(
             _rope_kernel,
             (b * t, cdiv(hq + hk, ROPE_HEADS)),
             (q, k, _out_arg(oq), _out_arg(ok), cs, sn, t, hq, hk, dim, half)
-            + (q.stride(1), q.stride(2), k.stride(1), k.stride(2), cs.stride(0), cs.stride(1)),
+            + (*q.stride()[:3], *k.stride()[:3], cs.stride(0), cs.stride(1)),
             4,
             NEOX=style == "neox",
             INVERSE=inverse,

@@ -190,6 +190,18 @@ def test_rope_matches_fp64(case, style, dtype):
         check(grad, x64.grad, 4 * U32 * gmag + rounding(dtype, x64.grad), f"d{what}")
 
 
+def test_rope_takes_head_major_strides():
+    """Attention hands back gradients laid out `[B, H, T, D]`: the kernel reads them where they are."""
+    q = randn((2, 4, 3, 8), torch.float32, seed=16).transpose(1, 2)  # [B, T, H, D] view, head-major
+    k = randn((2, 2, 3, 8), torch.float32, seed=17).transpose(1, 2)
+    cos, sin = rope_tables(2, 3, 8, torch.float32)
+    oq, ok = et.rope_apply(q, k, cos, sin, "neox")
+    assert oq.is_contiguous() and ok.is_contiguous()
+    torch.testing.assert_close(oq, et.rope_apply(q.contiguous(), k.contiguous(), cos, sin, "neox")[0], rtol=0, atol=0)
+    ref = apply_rope(k.double(), cos.double(), sin.double(), "neox", complex_pairs=False)
+    check(ok, ref, 4 * U32 * magnitude(k, cos.double(), sin.double(), "neox"), "k")
+
+
 def test_rope_inverse_undoes_the_rotation():
     q, k = randn((2, 3, 4, 8), torch.float32, seed=14), randn((2, 3, 2, 8), torch.float32, seed=15)
     cos, sin = rope_tables(2, 3, 6, torch.float32)
