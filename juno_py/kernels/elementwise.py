@@ -37,6 +37,8 @@ def fused_elementwise(*ts: torch.Tensor):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> Optional[torch.Tensor]:
     """`x / rms(x) · weight` through the fused kernel, or None where the eager code runs (also for a norm weight that
     takes gradients: the fused backward gives x's gradient only, or weights wider than one row of x)."""
+    if x.is_cpu and not INTERPRET_CPU:
+        return None
     if weight.requires_grad or weight.dtype != torch.float32 or weight.shape != x.shape[-1:]:
         return None
     if out_dtype not in FUSED_DTYPES:
@@ -47,7 +49,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch
 
 def gated(act: str, gate: torch.Tensor, up: torch.Tensor) -> Optional[torch.Tensor]:
     """`act(gate)·up` ("silu", "gelu_tanh") through the fused kernels, or None where the eager code runs."""
-    if gate.shape != up.shape or gate.dtype != up.dtype:
+    if (gate.is_cpu and not INTERPRET_CPU) or gate.shape != up.shape or gate.dtype != up.dtype:
         return None
     fk = fused_elementwise(gate, up)
     return None if fk is None else fk.GatedFn.apply(gate, up, act)
@@ -57,7 +59,13 @@ def rope_qk(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
 ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """q and k `[B, T, H, D]` rotated by RoPE in one fused launch, or None where the eager code runs."""
-    if style not in ("norm", "neox") or q.dim() != 4 or k.dim() != 4 or q.dtype != k.dtype:
+    if (
+        (q.is_cpu and not INTERPRET_CPU)
+        or style not in ("norm", "neox")
+        or q.dim() != 4
+        or k.dim() != 4
+        or q.dtype != k.dtype
+    ):
         return None
     fk = fused_elementwise(q, k, cos, sin)
     return None if fk is None else fk.RopeQKFn.apply(q, k, cos, sin, style)
