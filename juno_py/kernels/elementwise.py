@@ -1,7 +1,8 @@
 """Which path a decoder block's elementwise work takes: the fused Triton kernels of
 `juno_py.kernels.elementwise_triton` (RMSNorm, the gated activations, RoPE on q and k) or the model's eager torch
 code (`juno_py.models.model`), by the rules of `juno_py.kernels.kernel_mode`: fused for float32/bfloat16 CUDA tensors
-under JUNO_PY_KERNELS=auto (the default) or fused, never under JUNO_PY_KERNELS=eager. CPU tensors take the eager
+under JUNO_PY_KERNELS=fused only, for now: under auto (the default) the eager code runs until the kernels' speed
+and numerics have been measured on a GPU (`benchmarks/elementwise_gpu.py`); never under eager. CPU tensors take the eager
 code in every mode, so CPU results are the eager code's exactly; `INTERPRET_CPU = True` (tests) lets
 JUNO_PY_KERNELS=fused run them through Triton's interpreter (TRITON_INTERPRET=1) instead.
 """
@@ -27,7 +28,7 @@ def fused_elementwise(*ts: torch.Tensor):
     mode = kernel_mode()
     if first.is_cpu and mode != "fused":
         return None
-    if mode == "eager" or any(t.dtype not in FUSED_DTYPES or t.device != first.device for t in ts):
+    if mode != "fused" or any(t.dtype not in FUSED_DTYPES or t.device != first.device for t in ts):
         return None
     if fused_kernels(first.device, mode) is None:
         return None
