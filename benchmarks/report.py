@@ -29,6 +29,7 @@ ORDER = [
     "gpu-matvec",
     "cross-entropy",
     "cpu-decode",
+    "elementwise-gpu",
     "cpu-forward",
     "frozen-linear",
     "codecs",

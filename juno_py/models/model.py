@@ -21,6 +21,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from juno_py.errors import GGUFFormatError
+from juno_py.kernels import elementwise
 from juno_py.models.attention import AttentionMask, attend
 from juno_py.models.config import ArchSpec, ModelArgs, arch_spec
 from juno_py.models.layout import TARGETS, Layout, resolve_layout
@@ -29,6 +30,7 @@ from juno_py.weights.frozen import FrozenQuantLinear
 
 WEIGHTS_CACHES = ("none", "bf16", "fp32")
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
+FUSED_ACTIVATIONS = {fn: name for name, fn in ACTIVATIONS.items()}  # the activations the fused kernels compute
 # d act(x) · grad: the ATen kernels autograd itself runs for these activations (the same bits)
 ACTIVATION_BACKWARDS = {
     F.silu: torch.ops.aten.silu_backward,
@@ -67,7 +69,13 @@ class GatedActivation(torch.autograd.Function):
 
 
 def gated(act, gate: Tensor, up: Tensor) -> Tensor:
-    """`act(gate) · up`, through GatedActivation when a graph is being recorded."""
+    """`act(gate) · up`: the fused kernels on CUDA (`kernels.elementwise`: one pass forward, one backward), else
+    through GatedActivation when a graph is being recorded."""
+    name = FUSED_ACTIVATIONS.get(act)
+    if name is not None:
+        y = elementwise.gated(name, gate, up)
+        if y is not None:
+            return y
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return GatedActivation.apply(gate, up, act)
     return act(gate) * up
@@ -75,7 +83,9 @@ def gated(act, gate: Tensor, up: Tensor) -> Tensor:
 
 class RMSNorm(nn.Module):
     """`x / rms(x) · weight`, computed in the weight's dtype (fp32, or fp64 for exactness checks); the result has
-    `out_dtype` (None: the weight's dtype; bf16 for bf16 activations)."""
+    `out_dtype` (None: the weight's dtype; bf16 for bf16 activations). On CUDA one fused kernel each way
+    (`kernels.elementwise`; backward keeps x and one fp32 rstd per row); the eager ops elsewhere. Gemma's
+    `(1 + w)` needs nothing of its own: GGUF files hold the shifted weight."""
 
     def __init__(self, weight: Tensor, eps: float):
         super().__init__()
@@ -84,6 +94,9 @@ class RMSNorm(nn.Module):
         self.register_buffer("weight", weight.float())
 
     def forward(self, x: Tensor) -> Tensor:
+        y = elementwise.rms_norm(x, self.weight, self.eps, self.out_dtype or self.weight.dtype)
+        if y is not None:
+            return y
         x = x.to(self.weight.dtype)
         y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
         return y if self.out_dtype is None else y.to(self.out_dtype)
@@ -128,6 +141,14 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, style: str, complex_pairs: b
         a, b = rot[..., 0::2], rot[..., 1::2]
         rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
     return torch.cat((rot, rest), dim=-1) if rest.shape[-1] else rot
+
+
+def rope_qk(q: Tensor, k: Tensor, rope: tuple[Tensor, Tensor], style: str) -> tuple[Tensor, Tensor]:
+    """`apply_rope` of q and k: on CUDA one fused launch for both (and one for both gradients), else the eager ops."""
+    out = elementwise.rope_qk(q, k, *rope, style)
+    if out is not None:
+        return out
+    return apply_rope(q, *rope, style), apply_rope(k, *rope, style)
 
 
 class KVCache:
@@ -264,7 +285,7 @@ class Block(nn.Module):
         v = self.linears["wv"](x).to(self.act_dtype).view(b, t, a.n_head_kv, a.head_dim_v)
         if self.spec.qk_norm:
             q, k = self.norms["attn_q_norm"](q), self.norms["attn_k_norm"](k)
-        q, k = apply_rope(q, *rope, self.spec.rope_style), apply_rope(k, *rope, self.spec.rope_style)
+        q, k = rope_qk(q, k, rope, self.spec.rope_style)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
