@@ -150,25 +150,26 @@ def peft_steps(args) -> list[float]:
     return times[args.warmup :]
 
 
-def gemm_products(args) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
-    """(count per step, shape of a, shape of b) of every bf16 product `a @ b` one step makes: forward and input
-    gradient of every frozen linear, attention's products with their gradients, the output projection."""
+def gemm_products(args) -> list[tuple[int, tuple[int, ...], tuple[int, ...], bool]]:
+    """(count per step, shape of a, shape of b, whether b is a transposed [out, in] weight) of every product `a @ b`
+    one step makes: forward and input gradient of every frozen linear, attention's products with their gradients,
+    the output projection."""
     from juno_py.models import load_model
 
     a = load_model(args.model_file).args
     m, d, layers = args.batch * args.seq, a.n_embd, a.n_layer
     q, kv, bh, t = a.n_head * a.head_dim, a.n_head_kv * a.head_dim, args.batch * a.n_head, args.seq
     linears = [(d, q), (d, kv), (d, kv), (q, d), (d, a.n_ff), (d, a.n_ff), (a.n_ff, d)]  # (in, out)
-    out: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
+    out: list[tuple[int, tuple[int, ...], tuple[int, ...], bool]] = []
     for k, n in linears:
-        out.append((layers, (m, k), (k, n)))  # y = x Wᵀ
-        out.append((layers, (m, n), (n, k)))  # dx = dy W
+        out.append((layers, (m, k), (k, n), True))  # y = x Wᵀ
+        out.append((layers, (m, n), (n, k), False))  # dx = dy W
     hd = a.head_dim
-    out.append((2 * layers, (bh, t, hd), (bh, hd, t)))  # scores S = Q Kᵀ; dP = dO Vᵀ (keys and values per head)
-    out.append((4 * layers, (bh, t, t), (bh, t, hd)))  # O = P V; dV = Pᵀ dO; dQ = dS K; dK = dSᵀ Q
+    out.append((2 * layers, (bh, t, hd), (bh, hd, t), False))  # scores S = Q Kᵀ; dP = dO Vᵀ (keys and values per head)
+    out.append((4 * layers, (bh, t, t), (bh, t, hd), False))  # O = P V; dV = Pᵀ dO; dQ = dS K; dK = dSᵀ Q
     vocab = _vocab(args.model_file)
-    out.append((1, (m, d), (d, vocab)))  # logits
-    out.append((1, (m, vocab), (vocab, d)))  # their input gradient
+    out.append((1, (m, d), (d, vocab), True))  # logits
+    out.append((1, (m, vocab), (vocab, d), False))  # their input gradient
     return out
 
 
@@ -192,9 +193,10 @@ def gemm_floor(args) -> list[float]:
     slow = dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
     g = torch.Generator().manual_seed(0)
     total = 0.0
-    for count, sa, sb in gemm_products(args):
+    for count, sa, sb, transposed in gemm_products(args):
         a = torch.randn(sa, generator=g).to(dtype)
-        b = torch.randn(sb, generator=g).to(dtype)
+        # a linear's forward reads W [out, in] transposed, as F.linear does
+        b = torch.randn(sb[::-1], generator=g).to(dtype).t() if transposed else torch.randn(sb, generator=g).to(dtype)
         if slow:
             torch.matmul(a[..., :8, :], b)  # warm-up on a few rows
             start = time.perf_counter()
@@ -358,6 +360,21 @@ def notes(rows: list[dict], args) -> list[str]:
         "shape by its fastest call; the floor's tokens/s is the batch's tokens over that time.",
         "Peak RSS: the subprocess's ru_maxrss. Load avg: the machine's 1-minute load when the configuration "
         "finished; above the CPU count other processes shared the cores.",
+        *bf16_note(),
+    ]
+
+
+def bf16_note() -> list[str]:
+    """A note where torch has no fast bf16 GEMM on this CPU (oneDNN without AVX512-BF16 or AMX): there every bf16
+    product, PEFT's under autocast and juno-py's bf16 compute alike, runs far slower than fp32."""
+    import torch
+
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return []
+    return [
+        "This CPU has no bf16 GEMM support in torch (oneDNN reports none: no AVX512-BF16 or AMX), so bf16 "
+        "products take a slow path, many times slower than fp32's: the bf16 rows and the bf16 floor measure that "
+        "path, and fp32 is the faster compute here."
     ]
 
 
