@@ -297,15 +297,16 @@ def _adapters(r: dict) -> str:
 
 def table_rows(rows: list[dict]) -> list[list]:
     """One row per configuration; ratios against the faster peer of the same adapters, and the step's time over
-    the GEMM floor's."""
+    the GEMM floor's of the same compute dtype."""
     best: dict[tuple, dict] = {}
     for r in rows:
         key = (r["mode"], r["targets"])
         if r["impl"] == "peft" and (key not in best or r["tok_s"] > best[key]["tok_s"]):
             best[key] = r
-    floor = next((r for r in rows if r["impl"] == "gemm" and r["dtype"] == "bf16"), None)
+    floors = {r["dtype"]: r for r in rows if r["impl"] == "gemm"}
     out = []
     for r in rows:
+        floor = floors.get(r["dtype"])  # the products in the configuration's own compute dtype
         vs_floor = f"{r['step_s'] / floor['step_s']:.2f}x" if floor else "-"
         if r["impl"] == "gemm":
             out.append(
@@ -355,9 +356,10 @@ def notes(rows: list[dict], args) -> list[str]:
         f"{args.batch} x {args.seq} tokens, median of {args.steps} steps after {args.warmup} warm-up, best of "
         f"{args.rounds} round(s); {threads} torch threads.",
         "Best peer: the faster of PEFT fp32 and PEFT under torch.autocast('cpu', bfloat16) for the same adapters. "
-        "GEMM floor: only the bf16 matrix products of one step of these shapes (linears' forward and input "
-        "gradients, attention products and their gradients, output projection and its input gradient), each "
-        "shape by its fastest call; the floor's tokens/s is the batch's tokens over that time.",
+        "GEMM floor: only the matrix products of one step of these shapes, in bf16 or fp32 (linears' forward and "
+        "input gradients, attention products and their gradients, output projection and its input gradient), "
+        "each shape by its fastest call; the floor's tokens/s is the batch's tokens over that time; step vs GEMM "
+        "floor: the step's time over the floor's of its own compute dtype.",
         "Peak RSS: the subprocess's ru_maxrss. Load avg: the machine's 1-minute load when the configuration "
         "finished; above the CPU count other processes shared the cores.",
         *bf16_note(),
