@@ -242,7 +242,12 @@ def train(
     good: Optional[tuple[int, float, list[torch.Tensor]]] = None
     keep_good = not optimizer.updates_in_backward
     # where the weights go: the trainable's own file, else (juno-py full) the resume state
-    own_bytes = trainable.saved_bytes() if cfg.lora_path is not None else 0
+    if cfg.lora_path is None:
+        own_bytes = 0
+    elif sharded is not None:  # the adapter's whole tensors live across the ranks: their fp32 bytes and a margin
+        own_bytes = sum(4 * p.numel() for p in params) + STATE_SLACK_BYTES
+    else:
+        own_bytes = trainable.saved_bytes()
     where = None if cfg.lora_path is None else cfg.lora_path if own_bytes else state_path(cfg.lora_path)
     if cfg.lora_path is not None and world.is_main:
         _reserve_outputs(cfg, own_bytes, optimizer, params, bool(val_set))
@@ -506,7 +511,8 @@ def train(
 def _bounded(params, world: distributed.World = distributed.SINGLE, sharded=None) -> bool:
     """Whether every weight is at most MAX_WEIGHT in magnitude (one read from the device; sharded: every rank's
     parts, the ranks agreeing)."""
-    peaks = [torch.linalg.vector_norm(local_part(p).detach(), ord=math.inf) for p in params]
+    parts = [local_part(p).detach() for p in params]
+    peaks = [torch.linalg.vector_norm(t, ord=math.inf) for t in parts if t.numel()]  # a rank's part may be empty
     ok = bool(torch.stack(peaks).max() <= MAX_WEIGHT) if peaks else True
     if sharded is not None:
         ok = world.max(0 if ok else 1) == 0
