@@ -13,9 +13,11 @@ from juno_py.cli.common import (
     load_training_data,
     load_training_model,
     one_line_errors,
+    refuse_overwrite,
     report_sinks,
     say,
     say_metrics_files,
+    say_written,
     set_quiet,
 )
 from juno_py.cli.options import training_options
@@ -59,6 +61,7 @@ def lora(**o) -> None:
     if not o["lora_path"]:
         say(f"adapter: {lora_path} (set --lora-path to choose)")
         check_writable(lora_path, "adapter")
+    refuse_overwrite(lora_path, "--lora-path", overwrite=o["overwrite"], resume=o["resume"])
     model = load_training_model(o, model_file, shard=o["shard"])
     train_set, val_set = load_training_data(o, model)
 
@@ -99,6 +102,10 @@ def lora(**o) -> None:
         recorder.close()
     say(result.summary())
     say_metrics_files(o, sinks)
+    if world.is_main:
+        say_written("adapter", lora_path)
+        states = [Path(f"{lora_path}.state"), *sorted(lora_path.parent.glob(f"{lora_path.name}.state.rank*"))]
+        say_written("resume state", *states, note="; --resume continues from it, delete it once done")
     if result.stop_reason == "interrupted":
         state = f"{lora_path}.state" + (f".rank*-of-{world.size}, one per process" if o["shard"] else "")
         say(f"saved; continue with the same command and --resume (state: {state})")

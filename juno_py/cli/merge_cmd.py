@@ -7,7 +7,13 @@ from pathlib import Path
 
 import click
 
-from juno_py.cli.common import FiniteFloatRange, check_output_options, one_line_errors, warnings_to_stderr
+from juno_py.cli.common import (
+    FiniteFloatRange,
+    check_output_options,
+    one_line_errors,
+    say_written,
+    warnings_to_stderr,
+)
 from juno_py.cli.options import progress_options
 from juno_py.store import DEFAULT_MODEL
 
@@ -121,6 +127,7 @@ def merge(
                 recorder.write_summary(metrics_out)
             recorder.close()
     click.echo(report.table(), err=True)
+    say_written("merged model", output)
     if report_path:
         report.write_json(report_path)
     click.echo(str(output))

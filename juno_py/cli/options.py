@@ -366,6 +366,11 @@ def training_options(fn):
         help="Write the adapter and its resume state every N optimizer steps (0: at the end only).",
     )
     @click.option(
+        "--overwrite",
+        is_flag=True,
+        help="Replace an existing output and its resume state (without it, a run refuses to overwrite them).",
+    )
+    @click.option(
         "--resume",
         is_flag=True,
         help="Continue from <lora-path>.state: weights, optimizer moments, step, schedule, RNG and data position.",
