@@ -44,7 +44,7 @@ def test_lora_refuses_an_existing_adapter_unless_overwrite_or_resume(tiny_path, 
     adapter, state = out.read_bytes(), state_path(out).read_bytes()
 
     line = refusal(run(*lora_args(tiny_path, mixed_data, out)), out)
-    assert "--resume" in line and "--lora-path" in line
+    assert "--resume" in line and "choose another --output" in line
     assert out.read_bytes() == adapter and state_path(out).read_bytes() == state
 
     out.unlink()  # the resume state alone is a trained run too
