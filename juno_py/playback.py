@@ -216,7 +216,7 @@ def parse_named(specs: Sequence[str]) -> dict[str, Path]:
 
 class Adapters:
     """Named adapter files for one model, installed per selection: `base`, `name`, or LoRAs combined as in
-    `--lora-play`, `a+b:0.5` (or `a,b:0.5`). Every file is loaded and checked against the model when it is
+    `juno-py local --adapter`, `a+b:0.5` (or `a,b:0.5`). Every file is loaded and checked against the model when it is
     registered, so a bad one fails at start, not at the first request."""
 
     def __init__(self, model, named: Mapping[str, Union[str, Path]], force: bool = False, keep: int = 8):

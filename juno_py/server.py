@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP server (`juno-py serve`) on Starlette: `/v1/chat/completions` and `/v1/completions`
 (both streamed as server-sent events on request), `/v1/models`.
 
-The request's `model` field picks what plays: `base`, an adapter's name, or LoRAs combined as in `--lora-play`
+The request's `model` field picks what plays: `base`, an adapter's name, or LoRAs combined as in `juno-py local --adapter`
 (`a+b:0.5`; see `juno_py.playback.Adapters`). Requests wait in an asyncio queue; one worker thread generates one
 reply at a time (switch adapters, render the GGUF's chat template in its sandbox, tokenize, generate) and hands
 the text back to the event loop as it comes. A request is checked before it is queued; what only the worker can

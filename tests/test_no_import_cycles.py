@@ -9,7 +9,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import juno_py
+from juno_py.cli.main import COMMANDS
 
 ROOT = Path(juno_py.__file__).parent
 
@@ -145,3 +148,23 @@ def test_top_level_help_imports_neither_torch_nor_a_command():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT.parent
     ).stdout
     assert out.strip().splitlines()[-1] == "[]", out
+
+
+@pytest.mark.parametrize("args", [[], *([name] for name in COMMANDS), ["models", "list"]])
+def test_help_and_models_list_do_not_import_torch(args, tmp_path):
+    """`juno-py --help`, every `juno-py CMD --help` and `juno-py models list` answer without loading torch (nor
+    numpy): the commands import the library only when they run."""
+    import os
+    import subprocess
+    import sys
+
+    argv = [*args, "--help"] if args != ["models", "list"] else args
+    code = (
+        f"import sys; sys.argv = ['juno-py', *{argv!r}]\nfrom juno_py.cli.main import main\ntry:\n    main()\n"
+        "except SystemExit as e:\n    assert not e.code, e.code\n"
+        "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+    )
+    env = {**os.environ, "JUNO_PY_HOME": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]", (args, r.stdout[-300:])

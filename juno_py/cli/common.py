@@ -51,6 +51,19 @@ def check_output_options(**paths) -> None:
             check_writable(path, "--" + name.replace("_", "-"))
 
 
+def refuse_overwrite(path: Path, flag: str, *, overwrite: bool, resume: bool = False, state: bool = True) -> None:
+    """Stop before anything loads when `path` (or, for a training output, its resume state `<path>.state`) exists
+    and neither --overwrite nor --resume (which continues from that state) was given: a rerun must not silently
+    replace a trained output."""
+    if overwrite or resume:
+        return
+    state_file = Path(f"{path}.state")
+    for existing in (path, state_file) if state else (path,):
+        if existing.exists():
+            hint = " (or --resume to continue its run)" if state and state_file.exists() else ""
+            raise click.UsageError(f"{existing} exists: pass --overwrite to replace it{hint}, or choose another {flag}")
+
+
 def one_line_errors(fn):
     """Turn a JunoError (or a missing file) into one line on stderr and exit status 1, no traceback."""
 
@@ -174,6 +187,23 @@ def report_sinks(o: dict, output: Path) -> list:
 
     name = output.name[: -len(".bin")] if output.name.endswith(".bin") else output.stem
     return [TensorBoardSink(Path(o["report_dir"]) if o["report_dir"] else Path("runs") / name)]
+
+
+def file_size(path: Path) -> int:
+    """Bytes of a file, or of every file under a folder."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+
+
+def say_written(label: str, *paths: Path, note: str = "") -> None:
+    """One line naming where a written output went and its size (the resume state, a merged GGUF), so that no large
+    file appears unannounced; files that do not exist are left out."""
+    from juno_py.metrics import format_bytes
+
+    found = [p for p in paths if p.exists()]
+    if not found:
+        return
+    where = str(found[0]) if len(found) == 1 else f"{found[0]} and {len(found) - 1} more"
+    say(f"{label}: {where} ({format_bytes(sum(file_size(p) for p in found))}){note}")
 
 
 def say_metrics_files(o: dict, sinks: list) -> None:

@@ -6,12 +6,10 @@ import json
 import math
 
 import click
-import torch
 
 from juno_py.cli.common import one_line_errors
 from juno_py.cli.options import model_options
 from juno_py.errors import JunoError
-from juno_py.playback import open_model
 
 
 @click.command("eval")
@@ -35,6 +33,9 @@ from juno_py.playback import open_model
 @one_line_errors
 def eval_cmd(data, max_seq_len, batch_size, skip_bad_records, as_json, **model_kw) -> None:
     """Loss and perplexity over the supervised tokens of DATA (assistant turns, completions, or all text)."""
+    import torch
+
+    from juno_py.playback import open_model
     from juno_py.train.data import load_examples
     from juno_py.train.steps import evaluate
 

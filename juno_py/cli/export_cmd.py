@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from juno_py.cli.common import one_line_errors, warnings_to_stderr
-from juno_py.cli.options import progress_options, threads_option
+from juno_py.cli.common import one_line_errors, refuse_overwrite, warnings_to_stderr
+from juno_py.cli.options import deprecated_alias, progress_options, threads_option
 from juno_py.store import DEFAULT_MODEL
 
 FORMATS = ("peft", "gguf-lora")
@@ -29,7 +29,8 @@ FORMATS = ("peft", "gguf-lora")
     show_default=True,
     help="The base the adapter was trained on: a .gguf file or a model-store name.",
 )
-@click.option("--lora-path", required=True, help="adapter.bin to export.")
+@click.option("--adapter", "lora_path", default=None, help="adapter.bin to export (required).")
+@deprecated_alias("--lora-path", "--adapter", "lora_path", required=True)
 @click.option(
     "--output",
     default=None,
@@ -87,11 +88,15 @@ def export(fmt, model_path, lora_path, output, dtype, progress, progress_interva
     show_default=True,
     help="The base model the adapter belongs to (fingerprints, layout, Q/K row order).",
 )
-@click.option("--lora-path", required=True, help="adapter.bin to write.")
+@click.option("--output", "lora_path", default=None, help="adapter.bin to write (required).")
+@deprecated_alias("--lora-path", "--output", "lora_path", required=True)
+@click.option("--overwrite", is_flag=True, help="Replace an existing adapter.bin (without it, import refuses to).")
 @one_line_errors
-def import_(source, fmt, model_path, lora_path) -> None:
+def import_(source, fmt, model_path, lora_path, overwrite) -> None:
     """Import a PEFT folder or a llama.cpp GGUF-LoRA file as adapter.bin. Prints its path."""
     from juno_py.exchange import import_gguf_lora, import_peft
+
+    refuse_overwrite(Path(lora_path), "--output", overwrite=overwrite, state=False)
 
     fmt = fmt or ("peft" if Path(source).is_dir() else "gguf-lora")
     fn = import_peft if fmt == "peft" else import_gguf_lora

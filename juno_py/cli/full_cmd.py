@@ -19,9 +19,11 @@ from juno_py.cli.common import (
     load_training_model,
     lora_targets_option,
     one_line_errors,
+    refuse_overwrite,
     report_sinks,
     say,
     say_metrics_files,
+    say_written,
     set_quiet,
     thread_guard,
     warnings_to_stderr,
@@ -64,6 +66,7 @@ SHARED_OPTIONS = (
     "threads",
     "nproc",
     "save_every",
+    "overwrite",
     "metrics_out",
     "events_out",
     "progress",
@@ -247,6 +250,7 @@ def full(**o) -> None:
     )
     output = Path(o["output"])
     check_writable(output, "--output")  # before a model is pulled or loaded
+    refuse_overwrite(output, "--output", overwrite=o["overwrite"], resume=o["resume"])
     check_output_options(report=o["report_path"], metrics_out=o["metrics_out"], events_out=o["events_out"])
     world = distributed.init_from_env(o["device"])  # a rank of a torchrun job (DDP), or a single process
     set_quiet(not world.is_main)
@@ -312,6 +316,7 @@ def full(**o) -> None:
                 say(line)
         if result.stop_reason == "interrupted":
             say(f"saved; continue with the same command and --resume (state: {output}.state); no GGUF written")
+            say_written("resume state", Path(f"{output}.state"))
             return distributed.shutdown()
         report = None
         if world.is_main:  # the replicas hold the same weights: rank 0 writes the GGUF, the others wait for it
@@ -342,6 +347,8 @@ def full(**o) -> None:
         recorder.close()
     if report is not None:
         click.echo(report.table(), err=True)
+        say_written("model", output)
+        say_written("resume state", Path(f"{output}.state"), note="; --resume continues from it, delete it once done")
         if o["report_path"]:
             report.write_json(o["report_path"])
         click.echo(str(output))

@@ -1,15 +1,17 @@
 """`juno-py inspect`: what is in a GGUF file."""
 
+from __future__ import annotations
+
 import json
 from collections import defaultdict
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import click
 
 from juno_py.cli.common import one_line_errors
-from juno_py.gguf import GGUFFile
-from juno_py.gguf.quants import bits_per_weight, type_table, type_table_markdown
-from juno_py.store import resolve_model
+
+if TYPE_CHECKING:
+    from juno_py.gguf import GGUFFile
 
 _HYPER = (
     "context_length",
@@ -32,6 +34,8 @@ _HYPER = (
 
 
 def summarize(f: GGUFFile) -> dict:
+    from juno_py.gguf.quants import bits_per_weight
+
     meta = f.metadata
     arch = meta.get("general.architecture", "?")
     by_type: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
@@ -77,6 +81,10 @@ def summarize(f: GGUFFile) -> dict:
 @one_line_errors
 def inspect(model: Optional[str], tensors: bool, as_json: bool, list_types: bool) -> None:
     """Show what MODEL (a .gguf path or a model-store name) holds."""
+    from juno_py.gguf import GGUFFile
+    from juno_py.gguf.quants import type_table, type_table_markdown
+    from juno_py.store import resolve_model
+
     if list_types:
         if model is not None:
             raise click.UsageError("--types lists the supported types; give it without MODEL")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 
 import click
@@ -68,6 +70,48 @@ def local(prompt, system, max_tokens, temperature, top_k, top_p, seed, **model_k
         return
     history = list(base)
     click.echo("juno-py local: /reset clears the conversation, /exit leaves.", err=True)
+    with line_editing():
+        _chat(model, history, base, max_tokens, temperature, top_k, top_p, seed, guard)
+
+
+HISTORY_LINES = 1000  # lines of the chat's input history kept in $JUNO_PY_HOME/chat_history
+
+
+@contextlib.contextmanager
+def line_editing():
+    """On a terminal, readline's line editing (arrow keys, Ctrl-R) for `input()`, with the history of earlier chats
+    read from and saved (atomically, the last HISTORY_LINES lines) to $JUNO_PY_HOME/chat_history. Not on a
+    terminal (a pipe, a file), or where readline is missing (Windows): plain input()."""
+    if not sys.stdin.isatty():
+        yield None
+        return
+    try:
+        import readline
+    except ImportError:
+        yield None
+        return
+    from juno_py.store import home
+
+    path = home() / "chat_history"
+    try:
+        readline.read_history_file(path)
+    except OSError:  # no history yet, or unreadable: start empty
+        pass
+    readline.set_history_length(HISTORY_LINES)
+    try:
+        yield path
+    finally:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(tmp)
+            os.replace(tmp, path)
+        except OSError as e:  # the chat is over; a history that cannot be kept is worth a note, not an error
+            tmp.unlink(missing_ok=True)
+            click.echo(f"juno-py: warning: chat history not saved to {path}: {e.strerror or e}", err=True)
+
+
+def _chat(model, history, base, max_tokens, temperature, top_k, top_p, seed, guard=None) -> None:
     while True:
         try:
             line = input("> ")

@@ -13,17 +13,20 @@ from juno_py.cli.common import (
     load_training_data,
     load_training_model,
     one_line_errors,
+    refuse_overwrite,
     report_sinks,
     say,
     say_metrics_files,
+    say_written,
     set_quiet,
     thread_guard,
 )
-from juno_py.cli.options import training_options
+from juno_py.cli.options import deprecated_alias, training_options
 
 
 @click.command("lora")
 @training_options
+@deprecated_alias("--lora-path", "--output", "lora_path", type=click.Path(dir_okay=False))
 @one_line_errors
 def lora(**o) -> None:
     """Train an adapter on a quantized GGUF model; the base stays quantized. Prints the adapter's path."""
@@ -51,13 +54,14 @@ def lora(**o) -> None:
         say("sharded: the quantized base, the adapters and their optimizer state are split across the processes")
     n_threads = cpu_threads.setup(o["threads"])
     if o["lora_path"]:  # an unwritable output fails now, before a model is pulled or loaded
-        check_writable(o["lora_path"], "--lora-path")
+        check_writable(o["lora_path"], "--output")
     check_output_options(metrics_out=o["metrics_out"], events_out=o["events_out"])
     model_file = distributed.local_first(world, resolve_model, o["model_path"])  # pulled once per host
     lora_path = Path(o["lora_path"]) if o["lora_path"] else default_adapter_path(o["model_path"], model_file)
     if not o["lora_path"]:
-        say(f"adapter: {lora_path} (set --lora-path to choose)")
+        say(f"adapter: {lora_path} (set --output to choose)")
         check_writable(lora_path, "adapter")
+    refuse_overwrite(lora_path, "--output", overwrite=o["overwrite"], resume=o["resume"])
     model = load_training_model(o, model_file, shard=o["shard"])
     train_set, val_set = load_training_data(o, model)
 
@@ -99,6 +103,10 @@ def lora(**o) -> None:
         recorder.close()
     say(result.summary())
     say_metrics_files(o, sinks)
+    if world.is_main:
+        say_written("adapter", lora_path)
+        states = [Path(f"{lora_path}.state"), *sorted(lora_path.parent.glob(f"{lora_path.name}.state.rank*"))]
+        say_written("resume state", *states, note="; --resume continues from it, delete it once done")
     if result.stop_reason == "interrupted":
         state = f"{lora_path}.state" + (f".rank*-of-{world.size}, one per process" if o["shard"] else "")
         say(f"saved; continue with the same command and --resume (state: {state})")

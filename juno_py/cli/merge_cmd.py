@@ -7,8 +7,14 @@ from pathlib import Path
 
 import click
 
-from juno_py.cli.common import FiniteFloatRange, check_output_options, one_line_errors, warnings_to_stderr
-from juno_py.cli.options import progress_options, threads_option
+from juno_py.cli.common import (
+    FiniteFloatRange,
+    check_output_options,
+    one_line_errors,
+    say_written,
+    warnings_to_stderr,
+)
+from juno_py.cli.options import deprecated_alias, progress_options, threads_option
 from juno_py.store import DEFAULT_MODEL
 
 
@@ -25,10 +31,12 @@ def default_output(lora_path: str) -> Path:
     help="The base: a .gguf file or a model-store name (pulled on first use).",
 )
 @click.option(
-    "--lora-path",
-    required=True,
-    help="Adapter(s) to merge: A[:scale][,B[:scale]] (LoRAs add up; a DoRA adapter merges alone at 1).",
+    "--adapter",
+    "lora_path",
+    default=None,
+    help="Adapter(s) to merge (required): A[:scale][,B[:scale]] (LoRAs add up; a DoRA adapter merges alone at 1).",
 )
+@deprecated_alias("--lora-path", "--adapter", "lora_path", required=True)
 @click.option("--output", default=None, help="Merged GGUF (default: <adapter name>.merged.gguf in the current folder).")
 @click.option(
     "--requant",
@@ -126,6 +134,7 @@ def merge(
                 recorder.write_summary(metrics_out)
             recorder.close()
     click.echo(report.table(), err=True)
+    say_written("merged model", output)
     if report_path:
         report.write_json(report_path)
     click.echo(str(output))

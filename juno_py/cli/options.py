@@ -61,16 +61,42 @@ def base_model_options(fn):
     return wrapper
 
 
+def deprecated_alias(old: str, new: str, dest: str, *, required: bool = False, type=None):
+    """A hidden option `old` that still sets the option `new` (whose parameter is `dest`), with a one-line note on
+    stderr when used; `required`: one of the two must be given (the new option itself is declared optional)."""
+    alias = f"{dest}__{old.strip('-').replace('-', '_')}"
+
+    def decorate(fn):
+        @click.option(old, alias, default=None, hidden=True, type=type, help=f"Deprecated spelling of {new}.")
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            value = kwargs.pop(alias)
+            command = click.get_current_context().command_path
+            if value is not None:
+                if kwargs.get(dest) is not None:
+                    raise click.UsageError(f"{old} is the deprecated spelling of {new}: give {new} only")
+                click.echo(f"juno-py: note: {command}: {old} is deprecated; use {new}", err=True)
+                kwargs[dest] = value
+            if required and kwargs.get(dest) is None:
+                raise click.UsageError(f"Missing option '{new}'.")
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
 def model_options(fn):
-    """base_model_options and --lora-play (the adapters played on every reply)."""
+    """base_model_options and --adapter (the adapters played on every reply; --lora-play, its old name, still works)."""
 
     @base_model_options
     @click.option(
-        "--lora-play",
+        "--adapter",
         "lora_play",
         default=None,
         help="Adapters to play: A[:scale][,B[:scale]] (LoRAs add up; a DoRA adapter plays alone at 1).",
     )
+    @deprecated_alias("--lora-play", "--adapter", "lora_play")
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         return fn(*args, **kwargs)
@@ -113,7 +139,8 @@ def training_options(fn):
         help="Fraction of the records (whole records) held out for validation.",
     )
     @click.option(
-        "--lora-path",
+        "--output",
+        "lora_path",
         type=click.Path(dir_okay=False),
         default=None,
         help="Output adapter.bin (default: <model name>.adapter.bin in the current folder); its resume "
@@ -377,9 +404,14 @@ def training_options(fn):
         help="Write the adapter and its resume state every N optimizer steps (0: at the end only).",
     )
     @click.option(
+        "--overwrite",
+        is_flag=True,
+        help="Replace an existing output and its resume state (without it, a run refuses to overwrite them).",
+    )
+    @click.option(
         "--resume",
         is_flag=True,
-        help="Continue from <lora-path>.state: weights, optimizer moments, step, schedule, RNG and data position.",
+        help="Continue from <output>.state: weights, optimizer moments, step, schedule, RNG and data position.",
     )
     @click.option(
         "--metrics-out",

@@ -31,7 +31,7 @@ def bind(host: str, port: int) -> socket.socket:
     "adapters",
     multiple=True,
     help="An adapter to serve: NAME=PATH, or PATH (named after the file, without .bin); repeat for more. "
-    "A request's model field picks base, a NAME, or LoRAs combined as in --lora-play: a+b:0.5.",
+    "A request's model field picks base, a NAME, or LoRAs combined with scales: a+b:0.5.",
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option(

@@ -84,13 +84,13 @@ def export_gguf_lora(
     if dora:
         raise MergeError(
             f"{adapter}: entry {show(dora[0])} is DoRA; llama.cpp's LoRA adapters cannot express DoRA's "
-            f"magnitude: merge it into the model instead (juno-py merge --lora-path {adapter})"
+            f"magnitude: merge it into the model instead (juno-py merge --adapter {adapter})"
         )
     experts = [e.key for e in entries if e.on_experts]
     if experts:
         raise MergeError(
             f"{adapter}: entry {experts[0][:80]!r} adapts experts; juno-py writes llama.cpp adapters for 2-D "
-            f"tensors only (attention, dense MLP, router): merge it instead (juno-py merge --lora-path {adapter})"
+            f"tensors only (attention, dense MLP, router): merge it instead (juno-py merge --adapter {adapter})"
         )
     check_output_path(output, [base_path, Path(adapter)])
     with GGUFFile(base_path) as gguf:

@@ -127,7 +127,7 @@ def export_peft(
         raise MergeError(
             f"{adapter}: entry {moe[0][:80]!r} adapts a mixture-of-experts router or expert: PEFT export covers the "
             f"attention and dense MLP targets only (transformers keeps the experts in fused 3-D parameters, which "
-            f"PEFT's LoRA layers do not wrap): merge it instead (juno-py merge --lora-path {adapter})"
+            f"PEFT's LoRA layers do not wrap): merge it instead (juno-py merge --adapter {adapter})"
         )
     modes = {e.mode for e in entries}
     if len(modes) > 1:

@@ -106,7 +106,7 @@ def merge_model(
     output = Path(output)
     sources = read_sources(adapters)
     if not sources and not deltas:
-        raise MergeError("nothing to merge: give an adapter (--lora-path) or dense deltas")
+        raise MergeError("nothing to merge: give an adapter (--adapter) or dense deltas")
     check_output_path(output, [base_path] + [s.path for s in sources])
     for p in eval_data:  # before the work, not after it
         if not Path(p).is_file():

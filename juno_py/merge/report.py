@@ -106,6 +106,26 @@ class MergeReport:
             **{k: v for k, v in self.summary().items() if isinstance(v, (int, float))},
         )
 
+    def auto_line(self) -> str:
+        """`--requant auto`'s choice in one line: per source -> output type the tensor count, and for a group that
+        climbed, the type below its choice whose retention missed the target (and the best retention there)."""
+        groups: dict[tuple[str, str], list[TensorReport]] = {}
+        for t in self.tensors:
+            groups.setdefault((t.source_type, t.output_type), []).append(t)
+        parts = []
+        for (src, out), ts in sorted(groups.items(), key=lambda g: -len(g[1])):
+            part = f"{len(ts)} {'tensor' if len(ts) == 1 else 'tensors'} {src} -> {out}"
+            missed = [t.tried[-2] for t in ts if len(t.tried) >= 2]  # the last type rejected on the way up
+            if missed:
+                below = max({m[0] for m in missed}, key=lambda name: sum(m[0] == name for m in missed))
+                best = max(m[1] for m in missed if m[0] == below)
+                part += f" (retention below {self.min_retention:g} at {below}, best {best:.3f})"
+            short = sum(t.retention < self.min_retention for t in ts) if self.min_retention is not None else 0
+            if short:
+                part += f" ({short} still below {self.min_retention:g}: no type of the ladder reaches it)"
+            parts.append(part)
+        return "auto: " + ", ".join(parts)
+
     # --------------------------------------------------------------------------------------------- table
     def table(self) -> str:
         head = ("tensor", "type", "|ΔW|", "rmse", "max err", "retention", "blocks", "extreme")
@@ -139,6 +159,8 @@ class MergeReport:
             f"{s['tensors_patched']} tensors patched, {s['tensors_copied']} copied; retention mean "
             f"{s['retention_mean']:.4f}, min {s['retention_min']:.4f}{below}"
         )
+        if self.requant == "auto" and self.tensors:
+            lines.append(self.auto_line())
         cost = s["size_cost_vs_source_bytes"]
         lines.append(
             f"size {format_bytes(s['file_bytes_output'])} vs base {format_bytes(s['file_bytes_base'])} "

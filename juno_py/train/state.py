@@ -52,7 +52,7 @@ def read_state_bytes(path) -> bytes:
     try:
         return path.read_bytes()
     except FileNotFoundError:
-        raise StateError(f"{path}: no resume state (train once with this --lora-path, or drop --resume)") from None
+        raise StateError(f"{path}: no resume state (train once with this --output, or drop --resume)") from None
 
 
 def parse_state(data: bytes, path, fmt: str = FORMAT) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

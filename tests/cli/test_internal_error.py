@@ -4,7 +4,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from juno_py.cli import inspect_cmd
+from juno_py import store
 from juno_py.cli.main import cli
 
 
@@ -14,7 +14,7 @@ def test_unexpected_exception_is_one_line_and_a_report(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("the reader broke\n" + "x" * 1000)
 
-    monkeypatch.setattr(inspect_cmd, "resolve_model", broken)
+    monkeypatch.setattr(store, "resolve_model", broken)
     r = CliRunner().invoke(cli, ["inspect", "whatever.gguf"])
     assert r.exit_code == 1 and r.stdout == "" and "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
@@ -42,7 +42,7 @@ def test_user_errors_and_interrupts_are_not_internal_errors(tmp_path, monkeypatc
         raise EOFError
 
     for raiser in (interrupted, end_of_input):  # click's own "Aborted!", not an internal error
-        monkeypatch.setattr(inspect_cmd, "resolve_model", raiser)
+        monkeypatch.setattr(store, "resolve_model", raiser)
         r = CliRunner().invoke(cli, ["inspect", "whatever.gguf"])
         assert r.exit_code == 1 and "Aborted!" in r.stderr and "internal error" not in r.stderr
     assert not (tmp_path / "home" / "reports").exists()

@@ -353,7 +353,7 @@ def test_import_command_prints_one_line_for_a_hostile_folder(peft_folder, tmp_pa
     )
     _write_header(w, header, data)
     out = tmp_path / "x.bin"
-    res = CliRunner().invoke(cli, ["import", str(folder), "--model-path", str(base), "--lora-path", str(out)])
+    res = CliRunner().invoke(cli, ["import", str(folder), "--model-path", str(base), "--output", str(out)])
     assert res.exit_code == 1 and res.stdout == "", res.output
     (line,) = res.stderr.splitlines()
     assert line.startswith(f"juno-py: error: {w}: module ") and "field key is missing" in line and len(line) < 520

@@ -30,7 +30,7 @@ def test_merge_command_prints_the_path_and_writes_report_and_event(tiny_gguf, tm
         "merge",
         "--model-path",
         base,
-        "--lora-path",
+        "--adapter",
         adapter,
         "--output",
         out,
@@ -62,7 +62,7 @@ def test_merge_eval_data_reports_perplexity_and_kl(tiny_gguf, tmp_path):
         "merge",
         "--model-path",
         base,
-        "--lora-path",
+        "--adapter",
         adapter,
         "--output",
         tmp_path / "m.gguf",
@@ -94,7 +94,7 @@ def test_bad_input_is_one_line_and_leaves_no_file(tiny_gguf, tmp_path, case):
     out = tmp_path / "out" / "m.gguf"
     out.parent.mkdir()
     adapter = make_adapter(base, tmp_path / "a.bin", targets="qv")
-    args = ["--model-path", base, "--lora-path", adapter, "--output", out]
+    args = ["--model-path", base, "--adapter", adapter, "--output", out]
     expect = {
         "other_model": "an adapter for another model",
         "missing_tensor": "is missing",
@@ -145,7 +145,7 @@ def test_failure_during_writing_leaves_no_partial_file(tiny_gguf, tmp_path, monk
     real = merge_mod.choose_encoding
     monkeypatch.setattr(merge_mod, "choose_encoding", failing)
     before = os.listdir(tmp_path)
-    code, _, stderr = run("merge", "--model-path", base, "--lora-path", adapter, "--output", tmp_path / "m.gguf")
+    code, _, stderr = run("merge", "--model-path", base, "--adapter", adapter, "--output", tmp_path / "m.gguf")
     assert code == 1 and "simulated failure" in stderr
     assert leftovers(tmp_path, before) == []
 
@@ -155,18 +155,18 @@ def test_export_and_import_commands(tiny_gguf, tmp_path):
     adapter = make_adapter(base, tmp_path / "a.bin", targets="qv")
     for fmt, out in (("peft", tmp_path / "peft"), ("gguf-lora", tmp_path / "a.lora.gguf")):
         code, stdout, stderr = run(
-            "export", "--format", fmt, "--model-path", base, "--lora-path", adapter, "--output", out
+            "export", "--format", fmt, "--model-path", base, "--adapter", adapter, "--output", out
         )
         assert code == 0, stderr
         assert stdout == f"{out}\n"
         back = tmp_path / f"{fmt}.bin"
-        code, stdout, stderr = run("import", out, "--model-path", base, "--lora-path", back)
+        code, stdout, stderr = run("import", out, "--model-path", base, "--output", back)
         assert code == 0, stderr
         assert stdout == f"{back}\n"
         assert back.read_bytes() == adapter.read_bytes()
     dora = make_adapter(base, tmp_path / "d.bin", targets="qv", mode=Mode.DORA)
     code, stdout, stderr = run(
-        "export", "--format", "gguf-lora", "--model-path", base, "--lora-path", dora, "--output", tmp_path / "d.gguf"
+        "export", "--format", "gguf-lora", "--model-path", base, "--adapter", dora, "--output", tmp_path / "d.gguf"
     )
     assert code == 1 and "merge it into the model instead" in stderr and stderr.count("\n") == 1
     assert not (tmp_path / "d.gguf").exists()

@@ -1,6 +1,7 @@
 """Merging into a GGUF: row-exact patching with untouched bytes kept, parity with playback, the report checked
 against an independent computation, the requant policies and their ladder."""
 
+import collections
 import json
 
 import numpy as np
@@ -158,6 +159,16 @@ def test_auto_meets_min_retention_and_reports_size_cost(tiny_gguf, tmp_path):
     assert s["size_cost_vs_source_bytes"] == sum(t.bytes_output - t.bytes_source for t in auto.tensors) > 0
     assert s["file_bytes_output"] > src.summary()["file_bytes_output"]
     assert "against --requant source" in auto.table()
+    # one summary line says per type what auto chose and why: the counts add up, and a climbed group names the
+    # type below its choice that missed the target, with the best retention reached there
+    line = next(x for x in auto.table().splitlines() if x.startswith("auto: "))
+    assert "\n" not in line and src.auto_line() not in src.table()
+    groups = collections.Counter((t.source_type, t.output_type) for t in auto.tensors)
+    for (a, b), n in groups.items():
+        missed = [t.tried[-2] for t in auto.tensors if (t.source_type, t.output_type) == (a, b)]
+        assert f"{n} {'tensor' if n == 1 else 'tensors'} {a} -> {b} (retention below 0.9 at " in line
+        assert f"best {max(r for name, r, _ in missed if name == missed[0][0]):.3f})" in line
+    assert any(a != b for a, b in groups)
 
 
 def test_forced_type_reencodes_whole_tensor(tiny_gguf, tmp_path):

@@ -41,7 +41,7 @@ def largest_value(adapter) -> float:
 
 def test_a_huge_learning_rate_saves_no_exploded_weights(tiny_path, mixed_data, tmp_path):
     out = tmp_path / "a.bin"
-    line = error_line(train_cli(tiny_path, mixed_data, out, "--lora-lr", "1e6", "--max-steps", 30))
+    line = error_line(train_cli(tiny_path, mixed_data, out, "--lora-lr", "1e6", "--max-steps", 30, "--overwrite"))
     assert "stopped" in line or "weights above" in line
     saved = re.search(r"saved in (\S+)$", line)
     if saved:  # the weights kept must be good ones: bounded, and playing back as numbers
@@ -68,7 +68,7 @@ def test_a_diverged_run_names_only_a_checkpoint_that_exists(tiny_path, mixed_dat
     r = train_cli(tiny_path, mixed_data, out, "--max-steps", 2, "--lora-lr", "1e-2")
     assert r.exit_code == 0, r.stderr
     before = out.read_bytes()
-    line = error_line(train_cli(tiny_path, mixed_data, out, "--lora-lr", "1e6", "--max-steps", 30))
+    line = error_line(train_cli(tiny_path, mixed_data, out, "--lora-lr", "1e6", "--max-steps", 30, "--overwrite"))
     if "saved in" not in line:
         assert line.endswith(f"the last checkpoint {out} is kept as it was") and out.read_bytes() == before
     assert plays_back_finite(tiny_path, out)
@@ -93,7 +93,8 @@ def test_full_training_names_the_resume_state_it_keeps(tiny_path, mixed_data, tm
     r = CliRunner().invoke(cli, list(map(str, [*args, "--lr", "1e-4", "--max-steps", 1])), catch_exceptions=False)
     assert r.exit_code == 0, r.stderr
     before = state_path(out).read_bytes()
-    line = error_line(CliRunner().invoke(cli, list(map(str, [*args, "--lr", "1e6", "--max-steps", 5]))))
+    rerun = [*args, "--lr", "1e6", "--max-steps", 5, "--overwrite"]
+    line = error_line(CliRunner().invoke(cli, list(map(str, rerun))))
     if "saved in" in line:
         assert line.endswith(f"saved in {state_path(out)}")
     else:

@@ -57,18 +57,18 @@ def test_check_writable_names_the_target(case, tmp_path):
 def test_unwritable_output_is_refused_before_the_model_loads(command, case, tmp_path):
     target, expected = unwritable_targets(tmp_path)[case]
     missing = tmp_path / "no-such-model.gguf"  # reached only if the output check did not stop the command first
-    flag = "--lora-path" if command == "lora" else "--output"
+    flag = "--output"
     args = {
-        "lora": ["lora", "--model-path", missing, "--lora-path", target],
+        "lora": ["lora", "--model-path", missing, "--output", target],
         "full": ["full", "--model-path", missing, "--output", target],
-        "merge": ["merge", "--model-path", missing, "--lora-path", missing, "--output", target],
+        "merge": ["merge", "--model-path", missing, "--adapter", missing, "--output", target],
         "export": [
             "export",
             "--format",
             "gguf-lora",
             "--model-path",
             missing,
-            "--lora-path",
+            "--adapter",
             missing,
             "--output",
             target,
@@ -211,9 +211,9 @@ def test_unwritable_side_outputs_are_refused_before_the_model_loads(command, fla
     missing = tmp_path / "no-such-model.gguf"
     target = tmp_path / "no-such-folder" / "out.json"
     args = {
-        "lora": ["lora", "--lora-path", tmp_path / "a.bin"],
+        "lora": ["lora", "--output", tmp_path / "a.bin"],
         "full": ["full", "--output", tmp_path / "a.gguf"],
-        "merge": ["merge", "--lora-path", missing, "--output", tmp_path / "a.gguf"],
+        "merge": ["merge", "--adapter", missing, "--output", tmp_path / "a.gguf"],
     }[command]
     r = invoke(*args, "--model-path", missing, flag, target)
     assert (
