@@ -44,9 +44,8 @@ def bind(host: str, port: int) -> socket.socket:
     type=click.IntRange(1),
     help="Requests that may wait for the model; beyond them a request gets 503.",
 )
-@click.option("--threads", default=None, type=click.IntRange(1), help="CPU threads (default: torch's choice).")
 @one_line_errors
-def serve(adapters, host, port, max_queue, threads, **model_kw) -> None:
+def serve(adapters, host, port, max_queue, **model_kw) -> None:
     """Serve the model and adapters over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
     try:
         import uvicorn
@@ -58,10 +57,6 @@ def serve(adapters, host, port, max_queue, threads, **model_kw) -> None:
         ) from None
     from juno_py.playback import Adapters, open_model, parse_named
 
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
     named = parse_named(adapters)
     force = model_kw.pop("force")
     model = open_model(**model_kw)
