@@ -179,9 +179,12 @@ def _whole_bytes(lin: FrozenQuantLinear) -> int:
 
 
 def is_sharded(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
+    """Whether `t` is a DTensor (FSDP2's sharded tensor). torch.distributed.tensor is read only once some module has
+    imported it (a sharded run has), so unsharded CPU runs keep it, and the sympy it pulls in, out of the process."""
+    import sys
 
-    return isinstance(t, DTensor)
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 # the oldest torch whose FSDP2 shards the frozen uint8 parameters (torch 2.11's raises "only Tensors of floating
