@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import harness
-from benchmarks.train_gpu import SHAPE_8B, build_tensors, hf_model, juno_model, model_spec
+from benchmarks.train_gpu import PEFT_TARGETS, SHAPE_8B, build_tensors, hf_model, juno_model, model_spec
 from juno_py.gguf import GGMLType
 from juno_py.testing.synthetic import llama_metadata, llama_tensors
 
@@ -62,7 +62,6 @@ IMPLS = ["juno", *PEERS]
 PARTS = ["check", "lengths", "packed"]
 MODELS = ["llama8b", "gemma3-270m"]
 LORA = dict(rank=16, alpha=32.0)
-PEFT_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SMOKE_LLAMA = dict(
     n_layer=2,
     n_embd=256,
@@ -94,7 +93,7 @@ COLUMNS = [
 def spec_of(name: str, smoke: bool) -> tuple[dict, list]:
     """(metadata, tensor table) of a benchmark model; `smoke`: a tiny model of the same architecture."""
     if name == "llama8b":
-        shape = SMOKE_LLAMA if smoke else {**SHAPE_8B, "n_layer": 32}
+        shape = SMOKE_LLAMA if smoke else SHAPE_8B
         meta = {k: v for k, v, _ in llama_metadata(shape)}
         meta["llama.context_length"] = 131072  # Llama-3.1's; the base 8B's 8192 would only limit the peer's config
         return meta, llama_tensors(shape)
@@ -279,7 +278,7 @@ def peer_lengths(name: str, meta, spec, variant: str, args) -> list[dict]:
     if variant.endswith("+ckpt"):
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = get_peft_model(
-        base, LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], target_modules=PEFT_ALL, lora_dropout=0.0)
+        base, LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], target_modules=PEFT_TARGETS["all"], lora_dropout=0.0)
     )
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
