@@ -46,6 +46,8 @@ CODEBOOK_TYPES = frozenset(
         GGMLType.IQ3_S,
     }
 )
+# the non-linear 4-bit types read their 16 int8 levels from a table on the device
+LEVEL_TYPES = frozenset({GGMLType.IQ4_NL, GGMLType.IQ4_XS})
 TRITON_TYPES = frozenset(
     {
         GGMLType.F32,
@@ -61,6 +63,10 @@ TRITON_TYPES = frozenset(
         GGMLType.Q6_K,
         GGMLType.TQ1_0,
         GGMLType.TQ2_0,
+        GGMLType.Q2_K,
+        GGMLType.Q3_K,
+        GGMLType.IQ4_NL,
+        GGMLType.IQ4_XS,
     }
     | CODEBOOK_TYPES
     | ({GGMLType.MXFP4} if "MXFP4" in quants.supported_types() else set())
@@ -100,16 +106,20 @@ _GRID_TABLES: dict = {}
 
 
 def _grid_table(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """The int8 grid `[points, 8 or 4]` of a codebook type on raw's device (made once per device), or `raw` itself
-    for the other types (their kernels never read it)."""
-    if ggml_type not in CODEBOOK_TYPES:
+    """The int8 grid `[points, 8 or 4]` of a codebook type, or the 16 levels of IQ4_NL/IQ4_XS, on raw's device
+    (made once per device), or `raw` itself for the other types (their kernels never read it)."""
+    if ggml_type not in CODEBOOK_TYPES and ggml_type not in LEVEL_TYPES:
         return raw
     key = (int(ggml_type), raw.device)
     table = _GRID_TABLES.get(key)
     if table is None:
-        from juno_py.gguf.quants.codebooks import GRIDS
+        if ggml_type in LEVEL_TYPES:
+            from juno_py.gguf.quants.iquants import IQ4_LEVELS as grid
+        else:
+            from juno_py.gguf.quants.codebooks import GRIDS
 
-        table = _GRID_TABLES[key] = GRIDS[GGMLType(ggml_type)].to(torch.int8).contiguous().to(raw.device)
+            grid = GRIDS[GGMLType(ggml_type)]
+        table = _GRID_TABLES[key] = grid.to(torch.int8).contiguous().to(raw.device)
     return table
 
 

@@ -19,10 +19,10 @@ Axes of a block's value tensor (`v` is the value's index inside its block):
 - Q6_K: [NB, 2 (n), 2 (a), 2 (b), 32 (l)], v = 128n + 64a + 32b + l; low bits ql[64n + 32b + l] >> 4a, high bits
   qh[32n + l] >> 2(2a + b), scale sc[v // 16];
 - F32/F16/BF16: [NB, 8, 32], v = 32s + l (256 columns a block, the last one masked at the row's end);
-- IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, TQ1_0, TQ2_0: [NB, 256], and MXFP4: [NB, 32], v the value
-  itself: each value reads the bytes of its own fields (its grid index, sign bits, sub-block scale), the codebook
-  types their grid points from `grid_ptr` (the int8 grid `[points, 8 or 4]` of `gguf.quants.codebooks.GRIDS`;
-  any pointer for the other types). IQ2_XXS/IQ2_XS/IQ3_XXS's 7-bit sign indices become sign bytes by their
+- IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, TQ1_0, TQ2_0, Q2_K, Q3_K, IQ4_XS: [NB, 256], and MXFP4,
+  IQ4_NL: [NB, 32], v the value itself: each value reads the bytes of its own fields (its grid index, sign bits,
+  sub-block scale), the codebook types their grid points from `grid_ptr` (the int8 grid `[points, 8 or 4]` of
+  `gguf.quants.codebooks.GRIDS`; for IQ4_NL/IQ4_XS the 16 int8 levels; any pointer for the other types). IQ2_XXS/IQ2_XS/IQ3_XXS's 7-bit sign indices become sign bytes by their
   parity (llama.cpp's ksigns: bit 7 makes the count of negatives even), MXFP4's e2m1 levels are computed.
 """
 
@@ -33,8 +33,9 @@ from juno_py.kernels.launch import interpreting
 
 INTERPRETED = interpreting()
 
-# TYPE is the GGML type number: F32 0, F16 1, Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14,
-# BF16 30; IQ2_XXS 16, IQ2_XS 17, IQ3_XXS 18, IQ1_S 19, IQ3_S 21, IQ2_S 22, IQ1_M 29, TQ1_0 34, TQ2_0 35, MXFP4 39
+# TYPE is the GGML type number: F32 0, F16 1, Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q2_K 10, Q3_K 11, Q4_K 12,
+# Q5_K 13, Q6_K 14, BF16 30; IQ2_XXS 16, IQ2_XS 17, IQ3_XXS 18, IQ1_S 19, IQ4_NL 20, IQ3_S 21, IQ2_S 22, IQ4_XS 23,
+# IQ1_M 29, TQ1_0 34, TQ2_0 35, MXFP4 39
 
 
 @triton.jit
@@ -136,9 +137,29 @@ def _codebook_values(b2, grid_ptr, TYPE: tl.constexpr):
         power = tl.where(k == 0, 1, tl.where(k == 1, 3, tl.where(k == 2, 9, tl.where(k == 3, 27, 81))))
         q = ((((_u8(b2 + off) * power) & 0xFF) * 3) >> 8) - 1
         val = q.to(tl.float32) * _f16(b2 + 52)
-    else:  # TQ2_0: 64 bytes of 2-bit codes (code − 1), planar per 32 bytes, d
+    elif TYPE == 35:  # TQ2_0: 64 bytes of 2-bit codes (code − 1), planar per 32 bytes, d
         q = ((_u8(b2 + 32 * (v // 128) + v % 32) >> (2 * ((v % 128) // 32))) & 3) - 1
         val = q.to(tl.float32) * _f16(b2 + 64)
+    elif TYPE == 10:  # Q2_K: 16 bytes of (scale, minimum) nibbles, 64 bytes of 2-bit codes planar per 32, d, dmin
+        q = (_u8(b2 + 16 + 32 * (v // 128) + v % 32) >> (2 * ((v % 128) // 32))) & 3
+        sc = _u8(b2 + v // 16)
+        scale = _f16(b2 + 80) * (sc & 0xF).to(tl.float32)
+        bias = -_f16(b2 + 82) * (sc >> 4).to(tl.float32)
+        val = q.to(tl.float32) * scale + bias
+    elif TYPE == 11:  # Q3_K: 32 bytes of high bits (plane v // 32), 64 bytes of 2-bit codes, 12 of 6-bit scales, d
+        q = (_u8(b2 + 32 + 32 * (v // 128) + v % 32) >> (2 * ((v % 128) // 32))) & 3
+        q = q | (((_u8(b2 + v % 32) >> (v // 32)) & 1) << 2)
+        k = v // 16  # scale k: low nibble of byte k % 8 (k // 8 picks it), 2 high bits of byte 8 + k % 4
+        low = (_u8(b2 + 96 + k % 8) >> (4 * (k // 8))) & 0xF
+        high = (_u8(b2 + 104 + k % 4) >> (2 * (k // 4))) & 3
+        scale = _f16(b2 + 108) * ((low | (high << 4)) - 32).to(tl.float32)
+        val = (q - 4).to(tl.float32) * scale
+    else:  # IQ4_XS: d, 2-bit high scale parts (uint16), 4 bytes of low scale nibbles, 128 bytes of level nibbles
+        sb = v // 32
+        ls = ((_u8(b2 + 4 + sb // 2) >> (4 * (sb % 2))) & 0xF) | (((_u16(b2 + 2) >> (2 * sb)) & 3) << 4)
+        c = (_u8(b2 + 8 + 16 * sb + v % 16) >> (4 * ((v % 32) // 16))) & 0xF
+        scale = _f16(b2) * (ls - 32).to(tl.float32)
+        val = scale * tl.load(grid_ptr + c).to(tl.float32)
     return val
 
 
@@ -224,6 +245,9 @@ def _blocks(
         or TYPE == 29
         or TYPE == 34
         or TYPE == 35
+        or TYPE == 10
+        or TYPE == 11
+        or TYPE == 23
     ):
         val = _codebook_values(b[:, None], grid_ptr, TYPE)
         return _emit(
@@ -240,6 +264,14 @@ def _blocks(
             EDGES,
             NB,
             256,
+        )
+    elif TYPE == 20:  # IQ4_NL: d, 16 bytes of level nibbles (values 0-15 low nibbles, 16-31 high)
+        b2 = b[:, None]
+        v = tl.arange(0, 32)[None, :]
+        c = (_u8(b2 + 2 + v % 16) >> (4 * (v // 16))) & 0xF
+        val = _f16(b2) * tl.load(grid_ptr + c).to(tl.float32)
+        return _emit(
+            val, v, base[:, None], lo[:, None], hi[:, None], ok[:, None], out_ptr, lo_out_ptr, MODE, BF16, EDGES, NB, 32
         )
     elif TYPE == 39:  # MXFP4: an e8m0 scale byte, 16 bytes of e2m1 codes (values 0-15 low nibbles, 16-31 high)
         b2 = b[:, None]

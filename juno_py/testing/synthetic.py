@@ -52,7 +52,17 @@ SCALE_FIELDS = {
     GGMLType.Q5_0: ((0, 2e-3, 6e-3),),  # centred codes -16..15
     GGMLType.Q5_1: ((0, 1e-3, 3e-3), (2, -16.0, None)),
     GGMLType.Q8_0: ((0, 5e-5, 2e-4),),  # signed codes
+    # the i-quants and ternary types: one float16 super-block scale (IQ1_M packs its scale into the sub-block
+    # scales' high bits and has no such field: its blocks stay random bytes, valid for timing only)
+    **{t: ((0, 1e-4, 3e-4),) for t in (GGMLType.IQ1_S, GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S)},
+    **{t: ((0, 1e-4, 3e-4),) for t in (GGMLType.IQ3_XXS, GGMLType.IQ3_S, GGMLType.IQ4_NL, GGMLType.IQ4_XS)},
+    GGMLType.IQ1_M: (),
+    GGMLType.MXFP4: (),  # its scale is an exponent byte: EXPONENT_FIELDS
+    GGMLType.TQ1_0: ((52, 1e-2, 3e-2),),  # d after the packed trits
+    GGMLType.TQ2_0: ((64, 1e-2, 3e-2),),
 }
+# MXFP4: an E8M0 exponent byte per 32 weights (2^(e-127) times a 4-bit float): set it near 2^-7
+EXPONENT_FIELDS = {GGMLType.MXFP4: (0, 118, 122)}
 
 
 def random_blocks(ggml_type: GGMLType, n_rows: int, n_cols: int, rng, embedding: bool = False, device=None):
@@ -90,6 +100,14 @@ def random_blocks(ggml_type: GGMLType, n_rows: int, n_cols: int, rng, embedding:
             value = uniform(low, high) * (5.0 if embedding else 1.0)
             scale = value
         put(offset, value)
+    if ggml_type in EXPONENT_FIELDS:
+        offset, low, high = EXPONENT_FIELDS[ggml_type]
+        if device is None:
+            blocks[:, offset] = rng.integers(low, high + 1, n_blocks, dtype=np.uint8)
+        else:
+            blocks[:, offset] = torch.randint(
+                low, high + 1, (n_blocks,), dtype=torch.uint8, device=device, generator=rng
+            )
     return blocks
 
 

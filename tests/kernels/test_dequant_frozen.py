@@ -13,6 +13,8 @@ import torch
 pytest.importorskip("triton")
 
 from juno_py.gguf import GGMLType  # noqa: E402
+from juno_py.gguf.constants import GGML_BLOCK_SIZES  # noqa: E402
+from juno_py.kernels import dequant as device_dequant  # noqa: E402
 from juno_py.kernels import split_bf16  # noqa: E402
 from juno_py.kernels.dequant import dequantize_reference  # noqa: E402
 from juno_py.testing.blocks import random_rows  # noqa: E402
@@ -22,13 +24,31 @@ from tests.kernels.conftest import DEVICE  # noqa: E402
 
 U32 = 2.0**-24
 U_BF16 = 2.0**-8  # unit roundoff of bf16
-KERNEL_TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
-FALLBACK = GGMLType.Q3_K  # no Triton kernel: decoded by the torch codec on the CPU, then moved
+KERNEL_TYPES = [
+    GGMLType.Q4_0,
+    GGMLType.Q4_1,
+    GGMLType.Q5_0,
+    GGMLType.Q8_0,
+    GGMLType.Q2_K,
+    GGMLType.Q4_K,
+    GGMLType.Q5_K,
+    GGMLType.Q6_K,
+    GGMLType.IQ4_NL,
+    GGMLType.IQ4_XS,
+]
+# every type has a kernel: FALLBACK stands for a type without one (taken out of TRITON_TYPES in this module; its
+# kernel is tested in test_dequant_triton.py), decoded by the torch codec on the CPU, then moved
+FALLBACK = GGMLType.Q3_K
+
+
+@pytest.fixture(autouse=True)
+def _fallback_has_no_kernel(monkeypatch):
+    monkeypatch.setattr(device_dequant, "TRITON_TYPES", device_dequant.TRITON_TYPES - {FALLBACK})
 
 
 def layer_shape(t: GGMLType) -> tuple[int, int]:
     big = DEVICE == "cuda"
-    if t in (GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K):
+    if GGML_BLOCK_SIZES[t][0] == 256:
         return (4097, 4096) if big else (37, 512)
     return (4097, 2080) if big else (37, 288)
 

@@ -33,7 +33,15 @@ U32 = 2.0**-24  # unit roundoff of fp32
 # the types whose blocks `random_rows` makes (the codebook, ternary and MXFP4 kernels have their own tests:
 # test_dequant_triton_newtypes.py)
 TYPES = sorted((GGMLType(t) for t in TRITON_TYPES if t in F16_FIELDS or GGML_BLOCK_SIZES[t][0] == 1), key=int)
-K_QUANTS = (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
+# the types of 256-value super-blocks (K-quants, IQ4_XS): their rows are 256·k columns
+K_QUANTS = tuple(t for t in TYPES if GGML_BLOCK_SIZES[t][0] == 256)
+
+
+def test_every_decodable_type_has_a_kernel():
+    """A GGUF of any type the codecs read trains on the GPU with its bytes decoded there, never on the CPU."""
+    from juno_py.gguf import quants
+
+    assert {GGMLType[name] for name in quants.supported_types()} == set(TRITON_TYPES)
 
 
 def shapes(t: GGMLType) -> list[tuple[int, int]]:
