@@ -11,7 +11,8 @@ only when one first runs (Triton is optional; `@triton.jit` reads TRITON_INTERPR
 Numerics: every block type decodes as `code · scale (+ bias)` where the products are exact in fp32 (an f16
 scale of 11 significant bits times integers small enough that the product fits 24 bits), so only the one
 addition rounds, as in the torch codecs: the fp32 values are bit-identical to `juno_py.gguf.quants.dequantize`
-(a fused multiply-add changes nothing, since the product is exact). fp32 → bf16 rounds to nearest even with
+(a fused multiply-add changes nothing, since the product is exact, except where it overflows: MXFP4's largest
+scales, whose split low halves are set to NaN outright). fp32 → bf16 rounds to nearest even with
 integer operations on the bit pattern (NaN → 0x7FC0, as torch), never with a float cast: Triton's interpreter
 truncates on that cast while the GPU rounds, and this way both give torch's `.to(torch.bfloat16)`. The split
 halves are rounded the same way; w − w_hi is exact in fp32, so w_lo is `kernels.split_bf16`'s, bit for bit.

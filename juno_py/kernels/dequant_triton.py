@@ -204,7 +204,9 @@ def _emit(
         return tl.zeros([NB], dtype=tl.float32)
     elif MODE == 2:
         top = _bf16_bits(val)
-        rest = val - (top << 16).to(tl.float32, bitcast=True)
+        # an infinite val's low half is inf − inf = NaN, as torch has it; said outright, since the compiler may fuse
+        # the product that overflowed into the subtraction (an FMA of MXFP4's largest scales gives ∓inf there)
+        rest = tl.where(tl.abs(val) < float("inf"), val - (top << 16).to(tl.float32, bitcast=True), float("nan"))
         tl.store(out_ptr + (base + idx), top.to(tl.int16), mask=keep)
         tl.store(lo_out_ptr + (base + idx), _bf16_bits(rest).to(tl.int16), mask=keep)
         return tl.zeros([NB], dtype=tl.float32)

@@ -52,6 +52,8 @@ SCALE_FIELDS = {
     GGMLType.Q5_0: ((0, 2e-3, 6e-3),),  # centred codes -16..15
     GGMLType.Q5_1: ((0, 1e-3, 3e-3), (2, -16.0, None)),
     GGMLType.Q8_0: ((0, 5e-5, 2e-4),),  # signed codes
+    GGMLType.Q2_K: ((80, 1e-4, 3e-4), (82, 1e-4, 3e-4)),  # d·sc·q − dmin·m, 4-bit sc and m, 2-bit q
+    GGMLType.Q3_K: ((108, 2e-5, 6e-5),),  # d·(sc − 32)·(q − 4), signed 6-bit scales
     # the i-quants and ternary types: one float16 super-block scale (IQ1_M packs its scale into the sub-block
     # scales' high bits and has no such field: its blocks stay random bytes, valid for timing only)
     **{t: ((0, 1e-4, 3e-4),) for t in (GGMLType.IQ1_S, GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S)},
