@@ -251,8 +251,8 @@ def test_dispatch_rules(fused, monkeypatch):
     assert elementwise.gated("silu", x, x.bfloat16()) is None
     monkeypatch.setenv("JUNO_PY_KERNELS", "eager")
     assert elementwise.rms_norm(x, w, 1e-6, torch.float32) is None
-    monkeypatch.setenv("JUNO_PY_KERNELS", "auto")  # opt-in until measured on a GPU
-    assert elementwise.rms_norm(x, w, 1e-6, torch.float32) is None
+    monkeypatch.setenv("JUNO_PY_KERNELS", "auto")  # the default: fused on a GPU, eager on CPU tensors
+    assert (elementwise.rms_norm(x, w, 1e-6, torch.float32) is None) == (not CUDA)
 
 
 @pytest.mark.skipif(CUDA, reason="the CPU's rule")
