@@ -9,6 +9,10 @@ explicit boolean `[B, T, S]` restriction. `attend` picks the kernel in one place
 - "flex" (CUDA): `torch.nn.attention.flex_attention`, compiled once, with a block mask built from per-block
   summaries of positions and documents (`block_tables`): never a `[T, S]` mask, and blocks no query of a block can
   see are skipped. Block masks that depend only on the shape (causal by index, sliding windows) are cached.
+- "varlen" (CUDA, bf16/fp16): packed rows whose documents are contiguous runs of consecutive positions (what
+  `--pack` makes), with or without a sliding window: `torch.nn.attention.varlen.varlen_attn` (flash attention over
+  the documents laid end to end, `cu_seqlens` from the document ids), the fastest exact path for packed data.
+  Otherwise, or where this torch has no such kernel, "flex" serves.
 - "dense": SDPA with a boolean `[B, 1, T, S]` mask, on the CPU while `B·T·S` is at most `dense_limit()`, and on
   any device for a handful of queries (decoding) or an explicit mask.
 - "chunked": the dense computation over blocks of queries, each recomputed in backward (activation
@@ -34,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-BACKENDS = ("causal", "flex", "dense", "chunked")
+BACKENDS = ("causal", "varlen", "flex", "dense", "chunked")
 BLOCK = 128  # flex_attention's block size (queries and keys)
 DECODE_QUERIES = 16  # at most this many queries: a dense mask of [queries, keys] on any device
 _settings: dict[str, Any] = {"dense_limit": 1 << 25, "force": None}
@@ -166,9 +170,83 @@ def choose_backend(device: torch.device, mask: Optional[AttentionMask]) -> str:
         return str(force)
     if mask.allowed is not None or t <= DECODE_QUERIES:
         return "dense" if device.type != "cpu" or b * t * s <= dense_limit() else "chunked"
+    if device.type == "cuda" and "varlen" not in _flex_failed and packed_segments(mask) is not None:
+        return "varlen"
     if device.type == "cuda" and flex_available():
         return "flex"
     return "dense" if b * t * s <= dense_limit() else "chunked"
+
+
+def _varlen_kernel() -> Optional[Callable]:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def packed_segments(mask: AttentionMask) -> Optional[tuple[Tensor, int]]:
+    """(cu_seqlens int32 `[N + 1]`, longest document) of the rows laid end to end, where every document is one
+    contiguous run of consecutive positions (so causality by position is causality by index inside it) and
+    queries and keys are the same tokens; else None. Checked once per mask (one host synchronisation), never
+    while a CUDA graph is being captured."""
+    if "segments" in mask._made:
+        return mask._made["segments"]
+    made = None
+    b, t, s = mask.shape
+    if (
+        _varlen_kernel() is not None
+        and mask.q_doc is not None
+        and mask.k_doc is not None
+        and mask.allowed is None
+        and t == s
+        and not (mask.q_pos.is_cuda and torch.cuda.is_current_stream_capturing())
+    ):
+        doc, pos = mask.q_doc.reshape(-1), mask.q_pos.reshape(-1)
+        start = torch.ones_like(doc, dtype=torch.bool)
+        start[1:] = doc[1:] != doc[:-1]
+        start[::t] = True  # a row starts a document
+        consecutive = start[1:] | (pos[1:] == pos[:-1] + 1)
+        ordered = mask.q_doc.sort(dim=1).values  # a document that comes back later in its row is not one run
+        distinct = int((ordered[:, 1:] != ordered[:, :-1]).sum()) + b
+        same = torch.equal(mask.q_doc, mask.k_doc) and torch.equal(mask.q_pos, mask.k_pos)
+        starts = start.nonzero().flatten()
+        if same and bool(consecutive.all()) and int(starts.numel()) == distinct:
+            bounds = torch.cat([starts, starts.new_tensor([b * t])])
+            made = (bounds.to(torch.int32), int((bounds[1:] - bounds[:-1]).max()))
+    if mask.keep:
+        mask._made["segments"] = made
+    return made
+
+
+def _varlen(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float) -> Optional[Tensor]:
+    """`attend` through varlen_attn, or None where this torch's kernel cannot take the call (then flex serves)."""
+    import inspect
+
+    fn, segments = _varlen_kernel(), packed_segments(mask)
+    if fn is None or segments is None or q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] > 256:
+        return None
+    cu, longest = segments
+    b, h, t, d = q.shape
+    hkv, dv = k.shape[1], v.shape[-1]
+    params = inspect.signature(fn).parameters
+    kwargs: dict[str, Any] = {"scale": scale}
+    if "window_size" in params:
+        kwargs["window_size"] = (mask.window - 1 if mask.window else -1, 0)
+    elif "is_causal" in params and not mask.window:
+        kwargs["is_causal"] = True
+    else:
+        return None
+    qf = q.transpose(1, 2).reshape(b * t, h, d)
+    kf = k.transpose(1, 2).reshape(b * t, hkv, d)
+    vf = v.transpose(1, 2).reshape(b * t, hkv, dv)
+    if hkv != h:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            kf, vf = kf.repeat_interleave(h // hkv, dim=1), vf.repeat_interleave(h // hkv, dim=1)
+    out = fn(qf, kf, vf, cu, cu, longest, longest, **kwargs)
+    return out.view(b, t, h, dv).transpose(1, 2)
 
 
 def attend(
@@ -183,6 +261,21 @@ def attend(
         return _sdpa_masked(q, k, v, mask, scale, enable_gqa)
     if backend == "chunked":
         return _chunked(q, k, v, mask, scale, enable_gqa)
+    if backend == "varlen":
+        try:
+            out = _varlen(q, k, v, mask, scale)
+        except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
+            if isinstance(e, torch.OutOfMemoryError):
+                raise
+            _flex_failed["varlen"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            warnings.warn(
+                f"varlen_attn cannot take this model's packed rows ({_flex_failed['varlen']}); flex_attention serves",
+                stacklevel=2,
+            )
+            out = None
+        if out is not None:
+            return out
+        backend = "flex"
     if backend == "flex":
         if "flex" not in _flex_failed:
             try:
@@ -400,6 +493,7 @@ __all__ = [
     "block_mask_dense",
     "block_tables",
     "choose_backend",
+    "packed_segments",
     "dense_limit",
     "flex_available",
 ]

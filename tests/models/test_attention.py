@@ -13,11 +13,13 @@ from juno_py.models import load_model
 from juno_py.models.attention import (
     BLOCK,
     AttentionMask,
+    _varlen_kernel,
     attend,
     attention_settings,
     block_mask_dense,
     block_tables,
     choose_backend,
+    packed_segments,
 )
 from juno_py.testing.tiny_models import sample_ids
 from juno_py.train.data import Example, packed_batch, pad_batch
@@ -197,7 +199,8 @@ def test_backend_choice():
     assert choose_backend(cpu, AttentionMask(torch.arange(9)[None], torch.arange(9)[None], 0, by_index=True)) == (
         "causal"
     )
-    assert choose_backend(cuda, packed) == "flex"
+    assert choose_backend(cuda, packed) == ("varlen" if _varlen_kernel() else "flex")
+    assert choose_backend(cuda, MASKS["packed-bptt"]()) == "flex"  # cached keys: not the same tokens
     assert choose_backend(cuda, MASKS["causal-window-by-index"]()) == "flex"
     assert choose_backend(cpu, packed) == "dense"
     with attention_settings(dense_limit=520 * 100):
@@ -206,6 +209,53 @@ def test_backend_choice():
     assert choose_backend(cuda, decode) == "dense"  # one query: a [1, S] mask
     explicit = AttentionMask(packed.q_pos, packed.k_pos, allowed=packed.dense()[:, 0])
     assert choose_backend(cuda, explicit) == "dense"  # the caller's own [T, S] mask
+
+
+def test_packed_segments_are_the_documents_end_to_end():
+    """cu_seqlens of two packed rows (documents, then padding tokens of one each), and no segments where a
+    document is not one run of consecutive positions."""
+    a, b = _packed_mask(12, [5, 3], pad=4), _packed_mask(12, [2, 10])
+    two = AttentionMask(torch.cat([a.q_pos, b.q_pos]), torch.cat([a.k_pos, b.k_pos]), 0, torch.cat([a.q_doc, b.q_doc]))
+    two.k_doc = two.q_doc
+    if _varlen_kernel() is None:
+        assert packed_segments(two) is None
+        return
+    cu, longest = packed_segments(two)
+    assert cu.tolist() == [0, 5, 8, 9, 10, 11, 12, 14, 24] and cu.dtype == torch.int32 and longest == 10
+    split = AttentionMask(a.q_pos, a.k_pos, 0, a.q_doc.clone(), a.k_doc)
+    split.q_doc[0, 8:] = 0  # document 0 comes back after document 1
+    split.k_doc = split.q_doc
+    assert packed_segments(split) is None
+    jump = AttentionMask(a.q_pos.clone(), a.k_pos, 0, a.q_doc, a.k_doc)
+    jump.q_pos[0, 3] += 1  # positions skip inside a document
+    jump.k_pos = jump.q_pos
+    assert packed_segments(jump) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="varlen_attn is a CUDA kernel")
+@pytest.mark.parametrize("name", ["packed", "packed-window", "long-documents"])
+def test_varlen_equals_the_dense_mask_on_the_gpu(name):
+    """varlen_attn over the packed documents: output and q/k/v gradients within bf16 error of the dense mask's,
+    grouped-query heads."""
+    m = MASKS[name]()
+    mask = AttentionMask(m.q_pos.cuda(), m.k_pos.cuda(), m.window, m.q_doc.cuda(), m.k_doc.cuda())
+    b, t, s = mask.shape
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, 8, t, 64, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+    k, v = (
+        torch.randn(b, 2, s, 64, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+        for _ in range(2)
+    )
+    assert choose_backend(q.device, mask) == "varlen"
+    out = attend(q, k, v, mask, scale=0.125, enable_gqa=True)
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    q64, k64, v64 = (x.detach().double().requires_grad_(True) for x in (q, k, v))
+    with attention_settings(force="dense"):
+        ref = attend(q64, k64, v64, mask, scale=0.125, enable_gqa=True)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q64, k64, v64))
+    for got, want in ((out, ref), *zip(grads, ref_grads)):
+        err = (got.double() - want).abs().max() / want.abs().max()
+        assert err < 2e-2, (name, float(err))
 
 
 class _Largest(TorchDispatchMode):
