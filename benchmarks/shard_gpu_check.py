@@ -20,6 +20,7 @@ from juno_py.gguf.constants import GGMLType
 from juno_py.lora import read_adapter
 from juno_py.testing.records import MIXED_RECORDS, write_jsonl
 from juno_py.testing.tiny_models import write_tiny_gguf
+from juno_py.train.sharded import frozen_bytes_dtype
 
 REL = 1e-5
 
@@ -32,7 +33,9 @@ def main(argv: list[str]) -> int:
     common = ["--model-path", str(tiny), "--data", str(data), "--max-steps", "4", "--batch-size", "4"]
     common += ["--lora-rank", "4", "--validation-split", "0.2", "--compute-dtype", "fp32", "--no-progress"]
     common += ["--device", "cuda"]
-    print(f"torch {torch.__version__}, CUDA devices: {torch.cuda.device_count()}")
+    print(
+        f"torch {torch.__version__}, CUDA devices: {torch.cuda.device_count()}; quantized bytes sharded as {frozen_bytes_dtype()}"
+    )
     runs = {
         "sharded": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
         + ["-m", "juno_py", "lora", "--shard", *common, "--output", str(out / "sharded.bin")],

@@ -188,7 +188,8 @@ def is_sharded(t: torch.Tensor) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
-# the oldest torch --shard runs on (checked on 2.11 and 2.13; older FSDP2 releases lack options `shard` sets)
+# the oldest torch --shard is allowed on: 2.11, the oldest in use (2.13 is tested; FSDP2 options `shard` sets, such
+# as set_force_sum_reduction_for_comms, were not checked in older releases)
 MIN_TORCH = (2, 11)
 # the oldest torch whose FSDP2 takes uint8 parameters: before it, `FSDPParam._init_sharded_param` builds the sharded
 # parameter as `nn.Parameter(dtensor)` (requires_grad=True, refused for an integer dtype: "only Tensors of floating
