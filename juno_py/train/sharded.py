@@ -45,6 +45,7 @@ class ShardedModel:
     def __init__(self, model: nn.Module, world: World, prefetch: int):
         self.model, self.world, self.prefetch = model, world, prefetch
         self.peak_quantized_bytes = 0
+        self.frozen_dtype = torch.uint8
         self._groups = [g for m in model.modules() for g in _fsdp_groups(m)]
 
     def __call__(self, *args: Any, **kw: Any) -> Any:
@@ -92,7 +93,7 @@ class ShardedModel:
                 total += sum(
                     fp._sharded_param_data.numel() * self.world.size
                     for fp in g.fsdp_params
-                    if fp.sharded_param.dtype == torch.uint8
+                    if fp.sharded_param.dtype == self.frozen_dtype
                 )
         return total
 
@@ -187,9 +188,21 @@ def is_sharded(t: torch.Tensor) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
-# the oldest torch whose FSDP2 shards the frozen uint8 parameters (torch 2.11's raises "only Tensors of floating
-# point dtype can require gradients" when fully_shard wraps them)
-MIN_TORCH = (2, 13)
+# the oldest torch --shard is allowed on: 2.11, the oldest in use (2.13 is tested; FSDP2 options `shard` sets, such
+# as set_force_sum_reduction_for_comms, were not checked in older releases)
+MIN_TORCH = (2, 11)
+# the oldest torch whose FSDP2 takes uint8 parameters: before it, `FSDPParam._init_sharded_param` builds the sharded
+# parameter as `nn.Parameter(dtensor)` (requires_grad=True, refused for an integer dtype: "only Tensors of floating
+# point dtype can require gradients") and only then copies requires_grad from the original
+UINT8_PARAMS_TORCH = (2, 13)
+
+
+def frozen_bytes_dtype() -> torch.dtype:
+    """The dtype the frozen quantized bytes are sharded as: uint8 where FSDP2 takes it, else float8_e5m2, one byte
+    too, the same bits viewed (`FrozenQuantLinear.raw` reads them back as uint8). Exact: FSDP2 only copies a frozen
+    parameter's bytes (all-gather into a uint8 buffer when a group mixes dtypes), never casts it (no mixed-precision
+    param_dtype is set) and never reduces it (it has no gradient)."""
+    return torch.uint8 if _torch_release() >= UINT8_PARAMS_TORCH else torch.float8_e5m2
 
 
 def _torch_release() -> tuple[int, int]:
@@ -248,12 +261,15 @@ def sharded_like(part: torch.Tensor, like: torch.Tensor, where: str, key: str) -
     )
 
 
-def shard(model: nn.Module, world: World, prefetch: Optional[int] = None) -> ShardedModel:
+def shard(
+    model: nn.Module, world: World, prefetch: Optional[int] = None, frozen_dtype: Optional[torch.dtype] = None
+) -> ShardedModel:
     """Shard `model` (adapters already attached, nothing trained yet) across the ranks of `world` with FSDP2.
 
     The model must still be on the CPU (loaded memory-mapped, not placed): each rank reads only its rows of each
     quantized weight, and on a GPU only its part moves there. `prefetch`: how many blocks ahead to gather (None:
-    1 on a GPU, 0 on the CPU)."""
+    1 on a GPU, 0 on the CPU). `frozen_dtype`: the one-byte dtype of the frozen bytes' parameters (None:
+    `frozen_bytes_dtype()`)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -274,11 +290,25 @@ def shard(model: nn.Module, world: World, prefetch: Optional[int] = None) -> Sha
             raise DistributedError(
                 f"{lin.name}: a resident dequantized weight cache cannot be sharded; use --weights-cache none"
             )
+    frozen_dtype = frozen_bytes_dtype() if frozen_dtype is None else frozen_dtype
+    if frozen_dtype.itemsize != 1:
+        raise DistributedError(f"frozen bytes dtype {frozen_dtype}: expected a one-byte dtype")
+    if frozen_dtype != torch.uint8 and world.backend == "gloo":
+        # a block with nothing else to gather would all-gather in that dtype, which Gloo refuses
+        for i, blk in enumerate(model.blocks):  # type: ignore[union-attr, arg-type]
+            if not any(p.requires_grad for p in blk.parameters()):
+                raise DistributedError(
+                    f"block {i} trains nothing: on torch {torch.__version__} (before "
+                    f"{'.'.join(map(str, UINT8_PARAMS_TORCH))}) Gloo cannot shard a block of quantized bytes alone; "
+                    f"train a target in every block, or use NCCL"
+                )
     in_blocks = {id(lin) for blk in model.blocks for lin in frozen_linears(blk)}  # type: ignore[union-attr]
     for lin in linears:
         if id(lin) in in_blocks:
             raw = lin._buffers.pop("raw")
-            lin.raw = nn.Parameter(raw, requires_grad=False)  # the same bytes (a view of the memory map), no copy
+            assert raw is not None
+            # the same bytes (a view of the memory map, no copy), as `frozen_dtype`
+            lin.raw = nn.Parameter(raw.view(frozen_dtype), requires_grad=False)
         else:  # the output projection: gathered around the loss (`ShardedRows`)
             rows = ShardedRows(lin, world)
             object.__setattr__(lin, "_sharded_rows", rows)
@@ -310,7 +340,9 @@ def shard(model: nn.Module, world: World, prefetch: Optional[int] = None) -> Sha
     if device.type == "cuda" and model.compute_dtype == torch.bfloat16:  # type: ignore[union-attr]
         model.set_activation_dtype(torch.bfloat16)  # type: ignore[operator]
     model.sharded = True  # type: ignore[assignment]
-    return ShardedModel(model, world, ahead)
+    out = ShardedModel(model, world, ahead)
+    out.frozen_dtype = frozen_dtype
+    return out
 
 
 def _sum_gradients(module: nn.Module) -> None:

@@ -451,6 +451,14 @@ class FrozenQuantLinear(nn.Module):
             + (f", dequant={self.dequant}" if self.dequant != "auto" else "")
         )
 
+    def __getattr__(self, name: str) -> Any:
+        # `raw` reads uint8 whatever one-byte dtype holds the bytes: sharded training may keep them as a frozen
+        # parameter of a one-byte float dtype (train/sharded.py), the same bits
+        value = super().__getattr__(name)
+        if name == "raw" and isinstance(value, torch.Tensor) and value.dtype != torch.uint8:
+            return value.view(torch.uint8)
+        return value
+
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(
             f"FrozenQuantLinear {self.name!r} views a memory-mapped GGUF file and is never pickled or "

@@ -4,7 +4,8 @@
 
 SCENARIOS, comma-separated: `train` (each run of SHARD_RUNS into OUT/<name>-<N>.bin, rank 0 writing adapter.bin and
 OUT/<name>-<N>.json, the result with the steps' losses and gradient norms; each rank writes the quantized bytes it
-was measured to hold to OUT/<name>-<N>-rank<r>.json), `resume` (`lora` interrupted after dist_worker.PART_STEPS
+was measured to hold to OUT/<name>-<N>-rank<r>.json), `float8` (the `lora` run with the frozen bytes sharded as
+float8_e5m2 parameters, as on torch before 2.13: OUT/lora-float8-<N>.bin and .json), `resume` (`lora` interrupted after dist_worker.PART_STEPS
 steps into OUT/part-<N>.bin and its shards, then resumed: OUT/resumed-<N>.json). Where OUT holds the shards of a
 2-process run and N is not 2, every rank also tries to resume it and writes its error to OUT/refused-rank<r>.txt.
 """
@@ -15,6 +16,8 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 from juno_py.train import distributed, sharded
 from juno_py.train.state import StateError
 from tests.train import dist_worker
@@ -24,13 +27,13 @@ from tests.train import dist_worker
 SHARD_RUNS = {"lora": {}, "dora": {"bptt_window": 0, "prefetch": 1}}
 
 
-def watched_run(tiny, data, path: Path, name: str, **kw):
+def watched_run(tiny, data, path: Path, name: str, frozen_dtype=None, **kw):
     """dist_worker.train_run with the sharded model's quantized bytes watched: (result, bytes measured)."""
     measured: dict = {}
     shard = sharded.shard
 
     def watching(model, world, prefetch=None):
-        s = shard(model, world, prefetch)
+        s = shard(model, world, prefetch, frozen_dtype)
         s.watch_quantized_bytes()
         measured["model"], measured["after_shard"] = s, s.quantized_bytes()
         return s
@@ -62,6 +65,12 @@ def main(argv: list[str]) -> None:
                 (out / f"{name}-{n}-rank{world.rank}.json").write_text(json.dumps(held))
                 if world.is_main:
                     (out / f"{name}-{n}.json").write_text(json.dumps(result))
+        if "float8" in scenarios:
+            path = out / f"lora-float8-{n}.bin"
+            result, held = watched_run(tiny, data, path, "lora", frozen_dtype=torch.float8_e5m2, shard=True)
+            (out / f"lora-float8-{n}-rank{world.rank}.json").write_text(json.dumps(held))
+            if world.is_main:
+                (out / f"lora-float8-{n}.json").write_text(json.dumps(result))
         if "resume" in scenarios:
             part = out / f"part-{n}.bin"
             dist_worker.train_run(tiny, data, part, "lora", stop_at=dist_worker.PART_STEPS, shard=True)

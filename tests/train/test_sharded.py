@@ -59,7 +59,7 @@ def data(tmp_path_factory):
 def sharded_runs(q8_path, data, tmp_path_factory):
     """shard_worker on 2 processes (the runs and the resume) and on 3 (the runs)."""
     out = tmp_path_factory.mktemp("sharded")
-    for n, scenarios in ((2, "train,resume"), (3, "train")):
+    for n, scenarios in ((2, "train,float8,resume"), (3, "train")):
         r = run(launch(n, "-m", "tests.train.shard_worker", q8_path, data, out, scenarios))
         assert r.returncode == 0, r.stderr[-4000:]
     return out
@@ -136,6 +136,17 @@ def test_each_rank_holds_its_part_of_the_quantized_base_and_the_block_running(na
         # the gathered block (and with prefetching the next one in flight), each counted whole
         assert q["peak"] <= q["after_shard"] + (1 + ahead) * gathered, f"rank {r}: peak {q['peak']}"
         assert q["peak"] >= q["after_shard"] + min(blocks) * (n - 1) / n  # the gathers were seen
+
+
+def test_frozen_bytes_sharded_as_float8_train_the_same_bits(sharded_runs):
+    """Torch before 2.13 gets the quantized bytes as float8_e5m2 parameters: FSDP2 only copies them, so the run is
+    the uint8 run bit for bit, and each rank still holds its part of the base."""
+    assert (sharded_runs / "lora-float8-2.bin").read_bytes() == (sharded_runs / "lora-2.bin").read_bytes()
+    got = json.loads((sharded_runs / "lora-float8-2.json").read_text())
+    assert got["loss_and_grad_norm"] == json.loads((sharded_runs / "lora-2.json").read_text())["loss_and_grad_norm"]
+    for r in range(2):
+        f8 = json.loads((sharded_runs / f"lora-float8-2-rank{r}.json").read_text())
+        assert f8 == json.loads((sharded_runs / f"lora-2-rank{r}.json").read_text())
 
 
 def test_a_sharded_run_resumes_from_its_shards_bit_for_bit(sharded_runs):
