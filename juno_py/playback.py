@@ -54,7 +54,7 @@ def open_model(
     compute = precision.resolve_compute_dtype(compute_dtype, device)
     weights_cache = precision.resolve_weights_cache(weights_cache, resolve_model(model_path), compute, device)
     compute_dtype = precision.dtype_name(compute)
-    resolution = f"compute {compute_dtype}, weights cache {weights_cache}"
+    resolution = f"compute {str(compute).removeprefix('torch.')}, weights cache {weights_cache}"  # as training says
     if announce:
         print(f"juno-py: {resolution}", file=sys.stderr)
     model = load_model(model_path, device=device, weights_cache=weights_cache, compute_dtype=compute_dtype)

@@ -38,7 +38,7 @@ def total_ram_bytes() -> int:
     return 0
 
 
-def on_gpu(device) -> bool:
+def on_gpu(device: object) -> bool:
     return str(device).startswith("cuda")
 
 
@@ -72,13 +72,13 @@ def choose_weights_cache(spec: str, compute_dtype: torch.dtype, weight_elements:
     return "bf16" if 2 * weight_elements <= limit else "none"
 
 
-def device_memory_bytes(device) -> int:
+def device_memory_bytes(device: str) -> int:
     if on_gpu(device):
         return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
     return total_ram_bytes()
 
 
-def matrix_elements(model_path) -> int:
+def matrix_elements(model_path: object) -> int:
     from juno_py.gguf import GGUFFile
 
     with GGUFFile(model_path) as gguf:
@@ -86,7 +86,7 @@ def matrix_elements(model_path) -> int:
 
 
 def resolve_weights_cache(
-    spec: str, model_path, compute_dtype: torch.dtype, device: str = "cpu", memory_bytes: Optional[int] = None
+    spec: str, model_path: object, compute_dtype: torch.dtype, device: str = "cpu", memory_bytes: Optional[int] = None
 ) -> str:
     """'auto' | 'none' | 'bf16' | 'fp32' for `model_path` on `device` (see the module's rule)."""
     if spec != "auto" or compute_dtype != torch.bfloat16:
@@ -99,7 +99,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {v: k for k, v in COMPUTE_DTYPES.items()}.get(dtype, str(dtype))
 
 
-def _numel(shape) -> int:
+def _numel(shape: "tuple[int, ...] | list[int]") -> int:
     n = 1
     for d in shape:
         n *= int(d)
