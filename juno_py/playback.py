@@ -55,8 +55,6 @@ def open_model(
     weights_cache = precision.resolve_weights_cache(weights_cache, resolve_model(model_path), compute, device)
     compute_dtype = precision.dtype_name(compute)
     resolution = f"compute {str(compute).removeprefix('torch.')}, weights cache {weights_cache}"  # as training says
-    if announce:
-        print(f"juno-py: {resolution}", file=sys.stderr)
     model = load_model(model_path, device=device, weights_cache=weights_cache, compute_dtype=compute_dtype)
     if lora_play:
         from juno_py.cli.common import warnings_to_stderr
@@ -64,6 +62,8 @@ def open_model(
         with warnings_to_stderr():  # a differing fingerprint: one `juno-py: warning:` line, no raw warning
             load_adapters(model, [s for s in lora_play.split(",") if s.strip()], force=force)
     model.resolution = resolution  # what `auto` resolved to, for the command's summary line
+    if announce:  # once the model and adapters are open: a bad input stays a single line
+        print(f"juno-py: {resolution}", file=sys.stderr)
     return model
 
 
