@@ -11,7 +11,7 @@ back costs nothing.
 from __future__ import annotations
 
 import math
-import os
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,44 +31,39 @@ class SelectionError(JunoError, ValueError):
 
 
 # ----------------------------------------------------------------------------------------------- opening
-def auto_weights_cache(model_path) -> str:
-    """'fp32' when a dequantized fp32 copy of the model takes under a quarter of the available memory, else
-    'none' (stream from the quantized bytes): decoding one token at a time is bound by dequantization."""
-    from juno_py.gguf import GGUFFile
-    from juno_py.store import resolve_model
-
-    with GGUFFile(resolve_model(model_path)) as f:
-        fp32_bytes = 4 * sum(t.n_elements for t in f.tensors.values())
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return "none"
-    return "fp32" if fp32_bytes < available // 4 else "none"
-
-
 def open_model(
-    model_path, lora_play=None, force=False, weights_cache="auto", compute_dtype="fp32", device="cpu", threads=None
+    model_path,
+    lora_play=None,
+    force=False,
+    weights_cache="auto",
+    compute_dtype="fp32",
+    device="cpu",
+    threads=None,
+    announce=True,
 ):
     """The model for inference, with the adapters of `lora_play` (`A[:scale][,B[:scale]]`) played on it.
-    compute_dtype auto: bf16 on a GPU, fp32 on the CPU; weights_cache auto: see `auto_weights_cache` (on a GPU:
-    none, the bytes stay quantized there)."""
+    `auto` resolves as in every command (juno_py.precision); one stderr line says what it resolved to."""
     from juno_py import threads as cpu_threads
     from juno_py.lora import load_adapters
     from juno_py.models import load_model
 
     cpu_threads.setup(threads)
-    on_gpu = str(device).startswith("cuda")
-    if compute_dtype == "auto":
-        compute_dtype = "bf16" if on_gpu else "fp32"
-    if weights_cache == "auto":
-        # on a GPU the weights stay quantized: the fused dequantize-matvec kernel decodes one token from the bytes
-        weights_cache = "none" if on_gpu else auto_weights_cache(model_path)
+    from juno_py import precision
+    from juno_py.store import resolve_model
+
+    compute = precision.resolve_compute_dtype(compute_dtype, device)
+    weights_cache = precision.resolve_weights_cache(weights_cache, resolve_model(model_path), compute, device)
+    compute_dtype = precision.dtype_name(compute)
+    resolution = f"compute {str(compute).removeprefix('torch.')}, weights cache {weights_cache}"  # as training says
     model = load_model(model_path, device=device, weights_cache=weights_cache, compute_dtype=compute_dtype)
     if lora_play:
         from juno_py.cli.common import warnings_to_stderr
 
         with warnings_to_stderr():  # a differing fingerprint: one `juno-py: warning:` line, no raw warning
             load_adapters(model, [s for s in lora_play.split(",") if s.strip()], force=force)
+    model.resolution = resolution  # what `auto` resolved to, for the command's summary line
+    if announce:  # once the model and adapters are open: a bad input stays a single line
+        print(f"juno-py: {resolution}", file=sys.stderr)
     return model
 
 

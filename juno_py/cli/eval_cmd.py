@@ -39,9 +39,9 @@ def eval_cmd(data, max_seq_len, batch_size, skip_bad_records, as_json, **model_k
     from juno_py.train.data import load_examples
     from juno_py.train.steps import evaluate
 
-    model = open_model(**model_kw)
+    model = open_model(**model_kw, announce=False)  # said with the data's summary, after the records are read
     examples, stats = load_examples(data, model.tokenizer, max_seq_len, skip_bad=skip_bad_records)
-    click.echo(f"juno-py eval: {stats.line()}", err=True)
+    click.echo(f"juno-py eval: {model.resolution}; {stats.line()}", err=True)
     with torch.no_grad():
         result = evaluate(model, examples, batch_size, pad_id=model.tokenizer.pad_id or 0)
     if result["tokens"] and not math.isfinite(result["loss"]):

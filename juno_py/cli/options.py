@@ -20,6 +20,18 @@ def threads_option(fn):
     return click.option("--threads", default=None, type=click.IntRange(1), help=THREADS_HELP)(fn)
 
 
+# one text per option, shared by every command (the rule: juno_py/precision.py)
+COMPUTE_DTYPE_HELP = (
+    "Dtype of the frozen matmuls (auto: bf16 on a GPU with bf16 support or a CPU with native bf16 "
+    "(AVX-512 BF16/AMX), else fp32). Adapters and optimizer state stay fp32."
+)
+WEIGHTS_CACHE_HELP = (
+    "Keep a dequantized copy of the frozen weights resident or read them from the quantized bytes (none). "
+    "auto: with bf16 compute, a bf16 copy when it takes at most min(4 GiB, 1/8 of the device's memory); "
+    "else none."
+)
+
+
 def base_model_options(fn):
     """The model and how it is kept: --model-path, --force, --weights-cache, --compute-dtype, --device."""
 
@@ -35,17 +47,14 @@ def base_model_options(fn):
         type=click.Choice(["auto", "none", "bf16", "fp32"]),
         default="auto",
         show_default=True,
-        help="Keep a dequantized copy of the weights (faster, more memory) or stream them from the "
-        "quantized file; auto keeps an fp32 copy when it takes under a quarter of free memory (on a "
-        "GPU: none, the bytes stay quantized there).",
+        help=WEIGHTS_CACHE_HELP,
     )
     @click.option(
         "--compute-dtype",
         type=click.Choice(["auto", "fp32", "bf16"]),
         default="auto",
         show_default=True,
-        help="Matmul precision of the frozen weights (auto: fp32 on the CPU, bf16 on a GPU, where the "
-        "activations then run in bf16 too).",
+        help=COMPUTE_DTYPE_HELP,
     )
     @click.option(
         "--device",
@@ -364,16 +373,14 @@ def training_options(fn):
         type=click.Choice(["auto", "fp32", "bf16"]),
         default="auto",
         show_default=True,
-        help="Dtype of the frozen matmuls (auto: bf16 where the CPU has native bf16, and on a GPU, where "
-        "the activations run in bf16 too). Adapters and optimizer state stay fp32.",
+        help=COMPUTE_DTYPE_HELP,
     )
     @click.option(
         "--weights-cache",
         type=click.Choice(["auto", "none", "bf16", "fp32"]),
         default="auto",
         show_default=True,
-        help="Keep dequantized frozen weights resident (auto: bf16 for small models "
-        "with bf16 compute) or stream them from the quantized bytes (none).",
+        help=WEIGHTS_CACHE_HELP,
     )
     @click.option(
         "--device",

@@ -59,13 +59,16 @@ def serve(adapters, host, port, max_queue, **model_kw) -> None:
 
     named = parse_named(adapters)
     force = model_kw.pop("force")
-    model = open_model(**model_kw)
+    model = open_model(**model_kw, announce=False)  # said on the address line, once every adapter is open
     with warnings_to_stderr():
         served = Adapters(model, named, force=force)
     engine = Engine(model, served, max_queue=max_queue)
     sock = bind(host, port)
     where = f"[{host}]" if ":" in host else host
-    say(f"juno-py serve: http://{where}:{sock.getsockname()[1]}/v1 (models: {', '.join(served.names())})")
+    say(
+        f"juno-py serve: http://{where}:{sock.getsockname()[1]}/v1 (models: {', '.join(served.names())}); "
+        f"{model.resolution}"
+    )
     config = uvicorn.Config(build_app(engine), log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
     try:
         uvicorn.Server(config).run(sockets=[sock])

@@ -274,7 +274,7 @@ def test_the_command_serves_and_stops_on_ctrl_c(files, tmp_path):
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stderr.readline()
-        m = re.search(r"juno-py serve: (http://127\.0\.0\.1:\d+/v1) \(models: base, mine\)", line)
+        m = re.search(r"juno-py serve: (http://127\.0\.0\.1:\d+/v1) \(models: base, mine\); compute \w+, weights", line)
         assert m, line + proc.stderr.read() if proc.poll() is not None else line
         client = openai.OpenAI(api_key="unused", base_url=m[1], max_retries=0, timeout=60)
         assert [x.id for x in client.models.list().data] == ["base", "mine"]
