@@ -148,6 +148,7 @@ def _moe_slots(
     ):
         name = t.need(f"{p}{part}.weight", shape, f"{target} (expert_count x n_out x n_in)")
         bias_shape = (n, shape[1])
+        bias: Optional[str]
         if spec.expert_activation == "swiglu_oai":  # gpt-oss: llama.cpp requires the experts' biases
             bias = t.need(f"{p}{part}.bias", bias_shape, f"{target} bias (expert_count x n_out)")
         else:

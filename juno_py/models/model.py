@@ -384,7 +384,11 @@ class Transformer(nn.Module):
             if bl.experts:
                 from juno_py.models.moe import build_moe, swiglu_oai
 
-                act = swiglu_oai if spec.expert_activation == "swiglu_oai" else partial(gated, ACTIVATIONS[spec.activation])
+                act = (
+                    swiglu_oai
+                    if spec.expert_activation == "swiglu_oai"
+                    else partial(gated, ACTIVATIONS[spec.activation])
+                )
                 moe = build_moe(gguf, args, act, bl, weights_cache, compute_dtype, spec.routing)
             sinks = vector(bl.sinks) if bl.sinks else None
             self.blocks.append(Block(args, spec, il, linears, norms, moe, sinks))
