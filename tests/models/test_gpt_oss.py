@@ -150,3 +150,22 @@ def test_bad_files_are_refused(tmp_path, knobs, match):
     path = write_tiny_gguf(tmp_path / "bad.gguf", "gpt-oss", **knobs)
     with pytest.raises(GGUFFormatError, match=match):
         Transformer.from_gguf(GGUFFile(path))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention with sinks needs CUDA")
+@pytest.mark.parametrize("window", [0, 64])
+def test_flex_sinks_match_the_dense_reference_on_cuda(window):
+    g = torch.Generator().manual_seed(2)
+    b, h, hkv, t, d = 2, 8, 2, 300, 64
+    base = [torch.randn(b, n, t, d, generator=g) for n in (h, hkv, hkv)]
+    sinks = torch.randn(h, generator=g).cuda()
+    grads = []
+    for force in ("flex", "chunked"):
+        q, k, v = (x.cuda().requires_grad_(True) for x in base)
+        pos = torch.arange(t, device="cuda").expand(b, t)
+        with attention_settings(force=force):
+            y = attend(q, k, v, AttentionMask(pos, pos, window, by_index=True), d**-0.5, True, sinks)
+        y.square().sum().backward()
+        grads.append((y.detach(), q.grad, k.grad, v.grad))
+    for a, c in zip(*grads):
+        assert (a - c).abs().max().item() <= 2e-3 * max(1.0, c.abs().max().item())
