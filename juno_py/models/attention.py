@@ -289,10 +289,13 @@ def _attend_sinks(
     ) and t > DECODE_QUERIES
     if use_flex and "flex" not in _flex_failed:
         try:
-            out, lse = _flex()(
-                q, k, v, block_mask=mask.block_mask(), scale=scale, enable_gqa=q.shape[1] != k.shape[1], return_lse=True
+            from torch.nn.attention.flex_attention import AuxRequest
+
+            gqa = q.shape[1] != k.shape[1]
+            out, aux = _flex()(
+                q, k, v, block_mask=mask.block_mask(), scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True)
             )
-            return sink_renormalise(out, lse, sinks)
+            return sink_renormalise(out, aux.lse, sinks)  # lse in natural log, differentiable
         except Exception as e:
             if not _is_compile_failure(e):
                 raise
