@@ -169,3 +169,16 @@ def test_flex_sinks_match_the_dense_reference_on_cuda(window):
         grads.append((y.detach(), q.grad, k.grad, v.grad))
     for a, c in zip(*grads):
         assert (a - c).abs().max().item() <= 2e-3 * max(1.0, c.abs().max().item())
+
+
+def test_flex_lse_renormalised_equals_the_sinks_reference_on_cpu_float64():
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    sinks = torch.randn(2, generator=g, dtype=torch.float64)
+    with pytest.warns(UserWarning):  # eager flex on the CPU: forward only
+        out, aux = flex_attention(q, k, v, scale=0.5, return_aux=AuxRequest(lse=True))
+    zeros = torch.zeros(1, 8, dtype=torch.long)  # every key visible to every query, as flex saw it
+    want = sink_attention_dense(q, k, v, AttentionMask(zeros, zeros), 0.5, sinks)
+    assert (sink_renormalise(out, aux.lse, sinks) - want).abs().max().item() <= 1e-12
