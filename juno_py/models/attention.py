@@ -22,6 +22,13 @@ Where this process cannot compile flex_attention (a compiler error from Dynamo, 
 model's shapes), the first failure is reported once, as a warning, and the masked paths serve from then on:
 "dense" while `B·T·S` is at most `dense_limit()`, else "chunked".
 
+Attention sinks (gpt-oss: one learned logit per head in every softmax's denominator) take their own path
+(`_attend_sinks`): on CUDA flex_attention, whose log-sum-exp turns its output into the sinks' by a factor of
+sigmoid(lse − sink) per row (`sink_renormalise`); elsewhere, and for decoding, the dense reference
+(`sink_attention_dense`: scores `[B, H, T, S]` with the sink as one more softmax column), in blocks of queries
+recomputed in backward where `B·H·T·S` passes `dense_limit()`. Neither forms a `[T, S]` mask on a GPU for
+training-length rows.
+
 Every backend computes the same function; `tests/models/test_attention.py` checks logits and adapter gradients
 of each against the dense reference in float64.
 """
@@ -250,9 +257,18 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float) 
 
 
 def attend(
-    q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale: float, enable_gqa: bool = False
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Optional[AttentionMask],
+    scale: float,
+    enable_gqa: bool = False,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
-    """Attention of q `[B, H, T, D]` over k, v `[B, Hkv, S, D(v)]`: `[B, H, T, Dv]`. `mask` None: causal by index."""
+    """Attention of q `[B, H, T, D]` over k, v `[B, Hkv, S, D(v)]`: `[B, H, T, Dv]`. `mask` None: causal by index.
+    `sinks` `[H]`: one logit per head added to each softmax's denominator (it takes weight, no value)."""
+    if sinks is not None:
+        return _attend_sinks(q, k, v, mask, scale, sinks)
     backend = choose_backend(q.device, mask)
     if backend == "causal":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
@@ -317,6 +333,83 @@ def _chunked(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float,
             outs.append(checkpoint(_sdpa_masked, qa, k, v, rows, scale, enable_gqa, use_reentrant=False))
         else:
             outs.append(_sdpa_masked(qa, k, v, rows, scale, enable_gqa))
+    return torch.cat(outs, dim=2)
+
+
+# ----------------------------------------------------------------------------------------------------- sinks
+def _by_index(q: Tensor, k: Tensor) -> AttentionMask:
+    """The causal-by-index mask of t queries after s - t cached keys."""
+    b, t, s = q.shape[0], q.shape[2], k.shape[2]
+    k_pos = torch.arange(s, device=q.device).expand(b, s)
+    return AttentionMask(k_pos[:, s - t :], k_pos, by_index=True)
+
+
+def sink_attention_dense(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float, sinks: Tensor) -> Tensor:
+    """The reference: scores `[B, H, T, S]` with the sink logit as one more column of each row's softmax, which
+    is dropped before the values. Heads share key heads in groups (GQA) without copying k or v."""
+    b, h, t, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    qg = q.view(b, hkv, g, t, d)
+    scores = torch.einsum("bkgtd,bksd->bkgts", qg, k) * scale
+    allowed = mask.dense().view(b, 1, 1, t, -1)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, hkv, g, 1, 1).expand(b, hkv, g, t, 1)
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    y = torch.einsum("bkgts,bksd->bkgtd", probs.to(v.dtype), v)
+    return y.reshape(b, h, t, v.shape[-1])
+
+
+def sink_renormalise(out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """Attention without sinks (`out` `[B, H, T, Dv]`, the log-sum-exp of each row's scores `lse` `[B, H, T]`) to
+    attention with them: the sink adds exp(sink) to each denominator Z = exp(lse), so the output is scaled by
+    Z / (Z + exp(sink)) = sigmoid(lse - sink)."""
+    return out * torch.sigmoid(lse.to(out.dtype) - sinks.to(out.dtype).view(1, -1, 1)).unsqueeze(-1)
+
+
+def _attend_sinks(
+    q: Tensor, k: Tensor, v: Tensor, mask: Optional[AttentionMask], scale: float, sinks: Tensor
+) -> Tensor:
+    """Attention with sinks: flex_attention with its log-sum-exp on CUDA (`sink_renormalise`), else the dense
+    reference, over blocks of queries (each recomputed in backward) where a whole `[B, H, T, S]` would pass
+    `dense_limit()`."""
+    mask = mask if mask is not None else _by_index(q, k)
+    b, t, s = mask.shape
+    h = q.shape[1]
+    force = _settings["force"]
+    use_flex = (
+        force in (None, "flex") and q.device.type == "cuda" and flex_available() and mask.allowed is None
+    ) and t > DECODE_QUERIES
+    if use_flex and "flex" not in _flex_failed:
+        try:
+            from torch.nn.attention.flex_attention import AuxRequest
+
+            gqa = q.shape[1] != k.shape[1]
+            out, aux = _flex()(
+                q, k, v, block_mask=mask.block_mask(), scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True)
+            )
+            return sink_renormalise(out, aux.lse, sinks)  # lse in natural log, differentiable
+        except Exception as e:
+            if not _is_compile_failure(e):
+                raise
+            _flex_failed["flex"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            warnings.warn(
+                f"flex_attention could not be compiled for this model ({_flex_failed['flex']}); attention with "
+                f"sinks falls back to the dense computation in blocks of queries",
+                stacklevel=2,
+            )
+    if force != "chunked" and b * h * t * s <= dense_limit():
+        return sink_attention_dense(q, k, v, mask, scale, sinks)
+    step = chunk_queries(t, s, b * h)
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    outs = []
+    for a in range(0, t, step):
+        rows = mask.rows(a, min(a + step, t))
+        qa = q[:, :, a : a + step]
+        if grad:
+            outs.append(checkpoint(sink_attention_dense, qa, k, v, rows, scale, sinks, use_reentrant=False))
+        else:
+            outs.append(sink_attention_dense(qa, k, v, rows, scale, sinks))
     return torch.cat(outs, dim=2)
 
 
@@ -492,6 +585,8 @@ __all__ = [
     "attention_settings",
     "block_mask_dense",
     "block_tables",
+    "sink_attention_dense",
+    "sink_renormalise",
     "choose_backend",
     "packed_segments",
     "dense_limit",

@@ -58,6 +58,16 @@ class ArchSpec:
     hf_permuted_rows: Mapping[str, str] = field(default_factory=dict, hash=False)
     # mixture-of-experts feed-forward: "" (never), "optional" (when {arch}.expert_count > 0), "required"
     experts: str = ""
+    # learned per-head attention sink logits (`attn_sinks`), added to each softmax's denominator
+    attn_sinks: bool = False
+    # routing: "softmax_topk" (softmax over all experts, top k, renormalised) or "topk_softmax" (top k of the
+    # logits, softmax over those k: llama.cpp's SOFTMAX_WEIGHT gating)
+    routing: str = "softmax_topk"
+    # the experts' gated activation: "" (the block's `activation` · up) or "swiglu_oai" (gpt-oss's clamped SwiGLU)
+    expert_activation: str = ""
+    ffn_norm_tensor: str = "ffn_norm"  # the tensor of the norm before the feed-forward (gpt-oss: post_attention_norm)
+    sliding_rope_same: bool = False  # sliding layers use the global RoPE base and scaling (else swa_rope_base, none)
+    yarn_truncate: bool = True  # YaRN's correction range rounded outwards to whole dimensions (llama.cpp's)
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -70,6 +80,21 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen3moe": ArchSpec(rope_style="neox", qk_norm=True, experts="required"),
     # llama.cpp disables Phi-3's sliding window; so do we. Hugging Face fuses its attention and MLP inputs.
     "phi3": ArchSpec(rope_style="neox", hf_modules=HF_FUSED_MODULES),
+    # gpt-oss: biased attention with sinks, every other layer sliding (even layers), biased experts with a clamped
+    # SwiGLU, top-k-then-softmax routing, YaRN on every layer. The YaRN correction range is not rounded, as the
+    # checkpoints' `truncate: false` says and transformers computes it.
+    "gpt-oss": ArchSpec(
+        rope_style="neox",
+        swa_pattern=2,
+        required_biases=("wq", "wk", "wv", "wo", "wrouter"),
+        experts="required",
+        attn_sinks=True,
+        routing="topk_softmax",
+        expert_activation="swiglu_oai",
+        ffn_norm_tensor="post_attention_norm",
+        sliding_rope_same=True,
+        yarn_truncate=False,
+    ),
     "gemma3": ArchSpec(
         rope_style="neox", activation="gelu_tanh", qk_norm=True, sandwich_norms=True, embed_scale=True, swa_pattern=6
     ),
@@ -149,6 +174,12 @@ class ModelArgs:
     n_expert: int = 0  # experts per MoE block (0: dense feed-forward)
     n_expert_used: int = 0  # experts each token is routed to (top-k)
     n_ff_exp: int = 0  # hidden size of one expert
+    rope_scaling: str = "linear"  # "none", "linear", "longrope" or "yarn"
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_ext_factor: float = 1.0
+    yarn_truncate: bool = True
+    sliding_rope_same: bool = False
 
     @property
     def q_dim(self) -> int:
@@ -166,10 +197,19 @@ class ModelArgs:
         return self.sliding_window > 0 and self.swa_pattern > 0 and layer % self.swa_pattern < self.swa_pattern - 1
 
     def rope_base_of(self, layer: int) -> float:
-        return self.rope_base_swa if self.is_sliding(layer) else self.rope_base
+        return self.rope_base_swa if self.is_sliding(layer) and not self.sliding_rope_same else self.rope_base
 
     def rope_scale_of(self, layer: int) -> float:
-        return 1.0 if self.is_sliding(layer) else self.rope_freq_scale  # llama.cpp: sliding layers never scale
+        if self.is_sliding(layer) and not self.sliding_rope_same:
+            return 1.0  # llama.cpp: Gemma 3's sliding layers never scale
+        return self.rope_freq_scale
+
+    def rope_attn_factor_of(self, layer: int) -> float:
+        """What multiplies cos and sin: the attention factor, times YaRN's 1 + 0.1·ln(factor) where YaRN scales."""
+        scale = self.rope_scale_of(layer)
+        if self.rope_scaling == "yarn" and self.yarn_ext_factor != 0 and scale < 1.0:
+            return self.rope_attn_factor * (1.0 + 0.1 * math.log(1.0 / scale))
+        return self.rope_attn_factor
 
     @classmethod
     def from_gguf(cls, gguf) -> "ModelArgs":
@@ -193,16 +233,19 @@ class ModelArgs:
                 f"number no larger than the head size {head_dim}"
             )
         scaling = m.get("rope.scaling.type", "linear", str)  # llama.cpp's default; a factor of 0 means none
-        if scaling not in ("none", "linear", "longrope"):
+        if scaling not in ("none", "linear", "longrope", "yarn"):
             raise UnsupportedArchitecture(
                 f"{gguf.path}: metadata {arch}.rope.scaling.type is {show(scaling)}: "
-                f"supported RoPE scalings are none, linear and longrope (LongRoPE factor "
+                f"supported RoPE scalings are none, linear, yarn and longrope (LongRoPE factor "
                 f"tensors)"
             )
         factor = m.get("rope.scaling.factor", 0.0, float) or m.get("rope.scale_linear", 0.0, float)
         n_ctx_train = m.positive("context_length", 2048)
         n_layer = m.positive("block_count")
-        sliding_window = m.get("attention.sliding_window", 0) if spec.swa_pattern else 0
+        if spec.swa_pattern:  # gpt-oss: llama.cpp requires the window
+            sliding_window = m.get("attention.sliding_window", _MISSING if spec.attn_sinks else 0)
+        else:
+            sliding_window = 0
         if sliding_window < 0:
             raise GGUFFormatError(
                 f"{gguf.path}: metadata {arch}.attention.sliding_window is {sliding_window}, "
@@ -227,7 +270,9 @@ class ModelArgs:
             rope_base=m.get("rope.freq_base", 10000.0, float),
             rope_base_swa=m.get("rope.freq_base_swa", spec.swa_rope_base, float),
             rope_freq_scale=1.0 / factor if factor and scaling != "none" else 1.0,
-            rope_attn_factor=m.get("rope.scaling.attn_factor", 1.0, float),
+            rope_attn_factor=m.get(
+                "rope.scaling.yarn_attn_factor" if scaling == "yarn" else "rope.scaling.attn_factor", 1.0, float
+            ),
             n_ctx_train=n_ctx_train,
             n_ctx_orig=m.positive("rope.scaling.original_context_length", n_ctx_train),
             sliding_window=sliding_window,
@@ -237,6 +282,12 @@ class ModelArgs:
             n_expert=n_expert,
             n_expert_used=n_expert_used,
             n_ff_exp=n_ff_exp,
+            rope_scaling=scaling,
+            yarn_beta_fast=m.get("rope.scaling.yarn_beta_fast", 32.0, float),
+            yarn_beta_slow=m.get("rope.scaling.yarn_beta_slow", 1.0, float),
+            yarn_ext_factor=m.get("rope.scaling.yarn_ext_factor", 1.0, float) if scaling == "yarn" else 0.0,
+            yarn_truncate=spec.yarn_truncate,
+            sliding_rope_same=spec.sliding_rope_same,
         )
 
 

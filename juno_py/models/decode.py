@@ -158,7 +158,7 @@ class NativeDecoder:
         # cos and sin [max_len, rope_dim / 2] per RoPE table, fp32 as the forward computes them
         self.ropes = []
         for i in range(len(model._rope_keys)):
-            cos, sin = rope_cos_sin(self.positions, getattr(model, f"_inv_freq{i}"), a.rope_attn_factor)
+            cos, sin = rope_cos_sin(self.positions, getattr(model, f"_inv_freq{i}"), model._rope_attn[i])
             self.ropes.append((cos[0, :, 0].contiguous(), sin[0, :, 0].contiguous()))
         self.n_rot = 2 * self.ropes[0][0].shape[-1]
         self.token = torch.zeros(1, 1, dtype=torch.long)
@@ -173,6 +173,8 @@ class NativeDecoder:
         if cache is not None and (cache.k[0].shape[0] != 1 or cache.k[0].dtype != torch.float32):
             return "the cache is not a float32 cache of batch 1"
         for blk in model.blocks:
+            if getattr(blk, "sinks", None) is not None:
+                return f"block {blk.layer} has attention sinks: it decodes through the model's own forward"
             if getattr(blk, "moe", None) is not None:
                 return f"block {blk.layer} is a mixture of experts: it decodes through the model's own forward"
             if blk.spec.activation not in ACTIVATION_CODES:

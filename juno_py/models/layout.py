@@ -47,6 +47,7 @@ class BlockLayout:
     norms: dict[str, str]  # role (attn_norm, ffn_norm, attn_q_norm, ...) -> tensor name
     # MoE blocks: expert target -> its 3-D tensor `[n_expert, n_out, n_in]` (rows: one expert's n_out)
     experts: dict[str, TargetSlot] = field(default_factory=dict)
+    sinks: Optional[str] = None  # attention sink logits `[n_head]` (gpt-oss)
 
 
 @dataclass
@@ -131,10 +132,14 @@ def _mlp_slots(t: _Tensors, args: ModelArgs, p: str) -> dict[str, TargetSlot]:
     return slots
 
 
-def _moe_slots(t: _Tensors, args: ModelArgs, p: str) -> tuple[dict[str, TargetSlot], dict[str, TargetSlot]]:
-    """The router (a 2-D target) and the experts' 3-D tensors of a mixture-of-experts block."""
+def _moe_slots(
+    t: _Tensors, args: ModelArgs, p: str, spec: ArchSpec
+) -> tuple[dict[str, TargetSlot], dict[str, TargetSlot]]:
+    """The router (a 2-D target) and the experts' 3-D tensors of a mixture-of-experts block (with their per-expert
+    biases `[n_expert, n_out]` where the architecture has them)."""
     d, ff, n = args.n_embd, args.n_ff_exp, args.n_expert
     router = t.need(f"{p}ffn_gate_inp.weight", (n, d), "wrouter (expert_count rows)")
+    router_bias = t.optional(f"{p}ffn_gate_inp.bias", (n,), "wrouter bias")
     experts = {}
     for target, part, shape in (
         ("wgate_exps", "ffn_gate_exps", (n, ff, d)),
@@ -142,8 +147,14 @@ def _moe_slots(t: _Tensors, args: ModelArgs, p: str) -> tuple[dict[str, TargetSl
         ("wdown_exps", "ffn_down_exps", (n, d, ff)),
     ):
         name = t.need(f"{p}{part}.weight", shape, f"{target} (expert_count x n_out x n_in)")
-        experts[target] = TargetSlot(name, (0, shape[1]), shape[1])
-    return {"wrouter": TargetSlot(router, (0, n), n)}, experts
+        bias_shape = (n, shape[1])
+        bias: Optional[str]
+        if spec.expert_activation == "swiglu_oai":  # gpt-oss: llama.cpp requires the experts' biases
+            bias = t.need(f"{p}{part}.bias", bias_shape, f"{target} bias (expert_count x n_out)")
+        else:
+            bias = t.optional(f"{p}{part}.bias", bias_shape, f"{target} bias (expert_count x n_out)")
+        experts[target] = TargetSlot(name, (0, shape[1]), shape[1], bias)
+    return {"wrouter": TargetSlot(router, (0, n), n, router_bias)}, experts
 
 
 def resolve_layout(gguf, args: ModelArgs, spec: ArchSpec) -> Layout:
@@ -179,7 +190,7 @@ def resolve_layout(gguf, args: ModelArgs, spec: ArchSpec) -> Layout:
         p = f"blk.{il}."
         experts: dict[str, TargetSlot] = {}
         if args.n_expert:
-            ffn, experts = _moe_slots(t, args, p)
+            ffn, experts = _moe_slots(t, args, p, spec)
         else:
             ffn = _mlp_slots(t, args, p)
         targets = {**_attention_slots(t, args, p), **ffn}
@@ -192,9 +203,13 @@ def resolve_layout(gguf, args: ModelArgs, spec: ArchSpec) -> Layout:
         norms = {}
         for role in norm_roles:
             size = args.head_dim if role in ("attn_q_norm", "attn_k_norm") else args.n_embd
-            norms[role] = t.need(f"{p}{role}.weight", (size,), f"{role} of block {il}")
+            tensor = spec.ffn_norm_tensor if role == "ffn_norm" else role
+            norms[role] = t.need(f"{p}{tensor}.weight", (size,), f"{role} of block {il}")
+        sinks = None
+        if spec.attn_sinks:
+            sinks = t.need(f"{p}attn_sinks.weight", (args.n_head,), f"attention sinks of block {il} (one per head)")
         ordered = {k: targets[k] for k in ALL_TARGETS if k in targets}
-        layout.blocks.append(BlockLayout(targets=ordered, norms=norms, experts=experts))
+        layout.blocks.append(BlockLayout(targets=ordered, norms=norms, experts=experts, sinks=sinks))
     leftover = sorted(set(gguf.tensors) - t.used)
     if leftover:
         more = f" (and {len(leftover) - 1} more)" if len(leftover) > 1 else ""

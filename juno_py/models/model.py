@@ -108,6 +108,37 @@ def rope_inv_freq(rope_dim: int, base: float, freq_scale: float = 1.0, factors: 
     return inv if factors is None else inv / factors.double()
 
 
+def yarn_inv_freq(
+    rope_dim: int,
+    base: float,
+    freq_scale: float,
+    n_ctx_orig: int,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    ext_factor: float = 1.0,
+    truncate: bool = True,
+) -> Tensor:
+    """YaRN's angle per position of each rotated pair, float64: pair i blends the interpolated angle
+    (scale · base^(-2i/d)) with the unscaled one by a ramp that is 1 below the correction dimension of `beta_fast`
+    rotations and 0 above that of `beta_slow` (over the original context), times `ext_factor`. `truncate`: the
+    correction range rounded outwards to whole dimensions (llama.cpp's ggml_rope_yarn_corr_dims)."""
+    extrap = base ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
+    if freq_scale == 1.0:
+        return extrap
+
+    def corr_dim(rotations: float) -> float:
+        return rope_dim * math.log(n_ctx_orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0.0), min(high, rope_dim - 1.0)
+    i = torch.arange(rope_dim // 2, dtype=torch.float64)
+    ramp = 1.0 - ((i - low) / max(high - low, 0.001)).clamp(0.0, 1.0)
+    mix = ramp * ext_factor
+    return freq_scale * extrap * (1 - mix) + extrap * mix
+
+
 def rope_cos_sin(
     positions: Tensor, inv_freq: Tensor, attn_factor: float = 1.0, dtype: torch.dtype = torch.float32
 ) -> tuple[Tensor, Tensor]:
@@ -254,6 +285,7 @@ class Block(nn.Module):
         linears: dict[str, nn.Module],
         norms: dict[str, Tensor],
         moe: Optional[nn.Module] = None,
+        sinks: Optional[Tensor] = None,
     ):
         super().__init__()
         self.moe = moe
@@ -263,6 +295,9 @@ class Block(nn.Module):
         self.window = args.sliding_window if args.is_sliding(layer) else 0
         self.act_dtype = torch.float32  # the residual stream's dtype (float64 only for exactness checks)
         self.act = ACTIVATIONS[spec.activation]
+        # attention sink logits [n_head] (gpt-oss), frozen
+        self.sinks: Optional[Tensor]
+        self.register_buffer("sinks", None if sinks is None else sinks.float(), persistent=False)
 
     def forward(
         self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Optional[AttentionMask], cache: Optional[KVCache] = None
@@ -289,7 +324,8 @@ class Block(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
-        y = attend(q, k, v, mask, a.attn_scale, enable_gqa=a.n_head != a.n_head_kv)
+        sinks = None if self.sinks is None else self.sinks.to(q.dtype)
+        y = attend(q, k, v, mask, a.attn_scale, enable_gqa=a.n_head != a.n_head_kv, sinks=sinks)
         return self.linears["wo"](y.transpose(1, 2).reshape(b, t, a.n_head * a.head_dim_v)).to(self.act_dtype)
 
     def feed_forward(self, x: Tensor) -> Tensor:
@@ -346,12 +382,16 @@ class Transformer(nn.Module):
             norms = {role: vector(name) for role, name in bl.norms.items()}
             moe = None
             if bl.experts:
-                from juno_py.models.moe import build_moe
+                from juno_py.models.moe import build_moe, swiglu_oai
 
-                moe = build_moe(
-                    gguf, args, partial(gated, ACTIVATIONS[spec.activation]), bl, weights_cache, compute_dtype
+                act = (
+                    swiglu_oai
+                    if spec.expert_activation == "swiglu_oai"
+                    else partial(gated, ACTIVATIONS[spec.activation])
                 )
-            self.blocks.append(Block(args, spec, il, linears, norms, moe))
+                moe = build_moe(gguf, args, act, bl, weights_cache, compute_dtype, spec.routing)
+            sinks = vector(bl.sinks) if bl.sinks else None
+            self.blocks.append(Block(args, spec, il, linears, norms, moe, sinks))
         self.norm = RMSNorm(vector(layout.output_norm), args.norm_eps)
         self.output = linear(layout.output, None, layout.output_bias)
 
@@ -368,11 +408,28 @@ class Transformer(nn.Module):
                     f"is missing: expected it beside its LongRoPE counterpart"
                 )
             factors = vector(name)
-        keys = [(args.rope_base_of(il), args.rope_scale_of(il)) for il in range(args.n_layer)]
+        keys = [
+            (args.rope_base_of(il), args.rope_scale_of(il), args.rope_attn_factor_of(il)) for il in range(args.n_layer)
+        ]
         self._rope_keys = sorted(set(keys))
         self._rope_of_layer = [self._rope_keys.index(k) for k in keys]
-        for i, (base, scale) in enumerate(self._rope_keys):
-            self.register_buffer(f"_inv_freq{i}", rope_inv_freq(args.rope_dim, base, scale, factors), persistent=False)
+        self._rope_attn = [attn for _, _, attn in self._rope_keys]  # what multiplies cos and sin, per table
+        for i, (base, scale, _) in enumerate(self._rope_keys):
+            if args.rope_scaling == "yarn":
+                inv = yarn_inv_freq(
+                    args.rope_dim,
+                    base,
+                    scale,
+                    args.n_ctx_orig,
+                    args.yarn_beta_fast,
+                    args.yarn_beta_slow,
+                    args.yarn_ext_factor,
+                    args.yarn_truncate,
+                )
+                inv = inv if factors is None else inv / factors.double()
+            else:
+                inv = rope_inv_freq(args.rope_dim, base, scale, factors)
+            self.register_buffer(f"_inv_freq{i}", inv, persistent=False)
 
     @classmethod
     def from_gguf(
@@ -492,7 +549,7 @@ class Transformer(nn.Module):
             for w in {blk.window for blk in self.blocks}
         }
         ropes = [
-            rope_cos_sin(positions, getattr(self, f"_inv_freq{i}"), self.args.rope_attn_factor, self.act_dtype)
+            rope_cos_sin(positions, getattr(self, f"_inv_freq{i}"), self._rope_attn[i], self.act_dtype)
             for i in range(len(self._rope_keys))
         ]
         for blk in self.blocks:

@@ -20,13 +20,14 @@ def _adapter(base_path, out, targets, experts="per-expert"):
     return aset.save(out)
 
 
-def test_router_and_attention_round_trip_through_a_llama_cpp_adapter(tiny_gguf, tmp_path):
-    base = tiny_gguf("qwen3moe", GGMLType.Q8_0)
+@pytest.mark.parametrize("arch,n_expert", [("qwen3moe", 8), ("gpt-oss", 4)])
+def test_router_and_attention_round_trip_through_a_llama_cpp_adapter(tiny_gguf, tmp_path, arch, n_expert):
+    base = tiny_gguf(arch, GGMLType.Q8_0)
     adapter = _adapter(base, tmp_path / "a.bin", "attn,router")
     out = export_gguf_lora(base, adapter, tmp_path / "a.gguf")
     with GGUFFile(out) as f:
         assert f.tensors["blk.1.ffn_gate_inp.weight.lora_a"].shape == (2, 64)
-        assert f.tensors["blk.1.ffn_gate_inp.weight.lora_b"].shape == (8, 2)
+        assert f.tensors["blk.1.ffn_gate_inp.weight.lora_b"].shape == (n_expert, 2)
     back = import_gguf_lora(base, out, tmp_path / "back.bin")
     want, got = read_adapter(adapter)[1], read_adapter(back)[1]
     assert [e.key for e in got] == [e.key for e in want]
@@ -36,9 +37,9 @@ def test_router_and_attention_round_trip_through_a_llama_cpp_adapter(tiny_gguf, 
         ), x.key
 
 
-@pytest.mark.parametrize("experts", ["per-expert", "shared"])
-def test_expert_entries_are_refused_by_both_exports(tiny_gguf, tmp_path, experts):
-    base = tiny_gguf("mixtral", GGMLType.Q8_0)
+@pytest.mark.parametrize("arch,experts", [("mixtral", "per-expert"), ("mixtral", "shared"), ("gpt-oss", "per-expert")])
+def test_expert_entries_are_refused_by_both_exports(tiny_gguf, tmp_path, arch, experts):
+    base = tiny_gguf(arch, GGMLType.Q8_0)
     adapter = _adapter(base, tmp_path / "e.bin", "qv,experts", experts)
     first = "0:wgate_exps.0" if experts == "per-expert" else "0:wgate_exps.*"
     with pytest.raises(MergeError, match=rf"entry '{first.replace('.', '[.]').replace('*', '[*]')}' adapts experts"):

@@ -85,6 +85,8 @@ FD_CASES = [
     ("qwen3moe", "experts", "per-expert", Mode.DORA),
     ("qwen3moe", "qv,mlp,router", "shared", Mode.LORA),
     ("mixtral", "all,router", "per-expert", Mode.LORA),
+    ("gpt-oss", "all,router", "per-expert", Mode.LORA),
+    ("gpt-oss", "attn,experts", "per-expert", Mode.DORA),
 ]
 
 

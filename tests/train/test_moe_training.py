@@ -3,6 +3,7 @@ the router's load reaches the metrics, and the adapter (attention, router and pe
 plays back to the loss the run ended with."""
 
 import json
+import math
 
 import pytest
 from click.testing import CliRunner
@@ -56,3 +57,22 @@ def test_tiny_moe_learns_facts(moe_path, tmp_path, experts):
     load_adapters(model, [str(out)])
     after = evaluate(model, examples, 4)["loss"]
     assert after < 0.25 * before and after == pytest.approx(losses[-1], rel=0.5)
+
+
+@pytest.mark.parametrize("mode", ["lora", "dora"])
+def test_tiny_gpt_oss_trains_attention_and_experts(tmp_path, mode):
+    path = write_tiny_gguf(tmp_path / "tiny-gpt-oss.gguf", "gpt-oss", seed=3)
+    data = write_jsonl(tmp_path / "facts.jsonl", FACTS)
+    out = tmp_path / "facts.bin"
+    args = ["lora", "--model-path", path, "--data", data, "--lora-path", out, "--max-steps", 12]
+    args += ["--batch-size", 4, "--lora-rank", 4, "--lora-lr", 1e-2, "--lora-targets", "attn,experts"]
+    args += ["--lora-mode", mode, "--events-out", tmp_path / "e.jsonl"]
+    r = CliRunner().invoke(cli, [*map(str, args), "--no-progress"], catch_exceptions=False)
+    assert r.exit_code == 0, r.stderr
+    events = [json.loads(line) for line in (tmp_path / "e.jsonl").read_text().splitlines()]
+    assert events[0]["architecture"] == "gpt-oss"
+    losses = [e["loss"] for e in events if e["kind"] == "train_step"]
+    assert len(losses) == 12 and all(math.isfinite(x) for x in losses)
+    assert losses[-1] < 0.8 * losses[0], losses
+    keys = [e.key for e in read_adapter(out)[1]]
+    assert "0:wq" in keys and any(k.startswith("2:wdown_exps.") for k in keys)
