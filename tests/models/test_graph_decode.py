@@ -120,6 +120,13 @@ def test_models_the_static_steps_do_not_cover_say_why(tiny_gguf):
     assert "batch 1" in CudaGraphDecoder.unsupported(load_model(tiny_gguf("llama", GGMLType.Q8_0)), cache)
 
 
+def test_mixture_of_experts_models_decode_through_the_forward(tiny_gguf):
+    model = load_model(tiny_gguf("qwen3moe", GGMLType.Q8_0))
+    cache = model.new_cache(batch=1, max_len=8)
+    assert "mixture of experts" in CudaGraphDecoder.unsupported(model, cache)
+    assert CudaGraphDecoder.build(model, cache) is None
+
+
 # ---- on CUDA --------------------------------------------------------------------------------------------------
 
 
@@ -154,8 +161,12 @@ def test_graph_replay_equals_the_eager_step(tiny_gguf, tmp_path, arch):
 
 
 @needs_cuda
-def test_greedy_generation_through_the_graph_gives_the_forwards_tokens(tiny_gguf, monkeypatch):
-    model = _cuda_model(tiny_gguf("llama", GGMLType.Q4_K, config=WIDE))
+def test_greedy_generation_through_the_graph_gives_the_forwards_tokens(tiny_gguf, tmp_path, monkeypatch):
+    path = tiny_gguf("llama", GGMLType.Q4_K, config=WIDE)
+    trainee = load_model(path)
+    aset = attach(trainee, "all", rank=4, alpha=8.0, seed=3)
+    _randomize(aset, seed=4)
+    model = _cuda_model(path, [str(aset.save(tmp_path / "a.bin"))])
     ids = sample_ids(5, seed=11)
     steps = []
     real_step = CudaGraphDecoder.step
@@ -163,3 +174,10 @@ def test_greedy_generation_through_the_graph_gives_the_forwards_tokens(tiny_gguf
     fast = generate(model, ids, 16)
     assert steps == fast[:-1]  # every token after the first came from a static step
     assert generate(model, ids, 16, native=False) == fast
+
+
+@needs_cuda
+def test_mixture_of_experts_generation_on_cuda_uses_the_forward(tiny_gguf):
+    model = _cuda_model(tiny_gguf("qwen3moe", GGMLType.Q8_0))
+    ids = sample_ids(4, seed=12)
+    assert generate(model, ids, 6) == generate(model, ids, 6, native=False)
