@@ -21,7 +21,7 @@ adapters in training with dropout, a cache other than batch 1 in the activations
 from __future__ import annotations
 
 import warnings
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -33,11 +33,12 @@ from juno_py.models.model import KVCache, Transformer, rope_cos_sin, rope_qk
 WARMUP_STEPS = 2
 
 
-def _dropout_blocker(module, what: str) -> Optional[str]:
+def _dropout_blocker(module: Any, what: str) -> Optional[str]:
     from juno_py.lora.adapters import AdaptedLinear
 
     if isinstance(module, AdaptedLinear):
-        for a in module.adapters:
+        adapters: list[Any] = list(module.adapters)
+        for a in adapters:
             if a.training and a.config.dropout > 0:
                 return f"{what} has an adapter in training mode with dropout"
     return None
@@ -46,7 +47,7 @@ def _dropout_blocker(module, what: str) -> Optional[str]:
 class CudaGraphDecoder:
     """Decode steps for `model` over `cache` (a `KVCache` of batch 1 that `prefill` filled): `step(token)` feeds one
     token after the cached ones and returns the logits `[vocab]` for the next (a buffer the next step overwrites).
-    `graph`: capture the step as a CUDA graph on first use (None: where the cache is on CUDA). Build with
+    `graph`: capture the step as a CUDA graph on first use where the cache is on CUDA (False: always eager). Build with
     `CudaGraphDecoder.build(model, cache)`, which returns None where the path does not apply."""
 
     def __init__(self, model: Transformer, cache: KVCache, graph: Optional[bool] = None):
@@ -54,7 +55,7 @@ class CudaGraphDecoder:
         a = self.args
         device, dtype = cache.k[0].device, cache.k[0].dtype
         self.device, self.dtype = device, dtype
-        self.use_graph = device.type == "cuda" if graph is None else graph
+        self.use_graph = device.type == "cuda" and graph is not False
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.graph_error: Optional[str] = None
         self.warm = 0
@@ -77,7 +78,8 @@ class CudaGraphDecoder:
             k = cache.k[0]
             if k.shape[0] != 1 or k.dtype != model.act_dtype or k.device != model.embed.device:
                 return "the cache is not a cache of batch 1 in the activations' dtype on the model's device"
-        for blk in model.blocks:
+        blocks: list[Any] = list(model.blocks)
+        for blk in blocks:
             if getattr(blk, "moe", None) is not None:
                 return f"block {blk.layer} is a mixture of experts: it decodes through the model's own forward"
             for t, m in blk.linears.items():
@@ -93,7 +95,7 @@ class CudaGraphDecoder:
         return cls(model, cache, graph)
 
     # --- the step, on static tensors -------------------------------------------------------------------------
-    def _attention(self, blk, x: Tensor, rope: tuple[Tensor, Tensor], valid: Tensor) -> Tensor:
+    def _attention(self, blk: Any, x: Tensor, rope: tuple[Tensor, Tensor], valid: Tensor) -> Tensor:
         a = self.args
         lin = blk.linears
         q = lin["wq"](x).to(blk.act_dtype).view(1, 1, a.n_head, a.head_dim)
@@ -109,22 +111,25 @@ class CudaGraphDecoder:
         y = F.scaled_dot_product_attention(
             q, kc, vc, attn_mask=valid, scale=a.attn_scale, enable_gqa=a.n_head != a.n_head_kv
         )
-        return lin["wo"](y.transpose(1, 2).reshape(1, 1, a.n_head * a.head_dim_v)).to(blk.act_dtype)
+        out: Tensor = lin["wo"](y.transpose(1, 2).reshape(1, 1, a.n_head * a.head_dim_v))
+        return out.to(blk.act_dtype)
 
     def _forward(self) -> Tensor:
         """Logits `[vocab]` of the token whose embedding is in `x_in` at the position in `pos`; reads no host value."""
         model = self.model
+        blocks: list[Any] = list(model.blocks)
         ropes = [(cos.index_select(1, self.pos), sin.index_select(1, self.pos)) for cos, sin in self.ropes]
         # keys at or before the position, per sliding window (0: none): [1, 1, 1, max_len] masks
         masks = {}
-        for w in {blk.window for blk in model.blocks}:
+        for w in {blk.window for blk in blocks}:
             valid = self.key_index <= self.pos
             if w:
                 valid = valid & (self.key_index > self.pos - w)
             masks[w] = valid.view(1, 1, 1, -1)
         x = self.x_in
-        for blk in model.blocks:
-            rope, valid = ropes[model._rope_of_layer[blk.layer]], masks[blk.window]
+        rope_of = model._rope_of_layer
+        for blk in blocks:
+            rope, valid = ropes[rope_of[blk.layer]], masks[blk.window]
             h = self._attention(blk, blk.norms["attn_norm"](x), rope, valid)
             if blk.spec.sandwich_norms:
                 h = blk.norms["post_attention_norm"](h)
@@ -136,7 +141,7 @@ class CudaGraphDecoder:
         return model.project(model.norm(x)[0, -1])
 
     def _capture(self) -> None:
-        stream = torch.cuda.Stream(self.device)
+        stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream(self.device))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream):
