@@ -26,6 +26,7 @@ ORDER = [
     "dora-layer",
     "dora-layer-times",
     "gpu-decode",
+    "gpu-playback",
     "gpu-matvec",
     "cross-entropy",
     "cpu-decode",

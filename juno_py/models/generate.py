@@ -2,8 +2,9 @@
 Greedy at temperature 0; otherwise temperature, top-k and top-p sampling from a seeded generator.
 
 On the CPU `generate` decodes through `NativeDecoder` (every frozen product straight from the quantized bytes) where
-the model allows it, and through the model's forward elsewhere; the prompt is prefilled through the forward (the
-dequantize + GEMM products) in blocks of `PREFILL_BLOCK` tokens.
+the model allows it; on CUDA through `CudaGraphDecoder` (the whole step replayed as one CUDA graph over the static
+cache); elsewhere through the model's forward. The prompt is prefilled through the forward (the dequantize + GEMM
+products) in blocks of `PREFILL_BLOCK` tokens.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import Tensor
 
 from juno_py.errors import JunoError
 from juno_py.models.decode import NativeDecoder
+from juno_py.models.decode_cuda import CudaGraphDecoder
 from juno_py.models.model import KVCache, Transformer
 
 # prompt tokens per prefill forward: bounds the activations (and the attention scores) a long prompt holds at once
@@ -85,8 +87,9 @@ def generate(
 ) -> list[int]:
     """New token ids after the prompt `ids`, at most `max_new_tokens`; stops before emitting a token of `stop_ids`
     (the stop token is not returned). `on_token` sees each token as it is produced. `native`: decode through
-    `NativeDecoder` where the model allows it (False: always through the model's forward). `thread_guard`: a
-    `juno_py.threads.StallGuard` told each decode step's wall time, which drops CPU threads when steps stall."""
+    `NativeDecoder` (CPU) or `CudaGraphDecoder` (CUDA) where the model allows it (False: always through the model's
+    forward). `thread_guard`: a `juno_py.threads.StallGuard` told each decode step's wall time, which drops CPU
+    threads when steps stall."""
     ids = list(ids)
     if not ids:
         raise ValueError("generate needs at least one prompt token")
@@ -94,7 +97,10 @@ def generate(
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     cache = model.new_cache(batch=1, max_len=len(ids) + max_new_tokens)
     logits = prefill(model, torch.tensor([ids], dtype=torch.long, device=model.embed.device), cache)
-    decoder = NativeDecoder.build(model, cache) if native and max_new_tokens > 1 else None
+    decoder: Optional[NativeDecoder | CudaGraphDecoder] = None
+    if native and max_new_tokens > 1:
+        on_cuda = model.embed.device.type == "cuda"
+        decoder = CudaGraphDecoder.build(model, cache) if on_cuda else NativeDecoder.build(model, cache)
     out: list[int] = []
     for step in range(max_new_tokens):
         if not bool(torch.isfinite(logits).all()):

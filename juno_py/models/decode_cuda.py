@@ -1,0 +1,184 @@
+"""One-token decode steps replayed as a CUDA graph: `CudaGraphDecoder`.
+
+A step runs the model's own modules (its norms, its frozen linears with the adapters played on them, its gated
+activation, its output projection) for one token over the model's preallocated `KVCache`, with every shape fixed:
+the position is a device tensor, RoPE's cos and sin come from a table of the cache's positions indexed by it, the
+new key and value go into the cache at it (`index_copy_`), and attention runs over the whole cache with a mask of
+the keys at or before it (and inside the block's sliding window) computed from it. Nothing in a step reads the
+host, so on CUDA the step is captured once as a graph over static buffers (the token's embedding in, the logits
+out) and replayed per token: one launch for the whole model. The frozen products of one token go through the
+resident weights' fused dequantize-matvec kernel (`weights.resident`, `kernels.dequant_triton`), which reads each
+weight byte once; LoRAs add their two small products, DoRA composes as `AdaptedLinear` composes it at inference.
+
+The embedding lookup (which reads the token id on the host) runs before the replay; sampling runs after it on the
+static logits (`models.generate.sample`), so temperature, top-k and top-p draw from the caller's generator exactly
+as the forward path does. Where a graph cannot be captured (CPU, or a capture that fails) the same step runs
+eagerly: on the CPU its logits equal the model's forward within float32 rounding, which the tests check.
+`CudaGraphDecoder.unsupported(model, cache)` says why a model cannot take this path (mixture-of-experts blocks,
+adapters in training with dropout, a cache other than batch 1 in the activations' dtype).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from juno_py.models.model import KVCache, Transformer, rope_cos_sin, rope_qk
+
+# decode steps run eagerly before the capture: Triton compiles (and autotunes) its kernels there, not in the graph
+WARMUP_STEPS = 2
+
+
+def _dropout_blocker(module: Any, what: str) -> Optional[str]:
+    from juno_py.lora.adapters import AdaptedLinear
+
+    if isinstance(module, AdaptedLinear):
+        adapters: list[Any] = list(module.adapters)
+        for a in adapters:
+            if a.training and a.config.dropout > 0:
+                return f"{what} has an adapter in training mode with dropout"
+    return None
+
+
+class CudaGraphDecoder:
+    """Decode steps for `model` over `cache` (a `KVCache` of batch 1 that `prefill` filled): `step(token)` feeds one
+    token after the cached ones and returns the logits `[vocab]` for the next (a buffer the next step overwrites).
+    `graph`: capture the step as a CUDA graph on first use where the cache is on CUDA (False: always eager). Build with
+    `CudaGraphDecoder.build(model, cache)`, which returns None where the path does not apply."""
+
+    def __init__(self, model: Transformer, cache: KVCache, graph: Optional[bool] = None):
+        self.model, self.cache, self.args = model, cache, model.args
+        a = self.args
+        device, dtype = cache.k[0].device, cache.k[0].dtype
+        self.device, self.dtype = device, dtype
+        self.use_graph = device.type == "cuda" and graph is not False
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.graph_error: Optional[str] = None
+        self.warm = 0
+        # static inputs: the token's embedding and its position
+        self.x_in = torch.zeros(1, 1, a.n_embd, device=device, dtype=model.act_dtype)
+        self.pos = torch.zeros(1, device=device, dtype=torch.long)
+        self.logits: Optional[Tensor] = None
+        self.key_index = torch.arange(cache.max_len, device=device)
+        self.positions = torch.arange(cache.max_len, device=device).unsqueeze(0)
+        # cos and sin [1, max_len, 1, rope_dim / 2] per RoPE table, in the activations' dtype as the forward has them
+        self.ropes = [
+            rope_cos_sin(self.positions, getattr(model, f"_inv_freq{i}"), a.rope_attn_factor, model.act_dtype)
+            for i in range(len(model._rope_keys))
+        ]
+
+    @staticmethod
+    def unsupported(model: Transformer, cache: Optional[KVCache] = None) -> Optional[str]:
+        """Why `model` (and `cache`) cannot decode through static-cache steps, or None when they can."""
+        if cache is not None:
+            k = cache.k[0]
+            if k.shape[0] != 1 or k.dtype != model.act_dtype or k.device != model.embed.device:
+                return "the cache is not a cache of batch 1 in the activations' dtype on the model's device"
+        blocks: list[Any] = list(model.blocks)
+        for blk in blocks:
+            if getattr(blk, "moe", None) is not None:
+                return f"block {blk.layer} is a mixture of experts: it decodes through the model's own forward"
+            for t, m in blk.linears.items():
+                reason = _dropout_blocker(m, f"block {blk.layer} {t}")
+                if reason:
+                    return reason
+        return _dropout_blocker(model.output, "the output projection")
+
+    @classmethod
+    def build(cls, model: Transformer, cache: KVCache, graph: Optional[bool] = None) -> Optional["CudaGraphDecoder"]:
+        if cls.unsupported(model, cache) is not None:
+            return None
+        return cls(model, cache, graph)
+
+    # --- the step, on static tensors -------------------------------------------------------------------------
+    def _attention(self, blk: Any, x: Tensor, rope: tuple[Tensor, Tensor], valid: Tensor) -> Tensor:
+        a = self.args
+        lin = blk.linears
+        q = lin["wq"](x).to(blk.act_dtype).view(1, 1, a.n_head, a.head_dim)
+        k = lin["wk"](x).to(blk.act_dtype).view(1, 1, a.n_head_kv, a.head_dim)
+        v = lin["wv"](x).to(blk.act_dtype).view(1, 1, a.n_head_kv, a.head_dim_v)
+        if blk.spec.qk_norm:
+            q, k = blk.norms["attn_q_norm"](q), blk.norms["attn_k_norm"](k)
+        q, k = rope_qk(q, k, rope, blk.spec.rope_style)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        kc, vc = self.cache.k[blk.layer], self.cache.v[blk.layer]
+        kc.index_copy_(2, self.pos, k.to(kc.dtype))
+        vc.index_copy_(2, self.pos, v.to(vc.dtype))
+        y = F.scaled_dot_product_attention(
+            q, kc, vc, attn_mask=valid, scale=a.attn_scale, enable_gqa=a.n_head != a.n_head_kv
+        )
+        out: Tensor = lin["wo"](y.transpose(1, 2).reshape(1, 1, a.n_head * a.head_dim_v))
+        return out.to(blk.act_dtype)
+
+    def _forward(self) -> Tensor:
+        """Logits `[vocab]` of the token whose embedding is in `x_in` at the position in `pos`; reads no host value."""
+        model = self.model
+        blocks: list[Any] = list(model.blocks)
+        ropes = [(cos.index_select(1, self.pos), sin.index_select(1, self.pos)) for cos, sin in self.ropes]
+        # keys at or before the position, per sliding window (0: none): [1, 1, 1, max_len] masks
+        masks = {}
+        for w in {blk.window for blk in blocks}:
+            valid = self.key_index <= self.pos
+            if w:
+                valid = valid & (self.key_index > self.pos - w)
+            masks[w] = valid.view(1, 1, 1, -1)
+        x = self.x_in
+        rope_of = model._rope_of_layer
+        for blk in blocks:
+            rope, valid = ropes[rope_of[blk.layer]], masks[blk.window]
+            h = self._attention(blk, blk.norms["attn_norm"](x), rope, valid)
+            if blk.spec.sandwich_norms:
+                h = blk.norms["post_attention_norm"](h)
+            x = x + h
+            h = blk.feed_forward(blk.norms["ffn_norm"](x))
+            if blk.spec.sandwich_norms:
+                h = blk.norms["post_ffw_norm"](h)
+            x = x + h
+        return model.project(model.norm(x)[0, -1])
+
+    def _capture(self) -> None:
+        stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            with torch.cuda.graph(graph, stream=stream):
+                logits = self._forward()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.graph, self.logits = graph, logits
+
+    @torch.no_grad()
+    def step(self, token: int) -> Tensor:
+        cache = self.cache
+        pos = cache.length
+        if pos >= cache.max_len:
+            raise ValueError(f"KV cache holds {cache.max_len} tokens; {pos} used, 1 more requested")
+        cache.extend(self.positions[:, pos : pos + 1], by_index=True)
+        tokens = torch.tensor([[token]], dtype=torch.long)
+        self.x_in.copy_(self.model.embed_tokens(tokens))
+        self.pos.fill_(pos)
+        if self.graph is not None:
+            self.graph.replay()
+            assert self.logits is not None
+            return self.logits
+        logits = self._forward()
+        self.warm += 1
+        if self.use_graph and self.graph_error is None and self.warm >= WARMUP_STEPS:
+            # the step just run wrote this position's keys and values; capturing does not run it, and a replay
+            # would write the same values again
+            try:
+                self._capture()
+            except Exception as e:  # a model part that cannot be captured: keep stepping eagerly
+                self.graph, self.logits = None, None
+                self.graph_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                warnings.warn(
+                    f"the decode step could not be captured as a CUDA graph ({self.graph_error}); it runs eagerly",
+                    stacklevel=2,
+                )
+        return logits
+
+
+__all__ = ["CudaGraphDecoder"]
