@@ -283,11 +283,7 @@ def attend(
         except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
             if isinstance(e, torch.OutOfMemoryError):
                 raise
-            _flex_failed["varlen"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            warnings.warn(
-                f"varlen_attn cannot take this model's packed rows ({_flex_failed['varlen']}); flex_attention serves",
-                stacklevel=2,
-            )
+            _give_up("varlen", e, "varlen_attn cannot take this model's packed rows ({}); flex_attention serves")
             out = None
         if out is not None:
             return out
@@ -299,11 +295,11 @@ def attend(
             except Exception as e:
                 if not _is_compile_failure(e):
                     raise
-                _flex_failed["flex"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                warnings.warn(
-                    f"flex_attention could not be compiled for this model ({_flex_failed['flex']}); attention "
-                    f"falls back to masked SDPA, in blocks of queries where a whole mask would be large",
-                    stacklevel=2,
+                _give_up(
+                    "flex",
+                    e,
+                    "flex_attention could not be compiled for this model ({}); attention falls back to masked SDPA, "
+                    "in blocks of queries where a whole mask would be large",
                 )
         b, t, s = mask.shape
         if b * t * s <= dense_limit():
@@ -392,11 +388,11 @@ def _attend_sinks(
         except Exception as e:
             if not _is_compile_failure(e):
                 raise
-            _flex_failed["flex"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            warnings.warn(
-                f"flex_attention could not be compiled for this model ({_flex_failed['flex']}); attention with "
-                f"sinks falls back to the dense computation in blocks of queries",
-                stacklevel=2,
+            _give_up(
+                "flex",
+                e,
+                "flex_attention could not be compiled for this model ({}); attention with sinks falls back to the "
+                "dense computation in blocks of queries",
             )
     if force != "chunked" and b * h * t * s <= dense_limit():
         return sink_attention_dense(q, k, v, mask, scale, sinks)
@@ -416,6 +412,13 @@ def _attend_sinks(
 # ------------------------------------------------------------------------------------------------------ flex
 _compiled: dict[str, Callable] = {}
 _flex_failed: dict[str, str] = {}  # "flex": why compiling it failed in this process (then the masked paths serve)
+
+
+def _give_up(kernel: str, e: BaseException, message: str) -> None:
+    """Record that `kernel` ("flex", "varlen") failed in this process (the other paths serve from now on) and warn
+    once with `message`, whose `{}` receives the error's first line."""
+    _flex_failed[kernel] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    warnings.warn(message.format(_flex_failed[kernel]), stacklevel=3)
 
 
 def _is_compile_failure(e: BaseException) -> bool:
