@@ -109,6 +109,10 @@ class Progress:
             if now - (self._last_line if self._last_line is not None else self._started) >= self.interval:
                 self._write(now)
 
+    def elapsed(self) -> float:
+        """Seconds since the work began."""
+        return self.clock() - self._started
+
     def line(self, now: Optional[float] = None) -> str:
         now = self.clock() if now is None else now
         elapsed = now - self._started

@@ -8,7 +8,7 @@ import math
 import click
 
 from juno_py.cli.common import one_line_errors
-from juno_py.cli.options import model_options
+from juno_py.cli.options import model_options, progress_options
 from juno_py.errors import JunoError
 
 
@@ -30,8 +30,9 @@ from juno_py.errors import JunoError
 @click.option("--batch-size", default=8, show_default=True, help="Sequences per forward pass.")
 @click.option("--skip-bad-records", is_flag=True, help="Skip malformed records (counted) instead of stopping.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@progress_options
 @one_line_errors
-def eval_cmd(data, max_seq_len, batch_size, skip_bad_records, as_json, **model_kw) -> None:
+def eval_cmd(data, max_seq_len, batch_size, skip_bad_records, as_json, progress, progress_interval, **model_kw) -> None:
     """Loss and perplexity over the supervised tokens of DATA (assistant turns, completions, or all text)."""
     import torch
 
@@ -42,8 +43,13 @@ def eval_cmd(data, max_seq_len, batch_size, skip_bad_records, as_json, **model_k
     model = open_model(**model_kw, announce=False)  # said with the data's summary, after the records are read
     examples, stats = load_examples(data, model.tokenizer, max_seq_len, skip_bad=skip_bad_records)
     click.echo(f"juno-py eval: {model.resolution}; {stats.line()}", err=True)
-    with torch.no_grad():
-        result = evaluate(model, examples, batch_size, pad_id=model.tokenizer.pad_id or 0)
+    from juno_py.progress import Progress
+
+    with (
+        torch.no_grad(),
+        Progress(len(examples), "eval", "sequence", enabled=progress, interval=progress_interval) as bar,
+    ):
+        result = evaluate(model, examples, batch_size, pad_id=model.tokenizer.pad_id or 0, progress=bar)
     if result["tokens"] and not math.isfinite(result["loss"]):
         raise JunoError(
             f"the loss over {result['tokens']} tokens is not finite: the model's weights or the adapters played on "

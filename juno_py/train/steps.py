@@ -92,10 +92,12 @@ def evaluate(
     pad_id: int = 0,
     min_batches: int = 0,
     filler: Sequence[Example] = (),
+    progress=None,
 ) -> dict:
     """Token-weighted cross-entropy over the supervised tokens of `examples`: {"loss", "ppl", "tokens"}.
     `min_batches`: run at least that many forwards, the ones beyond `examples` on `filler` and not counted (a
-    sharded model's ranks must all run the same number)."""
+    sharded model's ranks must all run the same number). `progress`: a `juno_py.progress.Progress` counting
+    sequences, told the loss so far and the tokens/s after every batch."""
     was_training = model.training
     model.eval()
     total, n = 0.0, 0
@@ -108,6 +110,11 @@ def evaluate(
         )
         total += float(loss)
         n += b.n_supervised
+        if progress is not None:
+            seconds = max(progress.elapsed(), 1e-9)
+            tokens = sum(len(e.ids) for e in ordered[: i + step])
+            loss_so_far = f"loss {total / n:.4f}" if n else "loss -"
+            progress.update(len(ordered[i : i + step]), f"{loss_so_far} | {tokens / seconds:,.0f} tokens/s")
     for _ in range(math.ceil(len(ordered) / step), min_batches):
         b = pad_batch(list(filler), pad_id)
         model.loss(b.tokens, b.targets, b.positions, chunk=loss_chunk(model), reduction="sum", documents=b.documents)

@@ -2,6 +2,7 @@
 with --no-progress, and the line logic itself on a fake clock."""
 
 import io
+import json
 import os
 import re
 import subprocess
@@ -106,6 +107,27 @@ def test_merge_and_export_log_progress(tiny, tmp_path):
     )  # fmt: skip
     export = [line for line in lines if line.startswith("export: tensor ")]
     assert len(export) == 1 and export[0].split()[2] == f"{n}/{n}"
+
+
+def test_eval_logs_sequences_loss_and_speed(tiny, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", MIXED_RECORDS)
+    stdout, lines = run_cli(
+        tmp_path, "eval", "--model-path", tiny, "--data", data, "--batch-size", 4, "--progress-interval", 0, "--json"
+    )
+    result = json.loads(stdout)
+    n = result["sequences"]
+    evals = [
+        re.match(r"eval: sequence (\d+)/(\d+) \(\d+%\) \| loss ([\d.]+) \| ([\d,]+) tokens/s \| ", x)
+        for x in lines
+        if x.startswith("eval:")
+    ]
+    assert evals and all(evals), lines
+    done = [int(m[1]) for m in evals]
+    assert done == sorted(done) and done[-1] == n and {int(m[2]) for m in evals} == {n}
+    assert len(evals) == -(-n // 4)  # one line a batch at interval 0
+    assert abs(float(evals[-1][3]) - result["loss"]) < 1e-4  # the last line's loss is the result
+    _, lines = run_cli(tmp_path, "eval", "--model-path", tiny, "--data", data, "--no-progress")
+    assert not [x for x in lines if x.startswith("eval:")]
 
 
 def test_full_logs_training_and_its_merge_stage(tiny, tmp_path):
