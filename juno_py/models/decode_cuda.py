@@ -21,6 +21,7 @@ adapters in training with dropout, a cache other than batch 1 in the activations
 from __future__ import annotations
 
 import warnings
+from functools import partial
 from typing import Any, Optional
 
 import torch
@@ -130,14 +131,7 @@ class CudaGraphDecoder:
         rope_of = model._rope_of_layer
         for blk in blocks:
             rope, valid = ropes[rope_of[blk.layer]], masks[blk.window]
-            h = self._attention(blk, blk.norms["attn_norm"](x), rope, valid)
-            if blk.spec.sandwich_norms:
-                h = blk.norms["post_attention_norm"](h)
-            x = x + h
-            h = blk.feed_forward(blk.norms["ffn_norm"](x))
-            if blk.spec.sandwich_norms:
-                h = blk.norms["post_ffw_norm"](h)
-            x = x + h
+            x = blk.around(x, partial(self._attention, blk, rope=rope, valid=valid))
         return model.project(model.norm(x)[0, -1])
 
     def _capture(self) -> None:

@@ -12,7 +12,7 @@ import contextlib
 import math
 from dataclasses import dataclass
 from functools import partial
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -302,7 +302,12 @@ class Block(nn.Module):
     def forward(
         self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Optional[AttentionMask], cache: Optional[KVCache] = None
     ) -> Tensor:
-        h = self.attention(self.norms["attn_norm"](x), rope, mask, cache)
+        return self.around(x, lambda h: self.attention(h, rope, mask, cache))
+
+    def around(self, x: Tensor, attend: Callable[[Tensor], Tensor]) -> Tensor:
+        """The block's norms, residuals and feed-forward around `attend` (normed input -> attention output): the
+        forward, and decoders that compute attention their own way (a static cache)."""
+        h = attend(self.norms["attn_norm"](x))
         if self.spec.sandwich_norms:
             h = self.norms["post_attention_norm"](h)
         x = x + h

@@ -11,8 +11,9 @@ from juno_py.gguf import GGMLType
 from juno_py.lora import Mode, attach, load_adapters
 from juno_py.models import load_model
 from juno_py.models.decode_cuda import CudaGraphDecoder
-from juno_py.models.generate import decode_one_token, generate, prefill
+from juno_py.models.generate import generate, prefill
 from juno_py.testing.tiny_models import sample_ids
+from tests.models.decode_checks import assert_logits_close, decoder_steps, forward_steps, randomize
 
 ARCHS = ["llama", "qwen2", "qwen3", "phi3", "gemma3"]
 WIDE = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
@@ -20,30 +21,8 @@ CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
 
 
-def reference_steps(model, prompt, tokens):
-    """Logits after the prompt and after each token, through the model's forward."""
-    with torch.no_grad():
-        cache = model.new_cache(batch=1, max_len=len(prompt) + len(tokens))
-        out = [prefill(model, torch.tensor([prompt]), cache)]
-        out += [decode_one_token(model, t, cache) for t in tokens]
-    return torch.stack(out)
-
-
 def static_steps(model, prompt, tokens, graph=None):
-    with torch.no_grad():
-        cache = model.new_cache(batch=1, max_len=len(prompt) + len(tokens))
-        first = prefill(model, torch.tensor([prompt]), cache)
-        decoder = CudaGraphDecoder.build(model, cache, graph=graph)
-        assert decoder is not None, CudaGraphDecoder.unsupported(model, cache)
-        return torch.stack([first] + [decoder.step(t).clone() for t in tokens])
-
-
-def assert_logits_close(got, ref):
-    # the same modules and formulas, attention over the whole (masked) cache instead of its used part: float32
-    # rounding of a few ulp of the logits' range; a wrong position, mask or cache slot is orders of magnitude more
-    scale = ref.abs().max().item()
-    err = (got - ref).abs().max().item()
-    assert err <= 2e-6 * scale, f"max |Δlogit| {err:.3g} against a range of {scale:.3g}"
+    return decoder_steps(CudaGraphDecoder, model, prompt, tokens, graph=graph)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -54,16 +33,7 @@ def test_static_steps_equal_the_forward_for_every_architecture(tiny_gguf, arch):
     model = load_model(tiny_gguf(arch, GGMLType.Q8_0, **knobs))
     prompt, tokens = sample_ids(3, seed=3), sample_ids(9, seed=4)
     got = static_steps(model, prompt, tokens, graph=False)
-    assert_logits_close(got, reference_steps(model, prompt, tokens))
-
-
-def _randomize(aset, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for ad in aset.adapters.values():
-            ad.lora_B.normal_(0, 0.3, generator=g)
-            if ad.magnitude is not None:
-                ad.magnitude.mul_(1 + 0.2 * torch.randn(ad.magnitude.shape, generator=g))
+    assert_logits_close(got, forward_steps(model, prompt, tokens))
 
 
 def test_static_steps_play_several_loras_at_their_scales(tiny_gguf, tmp_path):
@@ -72,14 +42,14 @@ def test_static_steps_play_several_loras_at_their_scales(tiny_gguf, tmp_path):
     for i, targets in enumerate(["all", "qv"]):
         trainee = load_model(path)
         aset = attach(trainee, targets, rank=3 + i, alpha=4.0, seed=i)
-        _randomize(aset, seed=10 + i)
+        randomize(aset, seed=10 + i)
         files.append(aset.save(tmp_path / f"a{i}.bin"))
     model = load_model(path)
     load_adapters(model, [f"{files[0]}:0.7", f"{files[1]}:-1.3"])
     prompt, tokens = sample_ids(4, seed=5), sample_ids(6, seed=6)
-    got, ref = static_steps(model, prompt, tokens, graph=False), reference_steps(model, prompt, tokens)
+    got, ref = static_steps(model, prompt, tokens, graph=False), forward_steps(model, prompt, tokens)
     assert_logits_close(got, ref)
-    base = reference_steps(load_model(path), prompt, tokens)
+    base = forward_steps(load_model(path), prompt, tokens)
     assert (base - ref).abs().max().item() > 100 * (got - ref).abs().max().item()
 
 
@@ -89,13 +59,13 @@ def test_static_steps_play_dora(tiny_gguf, tmp_path, arch):
     path = tiny_gguf(arch, GGMLType.Q6_K if arch == "llama" else GGMLType.Q8_0, **knobs)
     trainee = load_model(path)
     aset = attach(trainee, "all", rank=4, alpha=8.0, mode=Mode.DORA, seed=2)
-    _randomize(aset, seed=3)
+    randomize(aset, seed=3)
     model = load_model(path)
     load_adapters(model, [str(aset.save(tmp_path / "d.bin"))])
     prompt, tokens = sample_ids(4, seed=7), sample_ids(6, seed=8)
-    got, ref = static_steps(model, prompt, tokens, graph=False), reference_steps(model, prompt, tokens)
+    got, ref = static_steps(model, prompt, tokens, graph=False), forward_steps(model, prompt, tokens)
     assert_logits_close(got, ref)
-    base = reference_steps(load_model(path), prompt, tokens)
+    base = forward_steps(load_model(path), prompt, tokens)
     assert (base - ref).abs().max().item() > 100 * (got - ref).abs().max().item()
 
 
@@ -144,7 +114,7 @@ def test_graph_replay_equals_the_eager_step(tiny_gguf, tmp_path, arch):
     path = tiny_gguf(arch, GGMLType.Q4_K if arch == "llama" else GGMLType.Q8_0, **knobs)
     trainee = load_model(path)
     aset = attach(trainee, "all", rank=4, alpha=8.0, seed=1)
-    _randomize(aset, seed=2)
+    randomize(aset, seed=2)
     saved = str(aset.save(tmp_path / "a.bin"))
     prompt, tokens = sample_ids(4, seed=9), sample_ids(10, seed=10)
     model = _cuda_model(path, [saved])
@@ -165,7 +135,7 @@ def test_greedy_generation_through_the_graph_gives_the_forwards_tokens(tiny_gguf
     path = tiny_gguf("llama", GGMLType.Q4_K, config=WIDE)
     trainee = load_model(path)
     aset = attach(trainee, "all", rank=4, alpha=8.0, seed=3)
-    _randomize(aset, seed=4)
+    randomize(aset, seed=4)
     # fp32 activations: the forward path's attention over the used part of the cache and the step's over the whole
     # masked cache differ by float32 rounding only (a token differs only where the top two logits tie that closely)
     model = _cuda_model(path, [str(aset.save(tmp_path / "a.bin"))], torch.float32)

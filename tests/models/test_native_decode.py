@@ -16,9 +16,10 @@ from juno_py.gguf.quants.simple import F16_SCALE_OFFSETS
 from juno_py.lora import Mode, attach, load_adapters
 from juno_py.models import Transformer, load_model
 from juno_py.models.decode import NativeDecoder
-from juno_py.models.generate import decode_one_token, generate, prefill
+from juno_py.models.generate import generate, prefill
 from juno_py.testing.blocks import ALL_TYPES, random_rows
 from juno_py.testing.tiny_models import sample_ids
+from tests.models.decode_checks import assert_logits_close, decoder_steps, forward_steps, randomize
 
 MATVEC_TYPES = [GGMLType(t) for t in sorted(native.MATVEC_TYPES)]
 # the types the tiny models are written in (what our quantizer encodes among the common ones)
@@ -141,28 +142,11 @@ def reference_steps(model, prompt, tokens, monkeypatch):
     """Logits after the prompt and after each token, by the forward over dequantized blocks (no native code)."""
     with monkeypatch.context() as m:
         m.setenv("JUNO_PY_NATIVE", "0")
-        with torch.no_grad():
-            cache = model.new_cache(batch=1, max_len=len(prompt) + len(tokens))
-            out = [prefill(model, torch.tensor([prompt]), cache)]
-            out += [decode_one_token(model, t, cache) for t in tokens]
-    return torch.stack(out)
+        return forward_steps(model, prompt, tokens)
 
 
 def native_steps(model, prompt, tokens):
-    with torch.no_grad():
-        cache = model.new_cache(batch=1, max_len=len(prompt) + len(tokens))
-        first = prefill(model, torch.tensor([prompt]), cache)
-        decoder = NativeDecoder.build(model, cache)
-        assert decoder is not None, NativeDecoder.unsupported(model, cache)
-        return torch.stack([first] + [decoder.step(t).clone() for t in tokens])
-
-
-def assert_logits_close(got, ref):
-    # float32 sums regrouped over a few layers of products: about 2e-7 of the logits' range on these models (float32
-    # rounding, a few ulp); a wrong element, scale or position would be orders of magnitude more
-    scale = ref.abs().max().item()
-    err = (got - ref).abs().max().item()
-    assert err <= 2e-6 * scale, f"max |Δlogit| {err:.3g} against a range of {scale:.3g}"
+    return decoder_steps(NativeDecoder, model, prompt, tokens)
 
 
 @pytest.mark.parametrize("ggml_type", MODEL_TYPES, ids=lambda t: t.name)
@@ -181,22 +165,13 @@ def test_decoder_logits_equal_the_forward_for_every_architecture(lib, tiny_gguf,
     assert_logits_close(native_steps(model, prompt, tokens), reference_steps(model, prompt, tokens, monkeypatch))
 
 
-def _randomize(aset, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for ad in aset.adapters.values():
-            ad.lora_B.normal_(0, 0.3, generator=g)
-            if ad.magnitude is not None:
-                ad.magnitude.mul_(1 + 0.2 * torch.randn(ad.magnitude.shape, generator=g))
-
-
 def test_decoder_plays_several_loras_at_their_scales(lib, tiny_gguf, tmp_path, monkeypatch):
     path = tiny_gguf("qwen2", GGMLType.Q4_K, config=WIDE)  # biases on q, k and v
     files = []
     for i, targets in enumerate(["all", "qv"]):
         trainee = load_model(path)
         aset = attach(trainee, targets, rank=3 + i, alpha=4.0, seed=i)
-        _randomize(aset, seed=10 + i)
+        randomize(aset, seed=10 + i)
         files.append(aset.save(tmp_path / f"a{i}.bin"))
     model = load_model(path)
     load_adapters(model, [f"{files[0]}:0.7", f"{files[1]}:-1.3"])
@@ -213,7 +188,7 @@ def test_decoder_plays_dora(lib, tiny_gguf, tmp_path, arch, monkeypatch):
     path = tiny_gguf(arch, GGMLType.Q6_K, config=WIDE)
     trainee = load_model(path)
     aset = attach(trainee, "all", rank=4, alpha=8.0, mode=Mode.DORA, seed=2)
-    _randomize(aset, seed=3)
+    randomize(aset, seed=3)
     model = load_model(path)
     load_adapters(model, [str(aset.save(tmp_path / "d.bin"))])
     prompt, tokens = sample_ids(4, seed=7), sample_ids(6, seed=8)
