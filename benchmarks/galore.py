@@ -91,11 +91,11 @@ def worker(args) -> dict:
     from juno_py.lora import attach
     from juno_py.metrics import MetricsRecorder
     from juno_py.models import load_model
+    from juno_py.precision import resolve_compute_dtype, resolve_weights_cache
     from juno_py.train.data import Example
     from juno_py.train.dense import build_dense_optimizer, densify
     from juno_py.train.galore import GaLoreConfig
     from juno_py.train.loop import TrainConfig, train
-    from juno_py.train.setup import resolve_compute_dtype, resolve_weights_cache
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -38,9 +38,9 @@ def main() -> None:
     from juno_py.lora import attach
     from juno_py.metrics import MetricsRecorder, peak_rss_bytes
     from juno_py.models import load_model
+    from juno_py.precision import resolve_compute_dtype
     from juno_py.train.data import Example
     from juno_py.train.loop import TrainConfig, train
-    from juno_py.train.setup import resolve_compute_dtype
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -135,7 +135,7 @@ def load_training_model(o: dict, model_file, shard: bool = False):
     cache resolved from their options. `shard`: left on the CPU, memory-mapped, with no weights cache (sharded
     training moves each rank's part to the device)."""
     from juno_py.models import load_model
-    from juno_py.train.setup import resolve_compute_dtype, resolve_weights_cache
+    from juno_py.precision import resolve_compute_dtype, resolve_weights_cache
 
     compute = resolve_compute_dtype(o["compute_dtype"], o["device"])
     if shard:

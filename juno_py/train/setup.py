@@ -1,4 +1,5 @@
-"""Choices made before a run starts: compute dtype, weight cache, the adapter's default path, the run identity."""
+"""Choices made before a run starts: the adapter's default path and the run identity (compute dtype and weights
+cache: `juno_py.precision`)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,6 @@ from pathlib import Path
 from typing import Optional
 
 from juno_py.metrics import Identity
-from juno_py.precision import (  # noqa: F401  (the names training code reads from here)
-    CACHE_LIMIT_BYTES,
-    COMPUTE_DTYPES,
-    cpu_has_native_bf16,
-    resolve_compute_dtype,
-    resolve_weights_cache,
-    total_ram_bytes,
-)
 
 
 def default_adapter_path(model_spec: Optional[str], resolved: Path) -> Path:
