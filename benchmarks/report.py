@@ -23,6 +23,7 @@ ORDER = [
     "gpu-training",
     "gpu-scale-70b",
     "gpu-long-context",
+    "gpu-long-document-cli",
     "dora-layer",
     "dora-layer-times",
     "gpu-decode",

@@ -92,6 +92,7 @@ class TrainResult:
     best_validation: Optional[float] = None
     best_step: Optional[int] = None
     peak_rss: int = 0
+    peak_gpu: Optional[int] = None  # bytes, max_memory_allocated of the run's CUDA device; None off CUDA
 
     def summary(self) -> str:
         val = (
@@ -104,6 +105,7 @@ class TrainResult:
             f"trained {self.steps} steps ({self.epochs:.1f} epochs, {self.tokens} tokens) in {self.seconds:.1f} s, "
             f"{rate:.0f} tokens/s; loss {self.first_loss:.4f} -> {self.last_loss:.4f}{val}; "
             f"stopped: {self.stop_reason}; peak RSS {format_bytes(self.peak_rss)}"
+            + (f", peak GPU {format_bytes(self.peak_gpu)}" if self.peak_gpu is not None else "")
         )
 
 
@@ -505,7 +507,14 @@ def train(
         run.best_val,
         run.best_step,
         peak_rss_bytes(),
+        _peak_gpu_bytes(trainable.parameters()),
     )
+
+
+def _peak_gpu_bytes(params) -> Optional[int]:
+    """The CUDA allocator's peak on the device of the trained weights since the process started (None off CUDA)."""
+    device = next(iter(params), torch.empty(0)).device
+    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
 
 
 def _bounded(params, world: distributed.World = distributed.SINGLE, sharded=None) -> bool:

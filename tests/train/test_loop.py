@@ -525,3 +525,14 @@ def test_the_thread_guard_sees_every_step_and_its_changes_are_events(tiny_path, 
     assert [w for _, w in seen] == [e["tokens"] for e in steps]
     moved = [e for e in events if e["kind"] == "threads"]
     assert [(e["step"], e["previous"], e["threads"]) for e in moved] == [(2, 2, 1)]
+
+
+def test_summary_names_the_peak_gpu_memory_only_when_there_is_one():
+    from juno_py.train.loop import TrainResult
+
+    common = dict(steps=2, epochs=1.0, tokens=64, seconds=2.0, stop_reason="max steps", first_loss=2.0, last_loss=1.0)
+    on_cpu = TrainResult(**common, peak_rss=2**30).summary()
+    on_gpu = TrainResult(**common, peak_rss=2**30, peak_gpu=3 * 2**30).summary()
+    assert on_cpu.endswith("peak RSS 1.00 GiB")
+    assert on_gpu.endswith("peak RSS 1.00 GiB, peak GPU 3.00 GiB")
+    assert "32 tokens/s" in on_gpu
