@@ -31,6 +31,46 @@ RESULTS_DIR = ROOT / "benchmarks" / "results"
 SOFTWARE = ("torch", "triton", "transformers", "peft", "numpy", "gguf", "bitsandbytes", "liger_kernel")
 
 
+# ------------------------------------------------------------------------------------------------- GPU memory
+def peak_breakdown(trace: Sequence[dict], top: int = 12) -> tuple[int, list[tuple[str, int, int]]]:
+    """What was allocated at the allocator's peak, from one device's trace of `torch.cuda.memory._snapshot()`
+    (recorded with `torch.cuda.memory._record_memory_history`): (peak bytes over the trace's own baseline, the
+    `top` largest groups of live blocks at that moment as (where, bytes, blocks)). A block is grouped under its
+    innermost Python frame in juno_py, benchmarks, transformers, peft or liger_kernel ("?" without one). Blocks
+    allocated before recording began are not in the trace: the peak is counted from the trace's start."""
+    live: dict[int, tuple[int, str]] = {}
+    total = best = 0
+    best_live: dict[int, tuple[int, str]] = {}
+    for e in trace:
+        action, addr, size = e.get("action"), e.get("addr"), int(e.get("size", 0))
+        if action == "alloc":
+            live[addr] = (size, _where(e.get("frames", ())))
+            total += size
+            if total > best:
+                best, best_live = total, dict(live)
+        elif action == "free_requested" and addr in live:
+            total -= live.pop(addr)[0]
+    groups: dict[str, list[int]] = {}
+    for size, where in best_live.values():
+        g = groups.setdefault(where, [0, 0])
+        g[0] += size
+        g[1] += 1
+    ranked = sorted(((w, b, n) for w, (b, n) in groups.items()), key=lambda r: -r[1])
+    return best, ranked[:top]
+
+
+OWN_CODE = ("juno_py/", "benchmarks/", "transformers/", "peft/", "liger_kernel/")
+
+
+def _where(frames: Sequence[dict]) -> str:
+    for f in frames:
+        name = f.get("filename", "")
+        for mark in OWN_CODE:
+            if mark in name:
+                return f"{mark}{name.split(mark, 1)[1]}:{f.get('line')} {f.get('name')}"
+    return "?"
+
+
 # ------------------------------------------------------------------------------------------------- CPU timing
 def cpu_times(fn: Callable[[], object], reps: int, warmup: int = 0, clock=time.perf_counter) -> list[float]:
     """Seconds of each of `reps` calls of `fn` after `warmup` untimed ones (`clock`: perf_counter for wall time,

@@ -323,6 +323,10 @@ def run_juno(
     )
     rec = MetricsRecorder()
     sync(dev)
+    memory = getattr(args, "memory", False) and dev.startswith("cuda")
+    if memory:
+        base = torch.cuda.memory_allocated()
+        torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
     t0 = time.time()
     train(
         model,
@@ -334,6 +338,18 @@ def run_juno(
         log=lambda s: print(f"  juno-py: {s}", file=sys.stderr) if "CUDA graph" in s else None,
     )
     sync(dev)
+    if memory:
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        trace = snapshot["device_traces"][torch.cuda.current_device()]
+        peak, groups = harness.peak_breakdown(trace)
+        print(
+            f"  juno-py memory at the peak: {base / GIB:.2f} GiB before the steps (weights, adapters) + "
+            f"{peak / GIB:.2f} GiB allocated during them; largest groups live at the peak:",
+            file=sys.stderr,
+        )
+        for where, nbytes, blocks in groups:
+            print(f"    {nbytes / 2**20:9.1f} MiB in {blocks:4d} blocks  {where}", file=sys.stderr)
     steps = [e for e in rec.events if e.kind == "train_step"]
     stamps = [t0] + [e.time for e in steps]
     times = [b - a for a, b in zip(stamps, stamps[1:])][args.warmup :]
@@ -605,6 +621,11 @@ def main() -> None:
         help="profile one extra step for the GPU-busy share (small models only)",
     )
     ap.add_argument("--kernels", action="store_true", help="print torch.profiler's kernel table of one step per run")
+    ap.add_argument(
+        "--memory",
+        action="store_true",
+        help="record the CUDA allocator during juno-py's steps and print what is live at the peak (slows the steps)",
+    )
     ap.add_argument("--scale-70b", action="store_true", help="one DoRA step of the 70B-shaped model instead")
     ap.add_argument("--device", default="cuda", help="cuda (the measurement); cpu only smoke-tests the script")
     ap.add_argument("--layers", type=int, default=0, help="keep only the first N blocks (smoke tests)")

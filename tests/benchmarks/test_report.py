@@ -55,3 +55,27 @@ def test_a_results_file_whose_rows_do_not_fit_its_columns_is_refused(tmp_path):
     assert report.main(["--results-dir", str(tmp_path), "--output", str(tmp_path / "p.md")]) == 2
     (tmp_path / "cpu-training.json").write_text(json.dumps(_record(capability="other")))
     assert report.main(["--results-dir", str(tmp_path), "--output", str(tmp_path / "p.md")]) == 2
+
+
+def test_peak_breakdown_finds_what_is_live_at_the_allocators_peak():
+    from benchmarks.harness import peak_breakdown
+
+    here = [{"filename": "/x/site-packages/torch/nn/functional.py", "line": 1, "name": "linear"}]
+    loss = [{"filename": "/repo/juno_py/models/loss.py", "line": 40, "name": "_chunk_loss"}] + here
+    embed = [{"filename": "/repo/juno_py/models/model.py", "line": 9, "name": "forward"}]
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": embed},
+        {"action": "alloc", "addr": 2, "size": 300, "frames": loss},
+        {"action": "alloc", "addr": 3, "size": 50, "frames": here},
+        {"action": "free_requested", "addr": 2, "size": 300},
+        {"action": "free_completed", "addr": 2, "size": 300},
+        {"action": "alloc", "addr": 2, "size": 200, "frames": embed},  # the address reused: a new block
+        {"action": "free_completed", "addr": 2, "size": 200},  # a completion of the earlier free, not this block
+    ]
+    peak, groups = peak_breakdown(trace)
+    assert peak == 450
+    assert groups == [
+        ("juno_py/models/loss.py:40 _chunk_loss", 300, 1),
+        ("juno_py/models/model.py:9 forward", 100, 1),
+        ("?", 50, 1),
+    ]
