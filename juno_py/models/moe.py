@@ -205,9 +205,11 @@ def _base(module: nn.Module) -> nn.Module:
 
 
 def _modules_key(modules: list[nn.Module]) -> tuple[Any, ...]:
-    """What a projection's grouped view depends on: the expert modules and where their bytes are."""
-    raws = (getattr(_base(m), "raw", None) for m in modules)
-    return tuple(id(m) for m in modules) + tuple(r.data_ptr() if isinstance(r, Tensor) else 0 for r in raws)
+    """What a projection's grouped view depends on: the expert modules, and where the first and last expert's bytes
+    are (a device move goes through `MoEFeedForward._apply`, which drops the views; this catches a move of the
+    experts alone). Cheap: it is checked every forward."""
+    ends = [getattr(_base(m), "raw", None) for m in (modules[0], modules[-1])]
+    return (*map(id, modules), *(r.data_ptr() if isinstance(r, Tensor) else 0 for r in ends))
 
 
 def _whole_bytes(bases: list[FrozenQuantLinear]) -> Tensor:
@@ -299,6 +301,10 @@ class MoEFeedForward(nn.Module):
             key = _modules_key(modules)  # the bytes may have moved into one buffer
         self._grouped[target] = (key, plan)
         return plan
+
+    def runs_grouped(self, x: Tensor) -> bool:
+        """Whether activations like `x` (its device and dtype) take the grouped path."""
+        return self._grouped_plans(x) is not None
 
     def _grouped_plans(self, x: Tensor) -> Optional[list[_GroupedProjection]]:
         if self.expert_path == "loop" or x.dtype not in (torch.bfloat16, torch.float32):
