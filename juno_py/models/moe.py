@@ -120,6 +120,23 @@ class GroupedFrozenMatmul(torch.autograd.Function):
         return dx, None, None
 
 
+class _ZeroIdleGrad(torch.autograd.Function):
+    """The identity on stacked per-expert factors `[E, ...]`; backward zeroes the gradient of the experts no row
+    chose (`present` `[E]` bool). On Hopper the grouped weight gradient of an empty group is zero already; on some
+    GPUs (B200, pytorch#172439) it is not, and an uninitialised value there would reach the optimizer."""
+
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, present: Tensor) -> Tensor:
+        ctx.save_for_backward(present)
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+        (present,) = ctx.saved_tensors
+        mask = present.view(-1, *([1] * (g.dim() - 1)))
+        return torch.where(mask, g, torch.zeros((), dtype=g.dtype, device=g.device)), None
+
+
 class _Slot:
     """One adapter position of a projection on the grouped path: the same adapter on every expert (`shared`) or one
     per expert with the same rank, `coef` (playback weight times the adapter's scale) and dropout."""
@@ -148,7 +165,7 @@ class _GroupedProjection:
 
         return weights
 
-    def __call__(self, xs: Tensor, offs: Tensor, ids: Tensor) -> Tensor:
+    def __call__(self, xs: Tensor, offs: Tensor, ids: Tensor, present: Tensor) -> Tensor:
         dt = xs.dtype
         y: Tensor = GroupedFrozenMatmul.apply(xs, offs, self.decode(dt))  # type: ignore[no-untyped-call]
         for slot in self.slots:
@@ -158,8 +175,11 @@ class _GroupedProjection:
                 A, B = slot.adapters[0].factors(dt)
                 delta = (xin @ A.T) @ B.T
             else:
-                A = torch.stack([a.lora_A for a in slot.adapters]).to(dt)  # [E, r, n_in]
-                B = torch.stack([a.lora_B for a in slot.adapters]).to(dt)  # [E, n_out, r]
+                # [E, r, n_in] and [E, n_out, r]
+                A = torch.stack([a.lora_A for a in slot.adapters]).to(dt)
+                B = torch.stack([a.lora_B for a in slot.adapters]).to(dt)
+                A = _ZeroIdleGrad.apply(A, present)  # type: ignore[no-untyped-call]
+                B = _ZeroIdleGrad.apply(B, present)  # type: ignore[no-untyped-call]
                 pad = -A.shape[1] % GROUPED_ALIGN  # zero ranks: the [M, r] product's rows must be 16-byte aligned
                 if pad:
                     A, B = F.pad(A, (0, 0, 0, pad)), F.pad(B, (0, pad))
@@ -361,8 +381,9 @@ class MoEFeedForward(nn.Module):
             counts = counts.clone()
             counts[-1] += pad
         offs = counts.cumsum(0).to(torch.int32)
-        h = self.gated(gate(xs, offs, ids), up(xs, offs, ids))
-        return down(h, offs, ids)[:tokens_sorted]
+        present = counts > 0
+        h = self.gated(gate(xs, offs, ids, present), up(xs, offs, ids, present))
+        return down(h, offs, ids, present)[:tokens_sorted]
 
 
 def expert_linears(

@@ -122,3 +122,15 @@ def test_dora_and_float64_take_the_loop(tiny_gguf, monkeypatch):
     for p in aset.parameters():
         p.data = p.data.double()
     _step(model, aset)
+
+
+def test_idle_experts_get_a_zero_gradient_whatever_the_kernel_left():
+    present = torch.tensor([True, False, True])
+    t = torch.randn(3, 2, 4, requires_grad=True)
+    out = moe_mod._ZeroIdleGrad.apply(t, present)
+    assert torch.equal(out, t)
+    g = torch.randn(3, 2, 4)
+    g[1] = float("nan")  # what an uninitialised empty group may hold
+    out.backward(g)
+    assert torch.equal(t.grad[0], g[0]) and torch.equal(t.grad[2], g[2])
+    assert torch.equal(t.grad[1], torch.zeros(2, 4))
