@@ -301,6 +301,8 @@ class MoEFeedForward(nn.Module):
             if (
                 b0.in_features % GROUPED_ALIGN == 0
                 and b0.out_features % GROUPED_ALIGN == 0
+                # the whole decode is one launch: its element offsets stay within int32
+                and len(bases) * b0.out_features * b0.in_features < 2**31
                 and all(
                     (b.ggml_type, b.in_features, b.out_features, b.compute_dtype, b.dequant)
                     == (b0.ggml_type, b0.in_features, b0.out_features, b0.compute_dtype, b0.dequant)
