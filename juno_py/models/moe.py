@@ -345,7 +345,10 @@ class MoEFeedForward(nn.Module):
         weights, chosen = route(router(xf).to(route_dtype), self.k, self.routing)
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.n_expert)
+        # tokens per expert: a scatter-add, not bincount, which reads its input's largest value on the host
+        counts = torch.zeros(self.n_expert, dtype=torch.long, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat)
+        )
         self.load = counts.detach() if self.load is None else self.load + counts.detach()
         tokens = order // self.k
         w = weights.reshape(-1)[order].to(x.dtype).unsqueeze(-1)

@@ -104,3 +104,23 @@ def test_cuda_grouped_matches_the_loop_at_qwen3_30b_shape():
     assert want_grads.abs().max() > 0
     assert abs(float(got_loss - want_loss)) <= 1e-2 * abs(float(want_loss))
     assert rel(got_grads, want_grads) <= 3e-2
+
+
+@needs_sm90
+def test_cuda_grouped_block_never_waits_on_the_host(tiny_gguf):
+    """Forward and backward of an MoE block on the grouped path issue no synchronizing call (the loop reads its
+    group sizes on the host once per block)."""
+    model = load_model(tiny_gguf("gpt-oss", GGMLType.Q8_0), device="cuda", compute_dtype="bf16")
+    attach(model, "experts", rank=8, alpha=16, seed=0)
+    blk = model.blocks[0]
+    x = torch.randn(64, model.args.n_embd, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    assert blk.moe.runs_grouped(x)
+    blk.moe(x, blk.linears["wrouter"])  # the first call builds the grouped views (once)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = blk.moe(x, blk.linears["wrouter"])
+        y.float().square().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert x.grad is not None and x.grad.abs().max() > 0
