@@ -149,11 +149,15 @@ def run_peer(a: argparse.Namespace) -> dict[str, Any]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lora = dict(r=a.rank, lora_alpha=2 * a.rank, lora_dropout=0.0, target_modules=PEER_ATTENTION)
     expert_lora = "per expert (PEFT target_parameters: gate_up_proj, down_proj)"
-    try:
-        model = get_peft_model(model, LoraConfig(**lora, target_parameters=PEER_EXPERT_PARAMETERS))
-    except (TypeError, ValueError) as e:
-        expert_lora = f"none (PEFT refused target_parameters: {type(e).__name__}); attention only"
+    if a.peer_attention_only:
+        expert_lora = "none (the run with expert LoRA failed: " + a.peer_attention_only + "); attention only"
         model = get_peft_model(model, LoraConfig(**lora))
+    else:
+        try:
+            model = get_peft_model(model, LoraConfig(**lora, target_parameters=PEER_EXPERT_PARAMETERS))
+        except (TypeError, ValueError) as e:
+            expert_lora = f"none (PEFT refused target_parameters: {type(e).__name__}); attention only"
+            model = get_peft_model(model, LoraConfig(**lora))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=cuda)
@@ -186,13 +190,18 @@ def run_peer(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def peer_in_process(argv: list[str]) -> dict[str, Any]:
-    """The peer in its own process (`--peer-only`): its JSON line, or {"error": ...} when it failed."""
+    """The peer in its own process (`--peer-only`): its JSON line; where it failed with LoRA on the experts, once
+    more with LoRA on attention only; {"error": ...} when that failed too."""
     cmd = [sys.executable, "-m", "benchmarks.moe_gpu", *argv, "--peer-only"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=harness.ROOT)
     if proc.returncode != 0:
-        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
         print(proc.stderr[-3000:], file=sys.stderr)
-        return {"error": tail[0][:300]}
+        why = (proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"])[0][:200]
+        proc = subprocess.run([*cmd, "--peer-attention-only", why], capture_output=True, text=True, cwd=harness.ROOT)
+        if proc.returncode != 0:
+            print(proc.stderr[-3000:], file=sys.stderr)
+            tail = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+            return {"error": f"{why}; attention only: {tail[0][:200]}"}
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
@@ -219,6 +228,7 @@ def main() -> None:
     ap.add_argument("--expert-path", default="auto", choices=["auto", "grouped", "loop"], help="juno-py's experts")
     ap.add_argument("--skip-peer", action="store_true", help="juno-py only: no transformers + PEFT run")
     ap.add_argument("--peer-only", action="store_true", help=argparse.SUPPRESS)  # the peer's own process
+    ap.add_argument("--peer-attention-only", default="", help=argparse.SUPPRESS)  # why its expert LoRA failed
     harness.add_output_args(ap)
     args = ap.parse_args()
     if args.peer_only:
@@ -314,12 +324,16 @@ def main() -> None:
     elif "error" in peer:
         notes.append(f"Peer failed: {peer['error']}")
     else:
+        fused = (
+            "; gate and up are one fused parameter there, so one adapter per expert covers both"
+            if peer["expert_lora"].startswith("per expert")
+            else ""
+        )
         notes.append(
             f"Peer: transformers Qwen3MoeForCausalLM, bf16 random weights built on the device, SDPA, experts "
-            f"{peer['experts_implementation']}; PEFT LoRA r={args.rank} on q/k/v/o and experts {peer['expert_lora']} "
-            f"({peer['trainable']:,} parameters; gate and up are one fused parameter there, so one adapter per "
-            f"expert covers both); gradient checkpointing {args.grad_checkpoint}; fused AdamW; losses "
-            f"{peer['losses']}."
+            f"{peer['experts_implementation']}; PEFT LoRA r={args.rank} on q/k/v/o, on the experts "
+            f"{peer['expert_lora']} ({peer['trainable']:,} parameters{fused}); gradient checkpointing "
+            f"{args.grad_checkpoint}; fused AdamW; losses {peer['losses']}."
         )
     print(harness.markdown_table(columns, rows))
     print("\n".join(notes))
