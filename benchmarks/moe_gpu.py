@@ -1,22 +1,31 @@
 """Training a mixture-of-experts model: LoRA on attention and experts of a Qwen3-30B-A3B-shaped qwen3moe model
 (48 layers, hidden 2048, 32 heads / 4 KV heads of 128, 128 experts of 768, top 8, vocab 151936; Q4_K matrices,
 Q6_K output, F32 embeddings, norms and router), 8 x 512 tokens a step: seconds per step, tokens/s and peak device
-memory.
+memory, against transformers + PEFT on the same shape in bf16.
 
-The model is built in memory on the device (`Transformer.from_tensors`) from random valid blocks
+juno-py's model is built in memory on the device (`Transformer.from_tensors`) from random valid blocks
 (`juno_py.testing.synthetic.random_blocks`): no file and no host copy; its matrices stay quantized. Decode and matmul
 time do not depend on the values. `--layers`, `--experts` and the other shape flags shrink it for a smoke run.
 
+The peer, in its own process (run first, so neither holds the other's memory): transformers' `Qwen3MoeForCausalLM`
+built on the device in bf16 with random weights (`experts_implementation="grouped_mm"` where the installed
+transformers has it: its experts are fused 3-D parameters multiplied by `torch._grouped_mm`), SDPA attention, PEFT
+LoRA of the same rank on q/k/v/o and, through `target_parameters`, on the experts' `gate_up_proj` and `down_proj`
+(per expert), gradient checkpointing when juno-py uses it, fused AdamW, the same tokens a step.
+
     python -m benchmarks.moe_gpu                                   # on a GPU: table, results/gpu-training-moe.json
     python -m benchmarks.moe_gpu --device cpu --layers 1 --experts 8 --n-embd 256 --n-ff-exp 256 --vocab 1024 \\
-        --batch 1 --seq 32 --steps 2 --no-results                 # a smoke run of the script itself
+        --batch 1 --seq 32 --warmup 1 --steps 1 --heads 4 --kv-heads 2 --no-results   # a smoke run, both sides
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 import time
+from typing import Any
 
 from benchmarks import harness
 
@@ -82,10 +91,125 @@ def qwen3moe_tensors(a, device, seed: int = 0) -> tuple[dict, dict]:
     return meta, t
 
 
+# the peer's LoRA on the experts: PEFT's `target_parameters` names (transformers keeps each block's experts as fused
+# 3-D parameters, gate and up in one)
+PEER_EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+PEER_ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def run_peer(a: argparse.Namespace) -> dict[str, Any]:
+    """transformers + PEFT on the shape of `a`: {tokens_s, step_s, peak_gib, losses, experts_implementation,
+    expert_lora, trainable}."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    device = torch.device(a.device)
+    cuda = device.type == "cuda"
+    kw: dict[str, Any] = dict(
+        vocab_size=a.vocab,
+        hidden_size=a.n_embd,
+        intermediate_size=6144,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        head_dim=128,
+        num_experts=a.experts,
+        num_experts_per_tok=a.top_k,
+        moe_intermediate_size=a.n_ff_exp,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        rms_norm_eps=1e-6,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+    try:
+        grouped: dict[str, Any] = {"experts_implementation": "grouped_mm"}
+        config = Qwen3MoeConfig(**kw, **grouped)
+    except (TypeError, ValueError):
+        config = Qwen3MoeConfig(**kw)
+    config._attn_implementation = "sdpa"
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with device:
+            model: Any = Qwen3MoeForCausalLM(config)
+    finally:
+        torch.set_default_dtype(dtype)
+    # what transformers dispatched to (a transformers without the setting runs its per-expert loop)
+    experts_impl = str(getattr(model.config, "_experts_implementation", None) or "eager (a loop over the experts)")
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for layer in model.model.layers:  # routers as juno-py's: each token its own experts
+            router = layer.mlp.gate.weight
+            router.copy_(torch.randn(router.shape, generator=g, device=device) * a.n_embd**-0.5)
+    if a.grad_checkpoint:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lora = dict(r=a.rank, lora_alpha=2 * a.rank, lora_dropout=0.0, target_modules=PEER_ATTENTION)
+    expert_lora = "per expert (PEFT target_parameters: gate_up_proj, down_proj)"
+    if a.peer_attention_only:
+        expert_lora = "none (the run with expert LoRA failed: " + a.peer_attention_only + "); attention only"
+        model = get_peft_model(model, LoraConfig(**lora))
+    else:
+        try:
+            model = get_peft_model(model, LoraConfig(**lora, target_parameters=PEER_EXPERT_PARAMETERS))
+        except (TypeError, ValueError) as e:
+            expert_lora = f"none (PEFT refused target_parameters: {type(e).__name__}); attention only"
+            model = get_peft_model(model, LoraConfig(**lora))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=cuda)
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, a.vocab, (a.batch, a.seq), generator=gen).to(device)
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    times, losses = [], []
+    for _ in range(a.warmup + a.steps):
+        t0 = time.perf_counter()
+        loss = model(input_ids=rows, labels=rows).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(round(loss.item(), 3))  # a sync
+        times.append(time.perf_counter() - t0)
+    timed = times[a.warmup :] or times
+    step_s = sum(timed) / len(timed)
+    return dict(
+        tokens_s=a.batch * a.seq / step_s,
+        step_s=step_s,
+        peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan"),
+        losses=losses,
+        experts_implementation=experts_impl,
+        expert_lora=expert_lora,
+        trainable=sum(p.numel() for p in params),
+    )
+
+
+def peer_in_process(argv: list[str]) -> dict[str, Any]:
+    """The peer in its own process (`--peer-only`): its JSON line; where it failed with LoRA on the experts, once
+    more with LoRA on attention only; {"error": ...} when that failed too."""
+    cmd = [sys.executable, "-m", "benchmarks.moe_gpu", *argv, "--peer-only"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=harness.ROOT)
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        why = (proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"])[0][:200]
+        proc = subprocess.run([*cmd, "--peer-attention-only", why], capture_output=True, text=True, cwd=harness.ROOT)
+        if proc.returncode != 0:
+            print(proc.stderr[-3000:], file=sys.stderr)
+            tail = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+            return {"error": f"{why}; attention only: {tail[0][:200]}"}
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--steps", type=int, default=4, help="training steps (the first is warmup, not counted)")
+    ap.add_argument("--warmup", type=int, default=2, help="steps run first and not counted")
+    ap.add_argument("--steps", type=int, default=3, help="steps measured after the warmup")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--layers", type=int, default=48)
@@ -101,14 +225,24 @@ def main() -> None:
     ap.add_argument("--lora-experts", default="per-expert", choices=["per-expert", "shared"])
     ap.add_argument("--compute-dtype", default="bf16", choices=["fp32", "bf16"])
     ap.add_argument("--grad-checkpoint", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--expert-path", default="auto", choices=["auto", "grouped", "loop"], help="juno-py's experts")
+    ap.add_argument("--skip-peer", action="store_true", help="juno-py only: no transformers + PEFT run")
+    ap.add_argument("--peer-only", action="store_true", help=argparse.SUPPRESS)  # the peer's own process
+    ap.add_argument("--peer-attention-only", default="", help=argparse.SUPPRESS)  # why its expert LoRA failed
     harness.add_output_args(ap)
     args = ap.parse_args()
+    if args.peer_only:
+        print(json.dumps(run_peer(args)))
+        return
+    peer_argv = [a for a in sys.argv[1:] if a != "--skip-peer"]
+    peer = None if args.skip_peer else peer_in_process(peer_argv)
 
     import torch
 
     from juno_py.lora import attach
     from juno_py.metrics import MetricsRecorder
     from juno_py.models import Transformer
+    from juno_py.models.moe import MoEFeedForward
     from juno_py.train.data import Example
     from juno_py.train.loop import TrainConfig, train
 
@@ -119,16 +253,20 @@ def main() -> None:
     meta, tensors = qwen3moe_tensors(args, device)
     model = Transformer.from_tensors(meta, tensors, compute_dtype=compute, label="synthetic-qwen3moe")
     model.place(device)
+    for moe in model.modules():
+        if isinstance(moe, MoEFeedForward):
+            moe.expert_path = args.expert_path
     weight_gib = sum(r.numel() for _, _, r in tensors.values()) / 2**30
     print(f"built {weight_gib:.2f} GiB of weights in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     adapters = attach(model, args.targets, rank=args.rank, alpha=2.0 * args.rank, experts=args.lora_experts)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, args.vocab, (args.batch * args.steps, args.seq), generator=g)
+    n_steps = args.warmup + args.steps
+    ids = torch.randint(0, args.vocab, (args.batch * n_steps, args.seq), generator=g)
     examples = [Example(row.tolist(), [True] * args.seq) for row in ids]
     cfg = TrainConfig(
         lr=1e-4,
         batch_size=args.batch,
-        max_steps=args.steps,
+        max_steps=n_steps,
         epochs=None,
         schedule="constant",
         grad_checkpoint=args.grad_checkpoint,
@@ -143,19 +281,34 @@ def main() -> None:
     steps = [e for e in rec.events if e.kind == "train_step"]
     stamps = [start] + [e.time for e in steps]
     times = [b - a for a, b in zip(stamps, stamps[1:])]
-    timed = times[1:] or times
-    tok_s = args.batch * args.seq / (sum(timed) / len(timed))
+    timed = times[args.warmup :] or times
+    step_s = sum(timed) / len(timed)
+    tok_s = args.batch * args.seq / step_s
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
     loads = [e.values for e in rec.events if e.kind == "expert_load"]
-    columns = ["step", "seconds", "loss", "forward ms", "backward ms", "optimizer ms"]
-    rows = [
-        [i, round(t, 2), round(e.values["loss"], 3)]
-        + [round(e.values.get(k, 0.0)) for k in ("forward_ms", "backward_ms", "optimizer_ms")]
-        for i, (e, t) in enumerate(zip(steps, times), 1)
-    ]
+    probe = torch.empty(0, device=device, dtype=model.act_dtype)
+    paths = {moe.runs_grouped(probe) for moe in model.modules() if isinstance(moe, MoEFeedForward)}
+    expert_path = "grouped" if paths == {True} else "loop" if paths == {False} else "mixed"
+    columns = ["implementation", "tokens/s", "s/step", "peak GiB", "tokens/s vs peer"]
+    rows = [["juno-py (Q4_K, experts " + expert_path + ")", round(tok_s), round(step_s, 3), round(peak, 2), "-"]]
+    if peer is not None and "error" not in peer:
+        rows[0][-1] = round(tok_s / peer["tokens_s"], 2)
+        rows.append(
+            [
+                f"transformers + PEFT (bf16, experts {peer['experts_implementation']})",
+                round(peer["tokens_s"]),
+                round(peer["step_s"], 3),
+                round(peer["peak_gib"], 2),
+                "-",
+            ]
+        )
+    last = steps[-1].values if steps else {}
     notes = [
-        f"{tok_s:.0f} tokens/s over steps 2..{len(steps)}; peak device memory {peak:.2f} GiB (max_memory_allocated); "
-        f"{weight_gib:.2f} GiB of weights (F32 embeddings, norms and router; the rest quantized).",
+        f"Mean over {len(timed)} steps after {args.warmup} warmup; peak: torch's max_memory_allocated after the "
+        f"model was built, weights included. juno-py: {weight_gib:.2f} GiB of weights (F32 embeddings, norms and "
+        "router; the rest quantized); last step forward/backward/optimizer "
+        + "/".join(f"{last.get(k, 0.0):.0f}" for k in ("forward_ms", "backward_ms", "optimizer_ms"))
+        + f" ms; losses {[round(e.values['loss'], 3) for e in steps]}.",
         f"Synthetic qwen3moe: {args.layers} layers, hidden {args.n_embd}, {args.heads}/{args.kv_heads} heads of 128, "
         f"{args.experts} experts of {args.n_ff_exp}, top {args.top_k}, vocab {args.vocab}; Q4_K (Q6_K output); LoRA "
         f"r={args.rank} on {args.targets} ({args.lora_experts}, {adapters.n_parameters():,} parameters); "
@@ -166,6 +319,22 @@ def main() -> None:
         if loads
         else "No router load recorded.",
     ]
+    if peer is None:
+        notes.append("Peer not run (--skip-peer).")
+    elif "error" in peer:
+        notes.append(f"Peer failed: {peer['error']}")
+    else:
+        fused = (
+            "; gate and up are one fused parameter there, so one adapter per expert covers both"
+            if peer["expert_lora"].startswith("per expert")
+            else ""
+        )
+        notes.append(
+            f"Peer: transformers Qwen3MoeForCausalLM, bf16 random weights built on the device, SDPA, experts "
+            f"{peer['experts_implementation']}; PEFT LoRA r={args.rank} on q/k/v/o, on the experts "
+            f"{peer['expert_lora']} ({peer['trainable']:,} parameters{fused}); gradient checkpointing "
+            f"{args.grad_checkpoint}; fused AdamW; losses {peer['losses']}."
+        )
     print(harness.markdown_table(columns, rows))
     print("\n".join(notes))
     record = harness.results(

@@ -10,17 +10,33 @@ router logits (the router has a bias) and a softmax over those; its experts have
 for expert e) and the clamped SwiGLU `swiglu_oai`.
 
 The experts' weights stay quantized: each expert is a `FrozenQuantLinear` over its 2-D slice of the 3-D
-`ffn_*_exps` tensor (a view of the file's bytes, decoded on demand like any frozen linear). Tokens are grouped by
-expert, so within a step each expert's weights are decoded once for all of its tokens (and once more in backward
-for the input gradient), never per token; experts no token chose are not touched.
+`ffn_*_exps` tensor (a view of the file's bytes, decoded on demand like any frozen linear). The (token, slot) pairs
+are sorted by expert, and then one of two paths runs:
+
+- grouped (`torch._grouped_mm`; by default on CUDA, compute capability 9.0 or later, bf16 activations): per
+  projection ONE grouped matmul over all experts. The projection's whole 3-D weight `[n_expert, n_out, n_in]` is
+  decoded in bf16 (one Triton launch over the experts' bytes, which are kept as views of one buffer per projection)
+  and freed after the product; backward decodes it again for the input gradient instead of keeping it
+  (`GroupedFrozenMatmul`). Per-expert LoRA factors are stacked to A `[E, r, n_in]`, B `[E, n_out, r]` and applied
+  as two grouped matmuls (their gradients through autograd of `_grouped_mm`); a LoRA shared by every expert is a
+  plain matmul over all rows; biases are gathered per row. No host sync: the group ends are a device tensor.
+  DoRA on experts, several adapters of different ranks or weights on one projection, float64 and devices without
+  grouped matmuls take the loop.
+- loop (the reference): per expert an index_select, its gate/up/down linears (with their adapters) and an
+  index_add_; one host sync per block for the group sizes. Each chosen expert's weights are decoded once for all
+  of its tokens (and once more in backward), experts no token chose are not touched.
+
+An expert no token chose in a step gets no gradient on the loop and a zero gradient on the grouped path (its
+factors are stacked with the others); AdamW then moves it by its moments and weight decay.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from juno_py.models.config import ModelArgs
 from juno_py.models.layout import EXPERT_TARGETS, BlockLayout
@@ -58,10 +74,190 @@ def route(logits: Tensor, k: int, routing: str = "softmax_topk") -> tuple[Tensor
     return top / top.sum(-1, keepdim=True).clamp_min(WEIGHTS_SUM_MIN), experts
 
 
+# how the experts run (MoEFeedForward.expert_path): "auto" (grouped where `grouped_mm_ready`, else the loop),
+# "grouped" (wherever torch has `_grouped_mm` for the dtype: the CPU tests of the grouped path), "loop"
+EXPERT_PATHS = ("auto", "grouped", "loop")
+# the row strides `_grouped_mm` reads must be multiples of 16 bytes: rows and ranks are padded to this many values
+GROUPED_ALIGN = 8
+
+
+def grouped_mm_ready(x: Tensor) -> bool:
+    """Whether the grouped path runs by default for activations `x`: torch has `_grouped_mm`, x is bf16 on a CUDA
+    device of compute capability 9.0 or later (the grouped GEMM kernels' floor)."""
+    return (
+        hasattr(torch, "_grouped_mm")
+        and x.is_cuda
+        and x.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    )
+
+
+def grouped_matmul(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    """`y[rows of group e] = x[rows of group e] · w[e]` for x `[M, K]`, w `[E, K, N]` and offs int32 `[E]`, the
+    groups' cumulative ends (empty groups allowed): `torch._grouped_mm`, differentiable in x and w."""
+    return torch._grouped_mm(x, w, offs=offs)
+
+
+class GroupedFrozenMatmul(torch.autograd.Function):
+    """`y = x · W[e]ᵀ` per group of rows, W `[E, n_out, n_in]` a frozen weight that `decode()` produces. Nothing is
+    saved but the group ends: backward decodes W again for `dx = dy · W[e]` (the weight has no gradient), so the
+    decoded weight lives only during each product."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, offs: Tensor, decode: Callable[[], Tensor]) -> Tensor:
+        ctx.decode = decode
+        ctx.save_for_backward(offs)
+        w = decode()
+        return grouped_matmul(x, w.transpose(-2, -1), offs)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Optional[Tensor], None, None]:
+        (offs,) = ctx.saved_tensors
+        dx = None
+        if ctx.needs_input_grad[0]:
+            w = ctx.decode()
+            dx = grouped_matmul(dy.contiguous(), w, offs)
+        return dx, None, None
+
+
+class _ZeroIdleGrad(torch.autograd.Function):
+    """The identity on stacked per-expert factors `[E, ...]`; backward zeroes the gradient of the experts no row
+    chose (`present` `[E]` bool). On Hopper the grouped weight gradient of an empty group is zero already; on some
+    GPUs (B200, pytorch#172439) it is not, and an uninitialised value there would reach the optimizer."""
+
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, present: Tensor) -> Tensor:
+        ctx.save_for_backward(present)
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+        (present,) = ctx.saved_tensors
+        mask = present.view(-1, *([1] * (g.dim() - 1)))
+        return torch.where(mask, g, torch.zeros((), dtype=g.dtype, device=g.device)), None
+
+
+class _Slot:
+    """One adapter position of a projection on the grouped path: the same adapter on every expert (`shared`) or one
+    per expert with the same rank, `coef` (playback weight times the adapter's scale) and dropout."""
+
+    def __init__(self, adapters: list[Any], coef: float):
+        self.adapters = adapters
+        self.shared = all(a is adapters[0] for a in adapters)
+        self.coef = coef
+        self.dropout = float(adapters[0].config.dropout)
+
+
+class _GroupedProjection:
+    """What the grouped path needs of one projection (`wgate_exps`, ...): a FrozenQuantLinear over all experts'
+    bytes `[E · n_out]` rows (the experts' own `raw` are views of its buffer), their biases `[E, n_out]` and the
+    adapter slots."""
+
+    def __init__(self, whole: FrozenQuantLinear, n_expert: int, bias: Optional[Tensor], slots: list[_Slot]):
+        self.whole, self.n_expert, self.bias, self.slots = whole, n_expert, bias, slots
+        self.n_out = whole.out_features // n_expert
+        self.n_in = whole.in_features
+
+    def decode(self, dtype: torch.dtype) -> Callable[[], Tensor]:
+        def weights() -> Tensor:
+            w = self.whole.dequantize_rows(0, self.whole.out_features, dtype)
+            return w.view(self.n_expert, self.n_out, self.n_in)
+
+        return weights
+
+    def __call__(self, xs: Tensor, offs: Tensor, ids: Tensor, present: Tensor) -> Tensor:
+        dt = xs.dtype
+        y: Tensor = GroupedFrozenMatmul.apply(xs, offs, self.decode(dt))  # type: ignore[no-untyped-call]
+        for slot in self.slots:
+            training = slot.adapters[0].training
+            xin = F.dropout(xs, slot.dropout, training=True) if training and slot.dropout > 0 else xs
+            if slot.shared:
+                A, B = slot.adapters[0].factors(dt)
+                delta = (xin @ A.T) @ B.T
+            else:
+                # [E, r, n_in] and [E, n_out, r]
+                A = torch.stack([a.lora_A for a in slot.adapters]).to(dt)
+                B = torch.stack([a.lora_B for a in slot.adapters]).to(dt)
+                A = _ZeroIdleGrad.apply(A, present)  # type: ignore[no-untyped-call]
+                B = _ZeroIdleGrad.apply(B, present)  # type: ignore[no-untyped-call]
+                pad = -A.shape[1] % GROUPED_ALIGN  # zero ranks: the [M, r] product's rows must be 16-byte aligned
+                if pad:
+                    A, B = F.pad(A, (0, 0, 0, pad)), F.pad(B, (0, pad))
+                delta = grouped_matmul(grouped_matmul(xin, A.transpose(1, 2), offs), B.transpose(1, 2), offs)
+            y = y + slot.coef * delta
+        if self.bias is not None:
+            y = y + self.bias.to(dt).index_select(0, ids)
+        return y
+
+
+def _adapter_slots(modules: list[nn.Module]) -> Optional[tuple[list[FrozenQuantLinear], list[_Slot]]]:
+    """(the frozen bases, the adapter slots) where every expert's module fits the grouped path: a bare
+    FrozenQuantLinear, or an adapted one with LoRAs (no DoRA) whose ranks, weights and dropout agree position by
+    position across the experts. None otherwise (the loop runs)."""
+    bases: list[FrozenQuantLinear] = []
+    lists: list[list[tuple[float, Any]]] = []
+    for m in modules:
+        base = _base(m)
+        if not isinstance(base, FrozenQuantLinear):
+            return None
+        bases.append(base)
+        if base is m:
+            lists.append([])
+            continue
+        if getattr(m, "dora", None) is not None:
+            return None
+        lists.append([(float(w), a) for w, a in zip(m.weights, m.adapters)])  # type: ignore[arg-type]
+    if any(len(lst) != len(lists[0]) for lst in lists):
+        return None
+    slots = []
+    for j in range(len(lists[0])):
+        coefs = {w * a.scale for w, a in (lst[j] for lst in lists)}
+        ranks = {(a.lora_A.shape, a.config.dropout) for _, a in (lst[j] for lst in lists)}
+        if len(coefs) != 1 or len(ranks) != 1:
+            return None
+        slots.append(_Slot([lst[j][1] for lst in lists], coefs.pop()))
+    return bases, slots
+
+
+def _base(module: nn.Module) -> nn.Module:
+    """The frozen linear under an adapter (an adapted layer has `base` and `adapters`), or the module itself."""
+    return getattr(module, "base", module) if hasattr(module, "adapters") else module
+
+
+def _modules_key(modules: list[nn.Module]) -> tuple[Any, ...]:
+    """What a projection's grouped view depends on: the expert modules, and where the first and last expert's bytes
+    are (a device move goes through `MoEFeedForward._apply`, which drops the views; this catches a move of the
+    experts alone). Cheap: it is checked every forward."""
+    ends = [getattr(_base(m), "raw", None) for m in (modules[0], modules[-1])]
+    return (*map(id, modules), *(r.data_ptr() if isinstance(r, Tensor) else 0 for r in ends))
+
+
+def _whole_bytes(bases: list[FrozenQuantLinear]) -> Tensor:
+    """All experts' bytes as one uint8 `[E · n_out, row_bytes]` tensor: a view where they already lie one after the
+    other in one storage, else a copy, which the experts' `raw` then become views of (so the bytes are held once)."""
+    r0 = bases[0].raw
+    n_out, row_bytes = r0.shape
+    step = n_out * row_bytes
+    storage = r0.untyped_storage().data_ptr()
+    if all(
+        b.raw.is_contiguous()
+        and b.raw.shape == r0.shape
+        and b.raw.untyped_storage().data_ptr() == storage
+        and b.raw.data_ptr() == r0.data_ptr() + e * step
+        for e, b in enumerate(bases)
+    ):
+        return r0.as_strided((len(bases) * n_out, row_bytes), (row_bytes, 1))
+    whole = torch.cat([b.raw for b in bases])
+    for e, b in enumerate(bases):
+        b.raw = whole[e * n_out : (e + 1) * n_out]
+    return whole
+
+
 class MoEFeedForward(nn.Module):
     """The experts of one block: `experts[target][e]` is expert e's linear for `wgate_exps`, `wup_exps` and
     `wdown_exps` (a FrozenQuantLinear, or an adapter wrapping one). The router is the block's `wrouter` linear,
-    passed to `forward`; `gated` computes act(gate) · up."""
+    passed to `forward`; `gated` computes act(gate) · up. `expert_path` (one of EXPERT_PATHS) picks the grouped
+    matmuls or the per-expert loop."""
 
     def __init__(
         self, args: ModelArgs, gated: GatedFn, experts: dict[str, list[nn.Module]], routing: str = "softmax_topk"
@@ -72,6 +268,75 @@ class MoEFeedForward(nn.Module):
         self.gated = gated
         # tokens routed to each expert since the load was last taken (detached, on the model's device)
         self.load: Optional[Tensor] = None
+        self.expert_path = "auto"
+        # per projection: (the modules and bytes it was built for, the grouped path's view of it)
+        self._grouped: dict[str, tuple[tuple[Any, ...], Optional[_GroupedProjection]]] = {}
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> MoEFeedForward:
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # torch leaves _apply unannotated
+        self._grouped.clear()
+        raw = getattr(_base(self._modules_of(EXPERT_TARGETS[0])[0]), "raw", None)
+        if isinstance(raw, Tensor) and raw.device.type != "cpu":
+            # the move copied each expert's bytes on its own: join them now, one projection at a time, so the
+            # copies are freed while the next block's reuse their memory
+            for t in EXPERT_TARGETS:
+                self._projection(t)
+        return self
+
+    def _modules_of(self, target: str) -> list[nn.Module]:
+        return list(cast(nn.ModuleList, self.experts[target]))
+
+    def _projection(self, target: str) -> Optional[_GroupedProjection]:
+        """The grouped path's view of a projection, or None where its experts need the loop."""
+        modules = self._modules_of(target)
+        key = _modules_key(modules)
+        kept = self._grouped.get(target)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        plan: Optional[_GroupedProjection] = None
+        found = _adapter_slots(modules)
+        if found is not None:
+            bases, slots = found
+            b0 = bases[0]
+            if (
+                b0.in_features % GROUPED_ALIGN == 0
+                and b0.out_features % GROUPED_ALIGN == 0
+                # the whole decode is one launch: its element offsets stay within int32
+                and len(bases) * b0.out_features * b0.in_features < 2**31
+                and all(
+                    (b.ggml_type, b.in_features, b.out_features, b.compute_dtype, b.dequant)
+                    == (b0.ggml_type, b0.in_features, b0.out_features, b0.compute_dtype, b0.dequant)
+                    for b in bases
+                )
+            ):
+                whole = FrozenQuantLinear(
+                    _whole_bytes(bases),
+                    b0.ggml_type,
+                    b0.in_features,
+                    compute_dtype=b0.compute_dtype,
+                    dequant=b0.dequant,
+                    name=f"{b0.name.split('[')[0]} (all experts)",
+                )
+                biases = [b.bias for b in bases if b.bias is not None]
+                bias = torch.stack(biases) if len(biases) == len(bases) else None
+                plan = _GroupedProjection(whole, len(bases), bias, slots)
+            key = _modules_key(modules)  # the bytes may have moved into one buffer
+        self._grouped[target] = (key, plan)
+        return plan
+
+    def runs_grouped(self, x: Tensor) -> bool:
+        """Whether activations like `x` (its device and dtype) take the grouped path."""
+        return self._grouped_plans(x) is not None
+
+    def _grouped_plans(self, x: Tensor) -> Optional[list[_GroupedProjection]]:
+        if self.expert_path == "loop" or x.dtype not in (torch.bfloat16, torch.float32):
+            return None
+        if self.expert_path == "auto" and not grouped_mm_ready(x):
+            return None
+        if not hasattr(torch, "_grouped_mm"):
+            return None
+        plans = [self._projection(t) for t in EXPERT_TARGETS]
+        return None if any(p is None for p in plans) else plans  # type: ignore[return-value]
 
     def forward(self, x: Tensor, router: Callable[[Tensor], Tensor]) -> Tensor:
         shape, d = x.shape, x.shape[-1]
@@ -80,12 +345,20 @@ class MoEFeedForward(nn.Module):
         weights, chosen = route(router(xf).to(route_dtype), self.k, self.routing)
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.n_expert)
+        # tokens per expert: a scatter-add, not bincount, which reads its input's largest value on the host
+        counts = torch.zeros(self.n_expert, dtype=torch.long, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat)
+        )
         self.load = counts.detach() if self.load is None else self.load + counts.detach()
         tokens = order // self.k
         w = weights.reshape(-1)[order].to(x.dtype).unsqueeze(-1)
         out = torch.zeros_like(xf)
-        gate, up, down = (self.experts[t] for t in EXPERT_TARGETS)
+        plans = self._grouped_plans(x)
+        if plans is not None:
+            y = self._grouped_forward(xf, plans, tokens, flat[order], counts)
+            out.index_add_(0, tokens, y.to(x.dtype) * w)
+            return out.view(shape)
+        gate, up, down = (self._modules_of(t) for t in EXPERT_TARGETS)
         start = 0
         for e, end in enumerate(counts.cumsum(0).tolist()):  # one host sync per block: the group sizes
             if end == start:
@@ -96,6 +369,26 @@ class MoEFeedForward(nn.Module):
             out.index_add_(0, rows, down[e](h).to(x.dtype) * w[start:end])
             start = end
         return out.view(shape)
+
+    def _grouped_forward(
+        self, xf: Tensor, plans: list[_GroupedProjection], tokens: Tensor, ids: Tensor, counts: Tensor
+    ) -> Tensor:
+        """down(act(gate(x)) · up(x)) of every (token, slot) pair, in expert order `[N·k, d]`. The rows are padded
+        with zeros to a multiple of GROUPED_ALIGN, the padding counted in the last expert's group (its outputs are
+        dropped, and zero inputs add nothing to the adapters' gradients)."""
+        gate, up, down = plans
+        tokens_sorted = ids.shape[0]
+        pad = -tokens_sorted % GROUPED_ALIGN
+        xs = xf.index_select(0, tokens)
+        if pad:
+            xs = F.pad(xs, (0, 0, 0, pad))
+            ids = F.pad(ids, (0, pad), value=self.n_expert - 1)
+            counts = counts.clone()
+            counts[-1] += pad
+        offs = counts.cumsum(0).to(torch.int32)
+        present = counts > 0
+        h = self.gated(gate(xs, offs, ids, present), up(xs, offs, ids, present))
+        return down(h, offs, ids, present)[:tokens_sorted]
 
 
 def expert_linears(
