@@ -100,6 +100,7 @@ def full_run(
         watch["dense"] = sum(local_part(p).untyped_storage().nbytes() for p in params)
         watch["dense_whole"] = sum(4 * p.numel() for p in params)
         watch["dense_rows"] = {k: list(local_part(lin.weight).shape) for k, lin in dense.linears.items()}
+        watch["dense_shapes"] = {k: list(lin.weight.shape) for k, lin in dense.linears.items()}
         if spec["optimizer"] == "galore":
             watch["galore_state"] = built[-1].state_size()
     if result.stop_reason != "interrupted":
