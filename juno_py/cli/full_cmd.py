@@ -176,6 +176,14 @@ def world_size() -> int:
     "or torch.linalg.svd.",
 )
 @click.option(
+    "--galore-row-chunks",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Project each matrix as N pieces of consecutive rows (torch.chunk's split), each with its own projector "
+    "and moments: in one process, what --shard on N processes computes (docs/distributed.md).",
+)
+@click.option(
     "--galore-per-layer/--no-galore-per-layer",
     default=None,
     help="Update each matrix in its gradient hook during backward and free the gradient at once, so all "
@@ -258,7 +266,13 @@ def full(**o) -> None:
         svd=o["galore_svd"],
         per_layer=per_layer,
         max_matrix_norm=matrix_norm,
+        row_chunks=o["galore_row_chunks"],
     )
+    if shard and galore_cfg.row_chunks != 1:
+        raise click.UsageError(
+            f"--galore-row-chunks {galore_cfg.row_chunks} with --shard: each process's shard is its piece of every "
+            f"matrix; drop --galore-row-chunks"
+        )
     output = Path(o["output"])
     check_writable(output, "--output")  # before a model is pulled or loaded
     refuse_overwrite(output, "--output", overwrite=o["overwrite"], resume=o["resume"])

@@ -165,3 +165,23 @@ def test_full_shard_on_one_process_writes_the_gguf_of_a_plain_run(q8_path, data,
     r1 = CliRunner().invoke(cli, ["full", *map(str, args), "--output", str(one)], catch_exceptions=False)
     assert r1.exit_code == 0, r1.stderr
     assert out.read_bytes() == one.read_bytes()
+
+
+def test_full_nproc_2_shard_trains_like_one_process_with_two_row_chunks(q8_path, data, tmp_path):
+    args = ["--model-path", q8_path, "--data", data, "--max-steps", 2, "--batch-size", 3, "--galore-rank", 4]
+    args += ["--validation-split", 0.2, "--compute-dtype", "fp32", "--no-progress", "--requant", "f32"]
+    args += ["--targets", "q,v", "--no-galore-per-layer"]
+    out, one = tmp_path / "sharded.gguf", tmp_path / "one.gguf"
+    r = run([sys.executable, "-m", "juno_py", "full", "--nproc", "2", "--shard", *map(str, args), "--output", out])
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout == f"{out}\n" and r.stderr.count("trained 2 steps") == 1
+    for rank in (0, 1):
+        assert (tmp_path / f"sharded.gguf.state.rank{rank}-of-2").is_file()
+    r1 = CliRunner().invoke(
+        cli, ["full", *map(str, args), "--galore-row-chunks", "2", "--output", str(one)], catch_exceptions=False
+    )
+    assert r1.exit_code == 0, r1.stderr
+    want, have = trained_tensors(one, q8_path), trained_tensors(out, q8_path)
+    assert sorted(have) == sorted(want) and len(want) == 4
+    for key, w in want.items():
+        assert rel_diff(have[key], w) <= REL, f"{key}: {rel_diff(have[key], w):.3g}"
