@@ -231,6 +231,7 @@ def full(**o) -> None:
     from juno_py.train.dense import build_dense_optimizer, densify
     from juno_py.train.galore import GaLoreConfig, resolve_update_mode
     from juno_py.train.loop import train
+    from juno_py.train.optim import TrainOptimizer
 
     if o["nproc"]:
         from juno_py.cli.launch import run_torchrun
@@ -305,9 +306,9 @@ def full(**o) -> None:
     )
     sinks = report_sinks(o, output) if world.is_main else []
     recorder = MetricsRecorder(identity, o["events_out"] if world.is_main else None, sinks)
-    built: list = []
+    built: list[TrainOptimizer] = []
 
-    def build_optimizer():
+    def build_optimizer() -> TrainOptimizer:
         built.append(
             build_dense_optimizer(o["optimizer"], dense, lr, o["weight_decay"], galore_cfg, o["seed"], recorder)
         )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -233,7 +233,7 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
         super().__init__([group], dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.config, self.seed, self.recorder = config, seed, recorder
         self.names = {id(p): name for name, p in named_params}
-        self.pieces: dict[int, list[dict]] = {}
+        self.pieces: dict[int, list[dict[str, Any]]] = {}
         gap = config.update_gap
         for i, p in enumerate(params):
             n_rows, n_cols = local_part(p).shape
@@ -242,7 +242,7 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
                 spans = [(rank, 0, n_rows)] if n_rows else []
             else:
                 spans = row_pieces(n_rows, config.row_chunks)
-            pieces = []
+            pieces: list[dict[str, Any]] = []
             for j, a, b in spans:
                 st = self.state[p] if not pieces else {}
                 st.update(
@@ -277,7 +277,7 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
         """True in per-layer mode: the weights change during backward, before the loop sees a gradient norm."""
         return self.config.per_layer
 
-    def _named_pieces(self, names: Optional[dict[int, str]] = None) -> list[tuple[str, torch.Tensor, dict]]:
+    def _named_pieces(self, names: Optional[dict[int, str]] = None) -> list[tuple[str, torch.Tensor, dict[str, Any]]]:
         """(name, parameter, state) of every piece this process holds: a matrix in one piece by its own name, the
         pieces of a split one as '<name>#<piece>'."""
         names = self.names if names is None else names
@@ -319,7 +319,9 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
         self._step_info["refresh_ms"] += 1e3 * (time.perf_counter() - t0)
 
     @torch.no_grad()
-    def _update(self, p: torch.Tensor, grad: torch.Tensor, group: dict, ok=None) -> None:
+    def _update(
+        self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any], ok: Optional[torch.Tensor] = None
+    ) -> None:
         """One GaLore-AdamW step of each piece of `p` this process holds, from the matrix's (clipped) gradient
         `grad` (this rank's part of it when sharded)."""
         w = local_part(p)
@@ -329,7 +331,12 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
 
     @torch.no_grad()
     def _update_piece(
-        self, st: dict, p: torch.Tensor, grad: torch.Tensor, group: dict, ok: Optional[torch.Tensor] = None
+        self,
+        st: dict[str, Any],
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        group: dict[str, Any],
+        ok: Optional[torch.Tensor] = None,
     ) -> None:
         """One GaLore-AdamW step of one piece `p` (a view of the matrix's rows) from its (already clipped) gradient.
         `ok`: a 0-d bool tensor on the device (per-layer mode on a GPU, where the host does not wait for each
@@ -411,7 +418,7 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
             return math.sqrt(sq) if self._step_info["finite"] and math.isfinite(sq) else math.inf
         return super().grad_norm(params)
 
-    def _matrix_norms(self, grads: list[Optional[torch.Tensor]]) -> list:
+    def _matrix_norms(self, grads: list[Optional[torch.Tensor]]) -> list[Any]:
         """Each matrix's gradient norm for per-matrix clipping (fp64). Sharded: the squares of the ranks' parts,
         all-reduced in one collective, so every rank clips by the whole matrix's norm, as one process does."""
         if not self.sharded:

@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union, cast
 
 import torch
 
@@ -175,7 +175,7 @@ def train(
     if sharded is None and materialize is not None:
         materialize()
     if callable(optimizer):
-        optimizer = optimizer()  # type: ignore[assignment]
+        optimizer = cast(Union[TrainOptimizer, torch.optim.Optimizer], optimizer())
     params = list(trainable.parameters())
     names = {id(p): n for n, p in trainable.named_parameters()}
     optimizer = (
