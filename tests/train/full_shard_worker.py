@@ -11,9 +11,11 @@ shards, then resumed: OUT/resumed-<N>.json and OUT/part-<N>.gguf).
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import sys
+import weakref
 from pathlib import Path
 from typing import Optional
 
@@ -25,7 +27,7 @@ from juno_py.train.data import load_dataset
 from juno_py.train.dense import build_dense_optimizer, densify
 from juno_py.train.galore import GaLoreConfig
 from juno_py.train.loop import TrainConfig, train
-from juno_py.train.sharded import local_part
+from juno_py.train.sharded import is_sharded, local_part
 
 # three of the seven targets train (the others stay quantized, sharded as `lora --shard` shards them)
 TARGETS = "q,v,down"
@@ -51,7 +53,8 @@ def full_run(
     watch: Optional[dict] = None,
 ):
     """One run of FULL_RUNS[name]; rank 0 (or the one process) writes `output`, the merged GGUF (f32 targets).
-    `watch`: filled with the bytes this rank holds (sharded)."""
+    `watch`: filled with the bytes this rank holds (sharded), and how many of the whole matrices decoded for the
+    sharding were still alive before each block's decoding and after the sharding (weak references)."""
     spec = FULL_RUNS[name]
     model = load_model(tiny)
     train_set, val_set, _ = load_dataset([data], model.tokenizer, 256, qa_variants_n=2, validation_split=0.2, seed=3)
@@ -67,14 +70,29 @@ def full_run(
 
     cfg = TrainConfig(lr=lr, seed=3, lora_path=output, shard=shard, max_grad_norm=spec["max_grad_norm"], **COMMON)
     steps = itertools.count(1)
-    held: dict = {}
+    held: dict = {"whole_alive_before_block": []}
     shard_fn = sharded.shard
+    decoded: list = []  # weak references to the whole matrices decoded for the sharding
+    materialize = dense.materialize
+
+    def watching_materialize(module=None):
+        gc.collect()  # the whole matrices of the blocks sharded so far: still alive?
+        held["whole_alive_before_block"].append(sum(r() is not None for r in decoded))
+        materialize(module)
+        fresh = [lin.weight for lin in dense.linears.values() if not (lin.weight.is_meta or is_sharded(lin.weight))]
+        decoded.extend(weakref.ref(w) for w in fresh)
+        del fresh
 
     def watching(model, world, prefetch=None, frozen_dtype=None, before_block=None):
         s = shard_fn(model, world, prefetch, frozen_dtype, before_block)
+        gc.collect()
+        held["whole_alive_after_shard"], held["whole_decoded"] = sum(r() is not None for r in decoded), len(decoded)
         held["quantized_after_shard"] = s.quantized_bytes()
         held["quantized_base"] = s.base_bytes()[0]
         return s
+
+    if shard:
+        dense.materialize = watching_materialize  # type: ignore[method-assign]
 
     sharded.shard = watching
     try:

@@ -114,6 +114,8 @@ def test_each_rank_holds_its_rows_of_the_dense_targets_and_of_the_base(name, n, 
         padded = sum(4 * math.ceil(m / n) * cols for m, cols in q["dense_shapes"].values())
         assert q["dense_whole"] == whole and whole / n <= q["dense"] <= padded, f"rank {r}: {q['dense']} of {whole}"
         assert q["quantized_base"] == base and base / n <= q["quantized_after_shard"] <= part, f"rank {r}"
+        # the whole fp32 matrices were decoded block by block, and each block's freed once FSDP2 sharded it
+        assert q["whole_decoded"] == 6 and q["whole_alive_before_block"] == [0, 0] and q["whole_alive_after_shard"] == 0
     if name == "galore":  # the ranks' GaLore state is exactly the pieces' state of one process with row_chunks n
         total = one_process[1]["galore", n]["galore_state"]
         for key in ("moments", "projector", "adamw"):
