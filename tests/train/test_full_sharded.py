@@ -187,3 +187,12 @@ def test_full_nproc_2_shard_trains_like_one_process_with_two_row_chunks(q8_path,
     assert sorted(have) == sorted(want) and len(want) == 4
     for key, w in want.items():
         assert rel_diff(have[key], w) <= REL, f"{key}: {rel_diff(have[key], w):.3g}"
+
+
+def test_a_rerun_does_not_replace_the_shards_of_an_interrupted_run(q8_path, data, tmp_path):
+    out = tmp_path / "run.gguf"
+    shard = tmp_path / "run.gguf.state.rank0-of-2"
+    shard.write_bytes(b"a shard")
+    r = CliRunner().invoke(cli, ["full", "--model-path", str(q8_path), "--data", str(data), "--output", str(out)])
+    assert r.exit_code == 2 and f"{shard} exists: pass --overwrite to replace it (or --resume" in r.output
+    assert shard.read_bytes() == b"a shard"
