@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
     full = ["--model-path", str(tiny), "--data", str(data), "--max-steps", "4", "--batch-size", "4"]
     full += ["--optimizer", "galore", "--galore-rank", "4", "--galore-update-gap", "2", "--no-galore-per-layer"]
     full += ["--targets", "q,v,down", "--requant", "f32", "--validation-split", "0.2", "--compute-dtype", "fp32"]
-    full += ["--no-progress", "--device", "cuda"]
+    full += ["--weights-cache", "none", "--no-progress", "--device", "cuda"]  # both: the frozen layers' own kernels
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
     runs = {
         "lora sharded": torchrun + ["-m", "juno_py", "lora", "--shard", *common, "--output", str(out / "sharded.bin")],
