@@ -17,8 +17,11 @@ from juno_py.gguf.constants import GGMLType
 from juno_py.models import load_model
 from juno_py.testing.records import MIXED_RECORDS, write_jsonl
 from juno_py.testing.tiny_models import write_tiny_gguf
-from juno_py.train.dense import densify
+from juno_py.train.data import load_dataset
+from juno_py.train.dense import build_dense_optimizer, densify
+from juno_py.train.distributed import DistributedError
 from juno_py.train.galore import GaLoreConfigError, resolve_update_mode, row_pieces
+from juno_py.train.loop import TrainConfig, train
 from juno_py.train.sharded import frozen_linears
 from tests.train.full_shard_worker import FULL_RUNS, PART_STEPS, TARGETS, full_run
 from tests.train.test_sharded import launch, rel_diff, run
@@ -153,6 +156,20 @@ def test_shard_refusals(q8_path, data):
     with pytest.raises(GaLoreConfigError, match="--galore-per-layer with --shard"):
         resolve_update_mode("galore", True, "per-matrix", 1.0, sharded=True)
     assert resolve_update_mode("galore", None, "auto", 1.0, world_size=1, sharded=True)[:2] == (False, "global")
+    r = CliRunner().invoke(
+        cli, ["full", "--model-path", str(q8_path), "--output", "x.gguf", "--galore-row-chunks", "0"]
+    )
+    assert r.exit_code == 2 and "--galore-row-chunks" in r.output
+    # the Python API: an optimizer built before sharding holds parameters FSDP2 replaces; one process cannot shard
+    model = load_model(q8_path)
+    train_set, _, _ = load_dataset([data], model.tokenizer, 256, validation_split=0.0, seed=3)
+    dense = densify(model, TARGETS, deferred=True)
+    cfg = TrainConfig(shard=True, max_steps=1)
+    built = build_dense_optimizer("adamw", dense, 1e-4)
+    with pytest.raises(DistributedError, match="pass the optimizer as a function that builds it"):
+        train(model, dense, train_set, cfg, optimizer=built, progress=False, log=lambda s: None)
+    with pytest.raises(DistributedError, match="--shard needs several processes"):
+        train(model, dense, train_set, cfg, optimizer=lambda: built, progress=False, log=lambda s: None)
 
 
 def test_full_shard_on_one_process_writes_the_gguf_of_a_plain_run(q8_path, data, tmp_path):
