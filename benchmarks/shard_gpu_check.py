@@ -1,7 +1,8 @@
 """`juno-py lora --shard` and `juno-py full --shard --optimizer galore` on one GPU (torchrun, NCCL, 1 rank) against
 plain one-process runs on the same GPU, on the tiny test model with Q8_0 bytes; prints the torch version, each run's
 exit status and log tail, the largest relative difference of the adapters' A and B, and of the trained tensors of
-the two GGUFs (full: three targets dense, the rest quantized and sharded; GaLore rank 4 updated after backward).
+the two GGUFs (full: three targets dense, the rest quantized and sharded; GaLore rank 4 updated after backward,
+each matrix clipped by its norm).
 On torch before 2.13 this runs the path where FSDP2 holds the quantized bytes as float8_e5m2 parameters
 (juno_py/train/sharded.py: frozen_bytes_dtype).
 
@@ -43,6 +44,7 @@ def main(argv: list[str]) -> int:
     full = ["--model-path", str(tiny), "--data", str(data), "--max-steps", "4", "--batch-size", "4"]
     full += ["--optimizer", "galore", "--galore-rank", "4", "--galore-update-gap", "2", "--no-galore-per-layer"]
     full += ["--targets", "q,v,down", "--requant", "f32", "--validation-split", "0.2", "--compute-dtype", "fp32"]
+    full += ["--grad-clip", "per-matrix", "--max-grad-norm", "0.05"]  # the sharded norms' all-reduce, on NCCL
     full += ["--weights-cache", "none", "--no-progress", "--device", "cuda"]  # both: the frozen layers' own kernels
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
     runs = {
