@@ -7,6 +7,10 @@ step `N` are computed on R exactly as `torch.optim.AdamW` does on a full gradien
 or `N Qᵀ`), scaled by α and applied after the decoupled weight decay. With P = I and α = 1 it is AdamW; with any
 rotating projector it is not (Adam is element-wise). The moments are kept across a refresh, as the paper does.
 
+Row pieces (`GaLoreConfig.row_chunks`, and every matrix FSDP2 shards under `--shard`): a matrix may be projected as
+pieces of consecutive rows (torch.chunk's dim-0 split), each with its own projector, moments and sketch seed; with
+more than one piece this is a different algorithm from GaLore on the whole matrix, the one a sharded run computes.
+
 Per-layer mode updates each matrix in a post-accumulate-gradient hook the moment its gradient is complete and
 frees the gradient, so the gradients of all matrices never exist together. Diagnostics per matrix: the captured
 fraction ‖R‖/‖G‖ of every step (a `galore` metrics event) and the optimizer state's size against AdamW's.
@@ -537,7 +541,7 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
         lines = [
             f"GaLore state: {fmt(size['moments'])} moment values + {fmt(size['projector'])} projector values "
             f"({fmt(size['moments'] + size['projector'])}) vs AdamW's {fmt(size['adamw'])} "
-            f"({(size['moments'] + size['projector']) / size['adamw']:.3f}x)"
+            f"({(size['moments'] + size['projector']) / max(size['adamw'], 1):.3f}x)"
         ]
         means = [r["captured_mean"] for r in rows.values() if math.isfinite(r["captured_mean"])]
         stale = {
