@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import math
 import os
 import signal
@@ -52,15 +53,17 @@ def check_output_options(**paths) -> None:
 
 
 def refuse_overwrite(path: Path, flag: str, *, overwrite: bool, resume: bool = False, state: bool = True) -> None:
-    """Stop before anything loads when `path` (or, for a training output, its resume state `<path>.state`) exists
-    and neither --overwrite nor --resume (which continues from that state) was given: a rerun must not silently
-    replace a trained output."""
+    """Stop before anything loads when `path` (or, for a training output, its resume state `<path>.state`, or a
+    sharded run's `<path>.state.rank<r>-of-<n>`) exists and neither --overwrite nor --resume (which continues from
+    that state) was given: a rerun must not silently replace a trained output."""
     if overwrite or resume:
         return
+    path = Path(path)
     state_file = Path(f"{path}.state")
-    for existing in (path, state_file) if state else (path,):
+    shards = sorted(path.parent.glob(f"{glob.escape(path.name)}.state.rank*-of-*")) if state else []
+    for existing in [*((path, state_file) if state else (path,)), *shards[:1]]:
         if existing.exists():
-            hint = " (or --resume to continue its run)" if state and state_file.exists() else ""
+            hint = " (or --resume to continue its run)" if state and (state_file.exists() or shards) else ""
             raise click.UsageError(f"{existing} exists: pass --overwrite to replace it{hint}, or choose another {flag}")
 
 

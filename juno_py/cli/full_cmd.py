@@ -65,6 +65,7 @@ SHARED_OPTIONS = (
     "device",
     "threads",
     "nproc",
+    "shard",
     "save_every",
     "overwrite",
     "metrics_out",
@@ -175,6 +176,14 @@ def world_size() -> int:
     "or torch.linalg.svd.",
 )
 @click.option(
+    "--galore-row-chunks",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Project each matrix as N pieces of consecutive rows (torch.chunk's split), each with its own projector "
+    "and moments: in one process, what --shard on N processes computes (docs/distributed.md).",
+)
+@click.option(
     "--galore-per-layer/--no-galore-per-layer",
     default=None,
     help="Update each matrix in its gradient hook during backward and free the gradient at once, so all "
@@ -222,12 +231,22 @@ def full(**o) -> None:
     from juno_py.train.dense import build_dense_optimizer, densify
     from juno_py.train.galore import GaLoreConfig, resolve_update_mode
     from juno_py.train.loop import train
+    from juno_py.train.optim import TrainOptimizer
 
     if o["nproc"]:
         from juno_py.cli.launch import run_torchrun
 
         sys.exit(run_torchrun(click.get_current_context(), o["nproc"], o["device"]))
     o = take_deprecated_aliases(o)
+    world = distributed.init_from_env(o["device"])  # a rank of a torchrun job, or a single process
+    set_quiet(not world.is_main)
+    shard = o["shard"]
+    if shard and not world.active:
+        raise click.UsageError("--shard splits the model across processes: add --nproc N, or run under torchrun")
+    if shard and o["bptt_window"]:
+        raise click.UsageError(
+            "--shard with --bptt-window: every process must run the same forwards; use --bptt-window 0"
+        )
     galore = o["optimizer"] == "galore"
     lr = o["lr"] or DEFAULTS["lr"][o["optimizer"]]
     per_layer, clip, global_norm, matrix_norm = resolve_update_mode(
@@ -238,6 +257,7 @@ def full(**o) -> None:
         o["gradient_accumulation"],
         o["bptt_window"],
         world_size(),
+        sharded=shard,
     )
     parse_requant(o["requant"])  # a bad type fails now, not after the training
     galore_cfg = GaLoreConfig(
@@ -247,24 +267,33 @@ def full(**o) -> None:
         svd=o["galore_svd"],
         per_layer=per_layer,
         max_matrix_norm=matrix_norm,
+        row_chunks=o["galore_row_chunks"],
     )
+    if shard and galore_cfg.row_chunks != 1:
+        raise click.UsageError(
+            f"--galore-row-chunks {galore_cfg.row_chunks} with --shard: each process's shard is its piece of every "
+            f"matrix; drop --galore-row-chunks"
+        )
     output = Path(o["output"])
     check_writable(output, "--output")  # before a model is pulled or loaded
     refuse_overwrite(output, "--output", overwrite=o["overwrite"], resume=o["resume"])
     check_output_options(report=o["report_path"], metrics_out=o["metrics_out"], events_out=o["events_out"])
-    world = distributed.init_from_env(o["device"])  # a rank of a torchrun job (DDP), or a single process
-    set_quiet(not world.is_main)
     if world.active:
         o["device"] = str(world.device)
         say(f"data parallel: {world.size} processes ({world.backend}); each takes its share of every global batch")
+    if shard:
+        say(
+            "sharded: the quantized base, the dense targets, their gradients and optimizer state are split across "
+            "the processes (each keeps its rows of every matrix)"
+        )
     n_threads = cpu_threads.setup(o["threads"])
     model_file = distributed.local_first(world, resolve_model, o["model_path"])  # pulled once per host
     check_output_path(output, [Path(model_file)])
 
-    model = load_training_model(o, model_file)
+    model = load_training_model(o, model_file, shard=shard)
     train_set, val_set = load_training_data(o, model)
     targets = parse_targets(o["targets"])
-    dense = densify(model, targets)
+    dense = densify(model, targets, deferred=shard)  # sharded: decoded block by block as FSDP2 shards them
     identity = Identity(
         algorithm=f"full-{o['optimizer']}",
         scaling="-",
@@ -277,7 +306,16 @@ def full(**o) -> None:
     )
     sinks = report_sinks(o, output) if world.is_main else []
     recorder = MetricsRecorder(identity, o["events_out"] if world.is_main else None, sinks)
-    optimizer = build_dense_optimizer(o["optimizer"], dense, lr, o["weight_decay"], galore_cfg, o["seed"], recorder)
+    built: list[TrainOptimizer] = []
+
+    def build_optimizer() -> TrainOptimizer:
+        built.append(
+            build_dense_optimizer(o["optimizer"], dense, lr, o["weight_decay"], galore_cfg, o["seed"], recorder)
+        )
+        return built[-1]
+
+    # sharded: FSDP2 replaces the parameters by their shards, so the loop builds the optimizer after sharding
+    optimizer = build_optimizer if shard else build_optimizer()
     what = (
         f"GaLore r={galore_cfg.rank} T={galore_cfg.update_gap} α={galore_cfg.scale} {galore_cfg.svd} SVD, "
         f"{'per-layer updates' if per_layer else 'updates after backward'}"
@@ -312,12 +350,15 @@ def full(**o) -> None:
         say(result.summary())
         say_metrics_files(o, sinks)
         if galore:
-            for line in optimizer.summary_lines():
+            for line in built[-1].summary_lines():
                 say(line)
+        states = state_files(output, world.size if shard else None)
         if result.stop_reason == "interrupted":
-            say(f"saved; continue with the same command and --resume (state: {output}.state); no GGUF written")
-            say_written("resume state", Path(f"{output}.state"))
+            where = f"{output}.state" + (f".rank*-of-{world.size}, one per process" if shard else "")
+            say(f"saved; continue with the same command and --resume (state: {where}); no GGUF written")
+            say_written("resume state", *states)
             return distributed.shutdown()
+        dense.gather(keep=world.is_main)  # sharded: the whole trained matrices to rank 0 (collectives)
         report = None
         if world.is_main:  # the replicas hold the same weights: rank 0 writes the GGUF, the others wait for it
             try:
@@ -348,11 +389,18 @@ def full(**o) -> None:
     if report is not None:
         click.echo(report.table(), err=True)
         say_written("model", output)
-        say_written("resume state", Path(f"{output}.state"), note="; --resume continues from it, delete it once done")
+        say_written("resume state", *states, note="; --resume continues from it, delete it once done")
         if o["report_path"]:
             report.write_json(o["report_path"])
         click.echo(str(output))
     distributed.shutdown()
+
+
+def state_files(output: Path, shards: int | None) -> list[Path]:
+    """The resume state beside `output`: `<output>.state`, or a sharded run's one file per rank."""
+    if shards is None:
+        return [Path(f"{output}.state")]
+    return [Path(f"{output}.state.rank{r}-of-{shards}") for r in range(shards)]
 
 
 def _deprecated(ctx, param, value):
@@ -432,6 +480,7 @@ def train_config_from_options(o: dict, *, lr: float, max_grad_norm: float, pad_i
         seed=o["seed"],
         save_every=o["save_every"],
         lora_path=output,
+        shard=o.get("shard", False),
     )
 
 

@@ -399,9 +399,10 @@ def training_options(fn):
     @click.option(
         "--shard",
         is_flag=True,
-        help="With several processes (--nproc, or under torchrun): split the quantized base, the adapters and "
-        "their optimizer state across them (FSDP2; each block's bytes are gathered, still quantized, just "
-        "before it runs) instead of copying the whole model into each. See docs/distributed.md.",
+        help="With several processes (--nproc, or under torchrun): split the quantized base, the trained weights "
+        "(adapters; juno-py full: the dense targets) and their optimizer state across them (FSDP2; each block is "
+        "gathered, the base still quantized, just before it runs) instead of copying the whole model into each. "
+        "See docs/distributed.md.",
     )
     @click.option(
         "--save-every",

@@ -5,6 +5,11 @@ dequantized matrix as an fp32 Parameter (the master copy); its matmuls run in th
 (bf16 where the hardware has it). Every other weight stays quantized and frozen. The returned `DenseTargets` is the
 `Trainable` the training loop trains, and gives the merge its dense deltas ΔW = W_trained − W_base, keyed
 '<layer>:<target>'.
+
+Sharded (`--shard`, `TrainConfig(shard=True)`): `densify(..., deferred=True)` decodes nothing yet; the loop's
+sharding decodes each block's targets (`DenseTargets.materialize`) just before FSDP2 shards that block, so a rank
+holds the whole fp32 matrices of one block at a time and keeps its rows of each. `gather()` brings the whole
+trained matrices to rank 0 for the merge.
 """
 
 from __future__ import annotations
@@ -104,9 +109,11 @@ class DenseTargets(Trainable):
     the frozen quantized layer each replaced (kept for ΔW and nothing else)."""
 
     state_format = STATE_FORMAT
+    writes_file = False  # `save` writes nothing: the resume state holds the weights
 
     def __init__(self, model: Any, linears: dict[str, DenseLinear], bases: dict[str, Any]):
         self.model, self.linears, self.bases = model, linears, bases
+        self.whole: dict[str, torch.Tensor] = {}  # `gather`'s whole matrices (sharded runs, rank 0)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for lin in self.linears.values():
@@ -166,6 +173,33 @@ class DenseTargets(Trainable):
     def derived_tensors(self) -> list[torch.Tensor]:
         return []
 
+    # ---- sharded training ----------------------------------------------------------------------------------
+    def deferred(self) -> list[str]:
+        """The keys whose weights are not decoded yet (`densify(..., deferred=True)`)."""
+        return [key for key, lin in self.linears.items() if lin.weight.is_meta]
+
+    def materialize(self, module: Optional[nn.Module] = None) -> None:
+        """Decode the deferred weights of the targets inside `module` (every target when None) from their frozen
+        bases, as fp32 masters on the base's device."""
+        inside = None if module is None else {id(m) for m in module.modules()}
+        for key, lin in self.linears.items():
+            if lin.weight.is_meta and (inside is None or id(lin) in inside):
+                base = self.bases[key]
+                weight = base.dequantize_rows(0, base.out_features).to(torch.float32).contiguous()
+                lin.weight = nn.Parameter(weight, requires_grad=True)
+
+    def gather(self, keep: bool = True) -> None:
+        """Sharded weights: all-gather each whole matrix, one at a time (a collective: every rank calls it), and
+        keep it on the CPU where `keep` (rank 0, which merges); `deltas` then reads these. Unsharded: nothing."""
+        from juno_py.train.sharded import is_sharded
+
+        for key, lin in self.linears.items():
+            if is_sharded(lin.weight):
+                whole = lin.weight.detach().full_tensor()  # type: ignore[attr-defined]
+                if keep:
+                    self.whole[key] = whole.cpu()
+                del whole
+
     def base_weight(self, key: str) -> torch.Tensor:
         """The frozen base's exact dequantized weight of `key` (fp32, on the CPU)."""
         base = self.bases[key]
@@ -177,15 +211,26 @@ class DenseTargets(Trainable):
         for it, one tensor at a time."""
 
         def delta(key: str) -> Callable[[], torch.Tensor]:
-            return lambda: self.linears[key].weight.detach().cpu().double() - self.base_weight(key).double()
+            def compute() -> torch.Tensor:
+                trained = self.whole.get(key)
+                if trained is None:
+                    trained = self.linears[key].weight.detach().cpu()
+                return trained.double() - self.base_weight(key).double()
+
+            return compute
 
         return {key: delta(key) for key in self.linears}
 
 
 def densify(
-    model: Any, targets: Union[str, Sequence[str]] = "all", layers: Optional[Iterable[int]] = None
+    model: Any,
+    targets: Union[str, Sequence[str]] = "all",
+    layers: Optional[Iterable[int]] = None,
+    deferred: bool = False,
 ) -> DenseTargets:
-    """Make the chosen targets of every (or the given) layer dense and trainable; freeze everything else."""
+    """Make the chosen targets of every (or the given) layer dense and trainable; freeze everything else.
+    `deferred`: leave the weights undecoded (meta tensors of their shape) until `DenseTargets.materialize`, which
+    the sharded loop calls block by block (the unsharded loop decodes them all at its start)."""
     names = parse_targets(targets)
     layer_set = set(layers) if layers is not None else None
     linears: dict[str, DenseLinear] = {}
@@ -200,8 +245,12 @@ def densify(
                 f"target {key}: a {type(base).__name__}, expected a frozen quantized linear (full "
                 f"training replaces the base weights; detach adapters first)"
             )
-        weight = base.dequantize_rows(0, base.out_features)
-        dense = DenseLinear(weight, base.bias, base.compute_dtype, name=key).to(weight.device)
+        if deferred:
+            weight = torch.empty(base.out_features, base.in_features, device="meta")
+            dense = DenseLinear(weight, base.bias, base.compute_dtype, name=key)
+        else:
+            weight = base.dequantize_rows(0, base.out_features)
+            dense = DenseLinear(weight, base.bias, base.compute_dtype, name=key).to(weight.device)
         base.weight_cache = None  # the dense master replaces it; the bytes stay for ΔW
         model.blocks[ref.layer].linears[ref.target] = dense
         linears[key], bases[key] = dense, base

@@ -7,6 +7,10 @@ step `N` are computed on R exactly as `torch.optim.AdamW` does on a full gradien
 or `N Qᵀ`), scaled by α and applied after the decoupled weight decay. With P = I and α = 1 it is AdamW; with any
 rotating projector it is not (Adam is element-wise). The moments are kept across a refresh, as the paper does.
 
+Row pieces (`GaLoreConfig.row_chunks`, and every matrix FSDP2 shards under `--shard`): a matrix may be projected as
+pieces of consecutive rows (torch.chunk's dim-0 split), each with its own projector, moments and sketch seed; with
+more than one piece this is a different algorithm from GaLore on the whole matrix, the one a sharded run computes.
+
 Per-layer mode updates each matrix in a post-accumulate-gradient hook the moment its gradient is complete and
 frees the gradient, so the gradients of all matrices never exist together. Diagnostics per matrix: the captured
 fraction ‖R‖/‖G‖ of every step (a `galore` metrics event) and the optimizer state's size against AdamW's.
@@ -17,13 +21,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
 
 from juno_py.errors import JunoError
 from juno_py.train.optim import BETAS, EPS, TrainOptimizer
+from juno_py.train.sharded import is_sharded, local_part
 from juno_py.train.state import StateError
 
 SVD_METHODS = ("randomized", "exact", "identity")  # identity: P = I (a check that GaLore reduces to AdamW)
@@ -47,6 +52,9 @@ class GaLoreConfig:
     max_matrix_norm: float = 0.0  # clip each matrix's gradient to this L2 norm (0: off)
     oversample: int = 8  # randomized SVD: extra columns beyond r
     power_iters: int = 2  # randomized SVD: subspace iterations
+    # split each matrix into this many row pieces (torch.chunk along dim 0, as FSDP2 shards it), each with its own
+    # projector and moments: one process running what `--shard` on this many processes runs (`row_pieces`)
+    row_chunks: int = 1
 
     def __post_init__(self):
         if self.rank < 1:
@@ -59,9 +67,13 @@ class GaLoreConfig:
             raise GaLoreConfigError(f"--galore-svd {self.svd!r}: expected one of {', '.join(SVD_METHODS)}")
         if self.max_matrix_norm < 0:
             raise GaLoreConfigError(f"per-matrix clipping norm {self.max_matrix_norm}: expected >= 0")
+        if self.row_chunks < 1:
+            raise GaLoreConfigError(f"--galore-row-chunks {self.row_chunks}: expected at least 1")
 
 
-def check_per_layer(accumulation: int, max_grad_norm: float, bptt_window: int = 0, world_size: int = 1) -> None:
+def check_per_layer(
+    accumulation: int, max_grad_norm: float, bptt_window: int = 0, world_size: int = 1, sharded: bool = False
+) -> None:
     """Refuse what per-layer updates cannot do: each matrix steps as soon as one backward pass has produced its
     gradient, so nothing may need the gradients of several passes, or of all matrices at once."""
     if accumulation > 1:
@@ -86,6 +98,11 @@ def check_per_layer(accumulation: int, max_grad_norm: float, bptt_window: int = 
             f"--galore-per-layer would update each process's matrices before the {world_size} "
             f"processes average their gradients: use --no-galore-per-layer"
         )
+    if sharded:
+        raise GaLoreConfigError(
+            "--galore-per-layer with --shard: FSDP2 hands each process its part of a gradient after the "
+            "backward pass, so no matrix can step during it: use --no-galore-per-layer"
+        )
 
 
 def resolve_update_mode(
@@ -96,13 +113,15 @@ def resolve_update_mode(
     accumulation: int = 1,
     bptt_window: int = 0,
     world_size: int = 1,
+    sharded: bool = False,
 ) -> tuple[bool, str, float, float]:
     """`juno-py full`'s update mode from its options: (per-layer updates, clipping 'global' or 'per-matrix', the
-    loop's global clipping norm, GaLore's per-matrix norm). per_layer None: on for GaLore in a single process.
+    loop's global clipping norm, GaLore's per-matrix norm). per_layer None: on for GaLore in a single unsharded
+    process.
     grad_clip 'auto': per matrix in per-layer mode, else global. Refuses the combinations that cannot work."""
     galore = optimizer == "galore"
     if per_layer is None:
-        per_layer = galore and world_size == 1
+        per_layer = galore and world_size == 1 and not sharded
     elif per_layer and not galore:
         raise GaLoreConfigError("--galore-per-layer applies to --optimizer galore")
     clip = grad_clip if grad_clip != "auto" else ("per-matrix" if per_layer else "global")
@@ -112,7 +131,7 @@ def resolve_update_mode(
         raise GaLoreConfigError("--grad-clip per-matrix applies to --optimizer galore (AdamW clips globally)")
     global_norm = max_norm if clip == "global" else 0.0
     if per_layer:
-        check_per_layer(accumulation, global_norm, bptt_window, world_size)
+        check_per_layer(accumulation, global_norm, bptt_window, world_size, sharded)
     return per_layer, clip, global_norm, max_norm if clip == "per-matrix" else 0.0
 
 
@@ -167,10 +186,24 @@ def state_numel(shape: Sequence[int], rank: int) -> dict[str, int]:
 
 
 # -------------------------------------------------------------------------------------------------- optimizer
+def row_pieces(n_rows: int, chunks: int) -> list[tuple[int, int, int]]:
+    """(piece, first row, end row) of a matrix of `n_rows` rows split as `torch.chunk(w, chunks, dim=0)` splits it,
+    which is how FSDP2 shards a parameter over `chunks` ranks: pieces of ceil(n_rows / chunks) rows, the last one
+    shorter, and none past the end (rank j of a sharded run holds piece j; ranks beyond the last piece hold none)."""
+    k = math.ceil(n_rows / chunks) if n_rows else 0
+    return [(j, j * k, min(n_rows, (j + 1) * k)) for j in range(chunks) if k and j * k < n_rows]
+
+
 class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
     """GaLore-AdamW over named 2-D parameters: one parameter group named 'weights' (the schedule sets its `lr` from
     `base_lr`). `recorder` (a MetricsRecorder) receives one `galore` event per step; `seed` makes the randomized
-    SVD's sketches reproducible (each refresh draws from a generator seeded by seed, matrix and step)."""
+    SVD's sketches reproducible (each refresh draws from a generator seeded by seed, matrix, piece and step).
+
+    Row pieces: each matrix is projected as one or more pieces of consecutive rows, each with its own projector
+    and moments (`state[p]` is the state of p's first piece, its only one unless split). A whole matrix is split
+    into `config.row_chunks` pieces (`row_pieces`); a matrix sharded by FSDP2 (a DTensor: `--shard`) is, on each
+    rank, the one piece it holds, numbered by the rank, so N ranks run what one process runs with row_chunks N.
+    With one piece per matrix this is GaLore on the whole matrix."""
 
     def __init__(
         self,
@@ -190,29 +223,53 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
             if p.dim() != 2:
                 raise GaLoreConfigError(f"{name}: shape {tuple(p.shape)}, GaLore trains 2-D matrices only")
         params = [p for _, p in named_params]
+        self.sharded = any(is_sharded(p) for p in params)
+        if self.sharded and config.row_chunks != 1:
+            raise GaLoreConfigError(
+                f"GaLore row_chunks {config.row_chunks} on sharded matrices: each rank's shard is its piece "
+                f"(row_chunks emulates a sharded run in one process); use row_chunks 1"
+            )
+        if self.sharded and config.per_layer:
+            raise GaLoreConfigError(
+                "GaLore's per-layer updates cannot run on sharded matrices: use --no-galore-per-layer"
+            )
         group = {"name": "weights", "params": params, "lr": lr, "base_lr": lr, "weight_decay": weight_decay}
         super().__init__([group], dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.config, self.seed, self.recorder = config, seed, recorder
         self.names = {id(p): name for name, p in named_params}
+        self.pieces: dict[int, list[dict[str, Any]]] = {}
         gap = config.update_gap
         for i, p in enumerate(params):
-            self.state[p].update(
-                index=i,
-                step=0,
-                rank=min(config.rank, *p.shape),
-                side=projector_side(p.shape),
-                phase=(i * gap) // len(params) if config.stagger else 0,
-                projector=None,
-                exp_avg=None,
-                exp_avg_sq=None,
-                captured=float("nan"),
-                sum_all=0.0,
-                n_all=0,
-                sum_window=0.0,
-                n_window=0,
-                window_mean=float("nan"),
-                refreshes=0,
-            )
+            n_rows, n_cols = local_part(p).shape
+            if is_sharded(p):  # this rank's rows: piece number `rank` of the FSDP2 split
+                rank = p.device_mesh.get_local_rank()  # type: ignore[attr-defined]
+                spans = [(rank, 0, n_rows)] if n_rows else []
+            else:
+                spans = row_pieces(n_rows, config.row_chunks)
+            pieces: list[dict[str, Any]] = []
+            for j, a, b in spans:
+                st = self.state[p] if not pieces else {}
+                st.update(
+                    index=i,
+                    piece=j,
+                    rows=(a, b),
+                    step=0,
+                    rank=min(config.rank, b - a, n_cols),
+                    side=projector_side((b - a, n_cols)),
+                    phase=(i * gap) // len(params) if config.stagger else 0,
+                    projector=None,
+                    exp_avg=None,
+                    exp_avg_sq=None,
+                    captured=float("nan"),
+                    sum_all=0.0,
+                    n_all=0,
+                    sum_window=0.0,
+                    n_window=0,
+                    window_mean=float("nan"),
+                    refreshes=0,
+                )
+                pieces.append(st)
+            self.pieces[id(p)] = pieces
         self.steps = 0
         self._step_info = self._new_step_info()
         if config.per_layer:
@@ -223,6 +280,18 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
     def updates_in_backward(self) -> bool:
         """True in per-layer mode: the weights change during backward, before the loop sees a gradient norm."""
         return self.config.per_layer
+
+    def _named_pieces(self, names: Optional[dict[int, str]] = None) -> list[tuple[str, torch.Tensor, dict[str, Any]]]:
+        """(name, parameter, state) of every piece this process holds: a matrix in one piece by its own name, the
+        pieces of a split one as '<name>#<piece>'."""
+        names = self.names if names is None else names
+        out = []
+        for p in self.param_groups[0]["params"]:
+            pieces = self.pieces[id(p)]
+            for st in pieces:
+                name = names[id(p)] if len(pieces) == 1 else f"{names[id(p)]}#{st['piece']}"
+                out.append((name, p, st))
+        return out
 
     # ---- one matrix ---------------------------------------------------------------------------------------
     @staticmethod
@@ -240,7 +309,9 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
         gen = None
         if c.svd == "randomized":
             gen = torch.Generator(device=grad.device)
-            gen.manual_seed((self.seed * 1_000_003 + st["index"] * 10_007 + st["step"]) % (2**63))
+            gen.manual_seed(
+                (self.seed * 1_000_003 + st["index"] * 10_007 + st["step"] + st["piece"] * 1_299_709) % (2**63)
+            )
         st["projector"] = top_singular_vectors(grad, st["rank"], st["side"], c.svd, gen, c.oversample, c.power_iters)
         if grad.is_cuda:
             torch.cuda.synchronize(grad.device)
@@ -252,11 +323,28 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
         self._step_info["refresh_ms"] += 1e3 * (time.perf_counter() - t0)
 
     @torch.no_grad()
-    def _update(self, p: torch.Tensor, grad: torch.Tensor, group: dict, ok: Optional[torch.Tensor] = None) -> None:
-        """One GaLore-AdamW step of one matrix from its (already clipped) gradient. `ok`: a 0-d bool tensor on the
-        device (per-layer mode on a GPU, where the host does not wait for each matrix): where it is false (a
-        non-finite gradient) the weights and moments keep their values."""
-        st = self.state[p]
+    def _update(
+        self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any], ok: Optional[torch.Tensor] = None
+    ) -> None:
+        """One GaLore-AdamW step of each piece of `p` this process holds, from the matrix's (clipped) gradient
+        `grad` (this rank's part of it when sharded)."""
+        w = local_part(p)
+        for st in self.pieces[id(p)]:
+            a, b = st["rows"]
+            self._update_piece(st, w[a:b], grad[a:b], group, ok)
+
+    @torch.no_grad()
+    def _update_piece(
+        self,
+        st: dict[str, Any],
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        group: dict[str, Any],
+        ok: Optional[torch.Tensor] = None,
+    ) -> None:
+        """One GaLore-AdamW step of one piece `p` (a view of the matrix's rows) from its (already clipped) gradient.
+        `ok`: a 0-d bool tensor on the device (per-layer mode on a GPU, where the host does not wait for each
+        matrix): where it is false (a non-finite gradient) the weights and moments keep their values."""
         beta1, beta2 = group["betas"]
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         grad = grad.to(p.dtype)
@@ -334,6 +422,21 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
             return math.sqrt(sq) if self._step_info["finite"] and math.isfinite(sq) else math.inf
         return super().grad_norm(params)
 
+    def _matrix_norms(self, grads: list[Optional[torch.Tensor]]) -> list[Any]:
+        """Each matrix's gradient norm for per-matrix clipping (fp64). Sharded: the squares of the ranks' parts,
+        all-reduced in one collective, so every rank clips by the whole matrix's norm, as one process does."""
+        if not self.sharded:
+            return [0.0 if g is None else torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]
+        import torch.distributed as dist
+
+        device = next(local_part(p).device for p in self.param_groups[0]["params"])
+        sq = torch.zeros(len(grads), dtype=torch.float64, device=device)
+        for i, g in enumerate(grads):
+            if g is not None and g.numel():
+                sq[i] = torch.linalg.vector_norm(g, dtype=torch.float64).square()
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM)
+        return list(sq.sqrt().unbind())
+
     @torch.no_grad()
     def step(self, closure=None):
         """Update every matrix that has a gradient (in per-layer mode that happened during backward), then record
@@ -342,27 +445,23 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
             raise GaLoreConfigError("GaLoreAdamW.step takes no closure")
         group = self.param_groups[0]
         if not self.config.per_layer:
-            for p in group["params"]:
-                if p.grad is not None:
-                    norm = (
-                        torch.linalg.vector_norm(p.grad, dtype=torch.float64)
-                        if self.config.max_matrix_norm > 0
-                        else 0.0
-                    )
-                    self._update(p, self._clip(p.grad, norm), group)
+            grads = [None if p.grad is None else local_part(p.grad) for p in group["params"]]
+            norms = self._matrix_norms(grads) if self.config.max_matrix_norm > 0 else [0.0] * len(grads)
+            for p, grad, norm in zip(group["params"], grads, norms):
+                if grad is not None:
+                    self._update(p, self._clip(grad, norm), group)
         self.steps += 1
         self._collect()
         self._emit()
         self._step_info = self._new_step_info()
 
     def _collect(self) -> None:
-        """Fold this step's captured fractions into each matrix's statistics."""
-        updated = [p for p in self.param_groups[0]["params"] if self.state[p].get("pending") is not None]
+        """Fold this step's captured fractions into each piece's statistics."""
+        updated = [st for _, _, st in self._named_pieces() if st.get("pending") is not None]
         if not updated:
             return
-        values = torch.stack([self.state[p]["pending"][0].float() for p in updated]).tolist()
-        for p, value in zip(updated, values):
-            st = self.state[p]
+        values = torch.stack([st["pending"][0].float() for st in updated]).tolist()
+        for st, value in zip(updated, values):
             refreshed = st.pop("pending")[1]
             st["captured"] = value
             st["sum_all"] += value
@@ -379,8 +478,9 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
 
     # ---- diagnostics --------------------------------------------------------------------------------------
     def captured(self) -> dict[str, float]:
-        """The captured fraction ‖R‖/‖G‖ of each matrix at its last update."""
-        return {self.names[id(p)]: self.state[p]["captured"] for p in self.param_groups[0]["params"]}
+        """The captured fraction ‖R‖/‖G‖ of each piece (each matrix, unless split) at its last update; sharded:
+        of the pieces this rank holds."""
+        return {name: st["captured"] for name, _, st in self._named_pieces()}
 
     def _emit(self) -> None:
         if self.recorder is None:
@@ -400,11 +500,12 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
         )
 
     def state_size(self) -> dict[str, int]:
-        """Values held: moments and projectors as allocated (or as they will be, before the first step), and what
-        AdamW would hold for the same matrices."""
+        """Values held by this process: moments and projectors as allocated (or as they will be, before the first
+        step), and what AdamW would hold for the same rows."""
         out = {"moments": 0, "projector": 0, "adamw": 0}
-        for p in self.param_groups[0]["params"]:
-            st, planned = self.state[p], state_numel(p.shape, self.config.rank)
+        for _, p, st in self._named_pieces():
+            a, b = st["rows"]
+            planned = state_numel((b - a, local_part(p).shape[1]), self.config.rank)
             out["moments"] += (
                 st["exp_avg"].numel() + st["exp_avg_sq"].numel() if st["exp_avg"] is not None else planned["moments"]
             )
@@ -413,13 +514,13 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
         return out
 
     def summary(self) -> dict:
-        """Per matrix: mean captured fraction over all steps and over the steps between refreshes (the
-        staleness), refreshes; the matrices whose between-refresh mean is below LOW_CAPTURE; the state size."""
+        """Per piece (each matrix, unless split): mean captured fraction over all steps and over the steps between
+        refreshes (the staleness), refreshes; the pieces whose between-refresh mean is below LOW_CAPTURE; the state
+        size."""
         rows = {}
-        for p in self.param_groups[0]["params"]:
-            st = self.state[p]
+        for name, _, st in self._named_pieces():
             window = (st["sum_window"] / st["n_window"]) if st["n_window"] else st["window_mean"]
-            rows[self.names[id(p)]] = {
+            rows[name] = {
                 "captured_mean": st["sum_all"] / st["n_all"] if st["n_all"] else float("nan"),
                 "captured_between_refreshes": window,
                 "refreshes": st["refreshes"],
@@ -440,7 +541,7 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
         lines = [
             f"GaLore state: {fmt(size['moments'])} moment values + {fmt(size['projector'])} projector values "
             f"({fmt(size['moments'] + size['projector'])}) vs AdamW's {fmt(size['adamw'])} "
-            f"({(size['moments'] + size['projector']) / size['adamw']:.3f}x)"
+            f"({(size['moments'] + size['projector']) / max(size['adamw'], 1):.3f}x)"
         ]
         means = [r["captured_mean"] for r in rows.values() if math.isfinite(r["captured_mean"])]
         stale = {
@@ -473,32 +574,36 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
     # ---- resume state -------------------------------------------------------------------------------------
     def _config_doc(self) -> dict:
         c = asdict(self.config)
-        return {k: c[k] for k in ("rank", "update_gap", "scale", "svd", "stagger", "oversample", "power_iters")}
+        doc = {k: c[k] for k in ("rank", "update_gap", "scale", "svd", "stagger", "oversample", "power_iters")}
+        if self.config.row_chunks != 1:
+            doc["row_chunks"] = self.config.row_chunks
+        return doc
 
     def state_bytes(self, params: Sequence[torch.Tensor]) -> int:
         """Moments and projectors in fp32, as `state_size` plans them."""
         size = self.state_size()
         return 4 * (size["moments"] + size["projector"])
 
+    _DOC_KEYS = (
+        "step",
+        "phase",
+        "rank",
+        "side",
+        "captured",
+        "sum_all",
+        "n_all",
+        "sum_window",
+        "n_window",
+        "window_mean",
+        "refreshes",
+    )
+
     def state_tensors(self, names: dict[int, str]) -> tuple[dict[str, torch.Tensor], dict]:
-        """Moments and projectors as tensors; per matrix its step, refresh phase and statistics as JSON."""
+        """Moments and projectors as tensors; per piece (each matrix, unless split; sharded: this rank's pieces)
+        its step, refresh phase and statistics as JSON."""
         tensors, doc = {}, {"galore": self._config_doc(), "steps": self.steps, "matrices": {}}
-        keys = (
-            "step",
-            "phase",
-            "rank",
-            "side",
-            "captured",
-            "sum_all",
-            "n_all",
-            "sum_window",
-            "n_window",
-            "window_mean",
-            "refreshes",
-        )
-        for p in self.param_groups[0]["params"]:
-            st, name = self.state[p], names[id(p)]
-            doc["matrices"][name] = {k: st[k] for k in keys}
+        for name, _, st in self._named_pieces(names):
+            doc["matrices"][name] = {k: st[k] for k in self._DOC_KEYS}
             for k in ("exp_avg", "exp_avg_sq", "projector"):
                 if st[k] is not None:
                     tensors[f"galore/{name}/{k}"] = st[k]
@@ -511,17 +616,17 @@ class GaLoreAdamW(TrainOptimizer, torch.optim.Optimizer):
                 f"{where}: the run's GaLore settings differ from this one's ({saved} vs "
                 f"{self._config_doc()}); resume with the same --galore-* options"
             )
-        for p in self.param_groups[0]["params"]:
-            name, st = names[id(p)], self.state[p]
+        for name, p, st in self._named_pieces(names):
             entry = doc["matrices"].get(name)
             if entry is None:
                 raise StateError(f"{where}: GaLore state of {name!r} is missing")
             st.update(entry)
             for k in ("exp_avg", "exp_avg_sq", "projector"):
                 t = tensors.get(f"galore/{name}/{k}")
-                st[k] = None if t is None else t.clone().to(p.device)
+                st[k] = None if t is None else t.clone().to(local_part(p).device)
             if st["projector"] is not None:
-                want = (p.shape[0] if st["side"] == "left" else p.shape[1], st["rank"])
+                a, b = st["rows"]
+                want = (b - a if st["side"] == "left" else local_part(p).shape[1], st["rank"])
                 if tuple(st["projector"].shape) != want:
                     raise StateError(
                         f"{where}: GaLore projector of {name!r} has shape "

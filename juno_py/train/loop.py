@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union, cast
 
 import torch
 
@@ -148,7 +148,7 @@ def train(
     stop_requested: Optional[Callable[[], bool]] = None,
     progress: Optional[bool] = None,
     log: Optional[Callable[[str], None]] = None,
-    optimizer: Union[TrainOptimizer, torch.optim.Optimizer, None] = None,
+    optimizer: Union[TrainOptimizer, torch.optim.Optimizer, Callable[[], object], None] = None,
     progress_interval: float = DEFAULT_INTERVAL,
     thread_guard: Optional[StallGuard] = None,
 ) -> TrainResult:
@@ -161,7 +161,9 @@ def train(
     `trainable`: the adapters attached to the model or dense weights for full training
     (`juno_py.train.dense.densify`). `optimizer`: default AdamW over the trainable's groups; a `TrainOptimizer` may
     report the step's norm itself (GaLore's per-layer mode updates during backward and frees gradients); a torch
-    optimizer with Adam's state runs as it is (`optim.TorchOptimizer`). `thread_guard`: told each step's wall time
+    optimizer with Adam's state runs as it is (`optim.TorchOptimizer`); a function of no arguments that returns one is
+    called once the model is set up (after `cfg.shard`'s FSDP2 replaced the parameters by their shards: a sharded
+    run takes its optimizer this way). `thread_guard`: told each step's wall time
     and tokens, it drops CPU threads when steps stall (`juno_py.threads.StallGuard`); each change is logged and
     recorded as a "threads" event.
     """
@@ -171,6 +173,11 @@ def train(
     say = (log or (lambda msg: print(msg, file=sys.stderr))) if world.is_main else (lambda msg: None)
     recorder = recorder or MetricsRecorder(Identity())
     sharded = _shard(model, trainable, cfg, world, optimizer) if cfg.shard else None
+    materialize = getattr(trainable, "materialize", None)  # dense weights left undecoded for sharding
+    if sharded is None and materialize is not None:
+        materialize()
+    if callable(optimizer):
+        optimizer = cast(Union[TrainOptimizer, torch.optim.Optimizer], optimizer())
     params = list(trainable.parameters())
     names = {id(p): n for n, p in trainable.named_parameters()}
     optimizer = (
@@ -243,14 +250,22 @@ def train(
     # the optimizer updates during backward (the weights change before the step's loss is known)
     good: Optional[tuple[int, float, list[torch.Tensor]]] = None
     keep_good = not optimizer.updates_in_backward
-    # where the weights go: the trainable's own file, else (juno-py full) the resume state
+    # where the weights go: the trainable's own file, else (juno-py full) the resume state (sharded: each rank's)
+    writes_file = getattr(trainable, "writes_file", True)
     if cfg.lora_path is None:
         own_bytes = 0
     elif sharded is not None:  # the adapter's whole tensors live across the ranks: their fp32 bytes and a margin
-        own_bytes = sum(4 * p.numel() for p in params) + STATE_SLACK_BYTES
+        own_bytes = sum(4 * p.numel() for p in params) + STATE_SLACK_BYTES if writes_file else 0
     else:
         own_bytes = trainable.saved_bytes()
-    where = None if cfg.lora_path is None else cfg.lora_path if own_bytes else state_path(cfg.lora_path)
+    if cfg.lora_path is None:
+        where = None
+    elif own_bytes:
+        where = cfg.lora_path
+    else:
+        where = (
+            state_path(cfg.lora_path) if sharded is None else shard_state_path(cfg.lora_path, world.rank, world.size)
+        )
     if cfg.lora_path is not None and world.is_main:
         _reserve_outputs(cfg, own_bytes, optimizer, params, bool(val_set))
 
@@ -289,15 +304,16 @@ def train(
 
     def sharded_checkpoint(why: str) -> None:
         """Every rank writes its shard of the resume state (atomically); the adapter's whole tensors are gathered
-        and rank 0 writes adapter.bin, the file one process writes."""
+        and rank 0 writes adapter.bin, the file one process writes (dense weights write no file of their own: the
+        shards are the checkpoint)."""
         assert sharded is not None and cfg.lora_path is not None
         t0 = time.perf_counter()
         where = shard_state_path(cfg.lora_path, world.rank, world.size)
         _save(where, run, params, names, optimizer, identity, best_weights, schedule, trainable.state_format, sharded)
-        values = {n: sharded.full(p) for n, p in trainable.named_parameters()}  # collectives: every rank
+        values = {n: sharded.full(p) for n, p in trainable.named_parameters()} if writes_file else {}  # collectives
         world.barrier()  # every shard is written before adapter.bin names the step
         if world.is_main:
-            written = trainable.save(cfg.lora_path, values)  # type: ignore[call-arg]
+            written = trainable.save(cfg.lora_path, values) if writes_file else None  # type: ignore[call-arg]
             recorder.emit(
                 "checkpoint",
                 step=run.step,
@@ -575,17 +591,25 @@ def _rate_since_start(run: RunState, resumed_at: tuple[int, float]) -> float:
 
 
 def _shard(model, trainable: Trainable, cfg: TrainConfig, world: distributed.World, optimizer) -> ShardedModel:
-    """FSDP2 over the model's blocks (`juno_py.train.sharded`), for adapters trained by the loop's AdamW."""
+    """FSDP2 over the model's blocks (`juno_py.train.sharded`), for adapters or dense targets (whose deferred
+    weights are decoded block by block, each just before its block is sharded)."""
     from juno_py.lora.adapters import AdapterSet
+    from juno_py.train.dense import DenseTargets
     from juno_py.train.sharded import shard
 
-    if not isinstance(trainable, AdapterSet):
-        raise distributed.DistributedError("--shard trains adapters (juno-py lora); juno-py full runs data-parallel")
-    if optimizer is not None:
-        raise distributed.DistributedError("--shard runs the loop's own AdamW: pass no optimizer")
+    if not isinstance(trainable, (AdapterSet, DenseTargets)):
+        raise distributed.DistributedError(
+            f"--shard trains adapters (juno-py lora) or dense targets (juno-py full), not a {type(trainable).__name__}"
+        )
+    if optimizer is not None and not callable(optimizer):
+        raise distributed.DistributedError(
+            "--shard replaces the parameters by their shards: pass the optimizer as a function that builds it "
+            "(train(..., optimizer=lambda: build_dense_optimizer(...))), or none for the loop's AdamW"
+        )
     if cfg.bptt_window:
         raise distributed.DistributedError("--shard with --bptt-window: train whole sequences (--bptt-window 0)")
-    return shard(model, world, cfg.prefetch)
+    before_block = trainable.materialize if isinstance(trainable, DenseTargets) else None
+    return shard(model, world, cfg.prefetch, before_block=before_block)
 
 
 # ------------------------------------------------------------------------------------------- resume state

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -262,14 +262,19 @@ def sharded_like(part: torch.Tensor, like: torch.Tensor, where: str, key: str) -
 
 
 def shard(
-    model: nn.Module, world: World, prefetch: Optional[int] = None, frozen_dtype: Optional[torch.dtype] = None
+    model: nn.Module,
+    world: World,
+    prefetch: Optional[int] = None,
+    frozen_dtype: Optional[torch.dtype] = None,
+    before_block: Optional[Callable[[nn.Module], None]] = None,
 ) -> ShardedModel:
     """Shard `model` (adapters already attached, nothing trained yet) across the ranks of `world` with FSDP2.
 
     The model must still be on the CPU (loaded memory-mapped, not placed): each rank reads only its rows of each
     quantized weight, and on a GPU only its part moves there. `prefetch`: how many blocks ahead to gather (None:
     1 on a GPU, 0 on the CPU). `frozen_dtype`: the one-byte dtype of the frozen bytes' parameters (None:
-    `frozen_bytes_dtype()`)."""
+    `frozen_bytes_dtype()`). `before_block(block)`: called just before each block is sharded (full training decodes
+    the block's dense weights there, so a rank holds one block's whole matrices at a time)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -316,6 +321,8 @@ def shard(
     mesh = init_device_mesh(device.type, (world.size,))
     blocks = list(model.blocks)  # type: ignore[union-attr, arg-type]
     for blk in blocks:
+        if before_block is not None:
+            before_block(blk)
         fully_shard(blk, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh)
     ahead = (1 if device.type == "cuda" else 0) if prefetch is None else int(prefetch)

@@ -32,8 +32,8 @@ def watched_run(tiny, data, path: Path, name: str, frozen_dtype=None, **kw):
     measured: dict = {}
     shard = sharded.shard
 
-    def watching(model, world, prefetch=None):
-        s = shard(model, world, prefetch, frozen_dtype)
+    def watching(model, world, prefetch=None, before_block=None):
+        s = shard(model, world, prefetch, frozen_dtype, before_block)
         s.watch_quantized_bytes()
         measured["model"], measured["after_shard"] = s, s.quantized_bytes()
         return s
