@@ -13,9 +13,11 @@ scale of 11 significant bits times integers small enough that the product fits 2
 addition rounds, as in the torch codecs: the fp32 values are bit-identical to `juno_py.gguf.quants.dequantize`
 (a fused multiply-add changes nothing, since the product is exact, except where it overflows: MXFP4's largest
 scales, whose split low halves are set to NaN outright). fp32 → bf16 rounds to nearest even with
-integer operations on the bit pattern (NaN → 0x7FC0, as torch), never with a float cast: Triton's interpreter
-truncates on that cast while the GPU rounds, and this way both give torch's `.to(torch.bfloat16)`. The split
-halves are rounded the same way; w − w_hi is exact in fp32, so w_lo is `kernels.split_bf16`'s, bit for bit.
+integer operations on the bit pattern (NaN → 0x7FC0, as torch): Triton's interpreter truncates on a float cast
+while the GPU rounds, and this way both give torch's `.to(torch.bfloat16)`. The variants with bit 1 (`variants`)
+round with the cast on the GPU (to nearest even too, NaN → 0x7FFF; the integer operations under the interpreter).
+The split halves are rounded the same way; w − w_hi is exact in fp32, so w_lo is `kernels.split_bf16`'s, bit for
+bit.
 
 Types with a kernel: `TRITON_TYPES`. Every other type decodes through the torch codecs (on the CPU).
 """

@@ -2,28 +2,42 @@
 reads TRITON_INTERPRET when a kernel is defined). The launch wrappers, the numerics and the eager references are
 in `juno_py.kernels.dequant`.
 
-Block-wise decoding: a program takes `NB` whole blocks (32 values for Q4_0..Q8_0, 256 for the K-quants, 256
-columns for F32/F16/BF16) of the flattened (row, block) grid of the rectangle it decodes. Each block's values are
-laid out in a small tensor whose last axis is a run of consecutive code bytes (16 or 32), so the code bytes of a
-block are one contiguous vector load per run (as wide as the block's alignment allows: 16 bytes for Q4_K/Q5_K),
-shared by the 2 or 4 values each byte holds through broadcasting; the float16 scales, minima and the K-quants'
-sub-block scales are read once per block or sub-block, never per value. Every value is then `code · scale
-(+ bias)` with the same fp32 operations as the torch codecs, rounded to bf16 with integer operations
-(`_bf16_bits`), and the output is written in runs of 16 or 32 contiguous values. The split variant
-(`dequant_kernel` with SPLIT) writes both bf16 halves of each value in the same pass: w_hi = bf16(w) and
-w_lo = bf16(w − w_hi), for products that need fp32 accuracy on bf16 tensor cores (DoRA's U = W·Aᵀ).
+Block-wise decoding: a program takes `NB` whole blocks (32 values for Q4_0..Q8_0, IQ4_NL, MXFP4, 256 for the K-quants
+and the other i-quants and ternary types, 256 columns for F32/F16/BF16) of the flattened (row, block) grid of the
+rectangle it decodes. Each block's values are laid out in a small tensor whose axes follow the block's fields, so a
+field is read once, with the shape of the values that share it, and broadcast over them: the code bytes of a block
+as contiguous vector loads (as wide as the block's alignment allows: 16 bytes for Q4_K/Q5_K), shared by the 2 or 4
+values each byte holds; the float16 scales, minima and sub-block scales once per block or sub-block. Every value is
+then `code · scale (+ bias)` with the same fp32 operations as the torch codecs, rounded to bf16 with integer
+operations (`_bf16_bits`) or, in the cast variants on the GPU, by the GPU's cast (to nearest even as well), and the
+output is written in runs of contiguous values. The split mode (`dequant_kernel` with SPLIT) writes both bf16 halves
+of each value in the same pass: w_hi = bf16(w) and w_lo = bf16(w − w_hi), for products that need fp32 accuracy on
+bf16 tensor cores (DoRA's U = W·Aᵀ); the matvec mode (`matvec_kernel`) sums value · x per block instead.
 
-Axes of a block's value tensor (`v` is the value's index inside its block):
+VARIANT (a compile-time argument of both kernels; `dequant.variants`, all decoding the same bits): bit 0 picks the
+layouts below marked (1) for the types that have one and 16-bit loads of the float16 fields (and Q5's qh) for the
+other quantized types; bit 1 rounds to bf16 with the cast (`_emit`). Axes of a block's value tensor (`v` is the
+value's index inside its block):
 - Q4_0/Q4_1/Q5_0/Q5_1/Q8_0: [NB, 2 (h), 16 (l)], v = 16h + l; a nibble code is byte qs[l] shifted by 4h;
 - Q4_K/Q5_K: [NB, 4 (c), 2 (h), 32 (l)], v = 64c + 32h + l; byte qs[32c + l] shifted by 4h, sub-block 2c + h;
 - Q6_K: [NB, 2 (n), 2 (a), 2 (b), 32 (l)], v = 128n + 64a + 32b + l; low bits ql[64n + 32b + l] >> 4a, high bits
   qh[32n + l] >> 2(2a + b), scale sc[v // 16];
 - F32/F16/BF16: [NB, 8, 32], v = 32s + l (256 columns a block, the last one masked at the row's end);
-- IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, TQ1_0, TQ2_0, Q2_K, Q3_K, IQ4_XS: [NB, 256], and MXFP4,
+- (0) IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, TQ1_0, TQ2_0, Q2_K, Q3_K, IQ4_XS: [NB, 256], and MXFP4,
   IQ4_NL: [NB, 32], v the value itself: each value reads the bytes of its own fields (its grid index, sign bits,
-  sub-block scale), the codebook types their grid points from `grid_ptr` (the int8 grid `[points, 8 or 4]` of
-  `gguf.quants.codebooks.GRIDS`; for IQ4_NL/IQ4_XS the 16 int8 levels; any pointer for the other types). IQ2_XXS/IQ2_XS/IQ3_XXS's 7-bit sign indices become sign bytes by their
-  parity (llama.cpp's ksigns: bit 7 makes the count of negatives even), MXFP4's e2m1 levels are computed.
+  sub-block scale, d; `_codebook_values`);
+- (1) IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M: [NB, 32 (g), 8 (j)], v = 8g + j: grid index, sign byte and scale per
+  group g, the grid row as one 8-byte load; IQ3_XXS, IQ3_S: [NB, 32 (g), 2 (p), 4 (e)], v = 8g + 4p + e, the grid
+  index per (g, p), a 4-byte grid row; TQ2_0: [NB, 2 (n), 4 (s), 32 (l)], v = 128n + 32s + l, byte 32n + l
+  shifted by 2s; Q2_K, Q3_K: [NB, 2 (n), 4 (s), 2 (h), 16 (l)], v = 128n + 32s + 16h + l, code byte 32n + 16h + l
+  shifted by 2s (Q3_K's high bit: byte 16h + l, bit 4n + s), sub-block scale 8n + 2s + h; IQ4_XS: [NB, 8 (sb),
+  2 (h), 16 (l)], v = 32sb + 16h + l, byte 16sb + l shifted by 4h; IQ4_NL, MXFP4: [NB, 2 (h), 16 (l)] as Q4_0;
+  TQ1_0: five tensors [NB, K digits, L bytes] over its runs of bytes, each byte shared by its base-3 digits
+  (`_grouped`).
+The codebook types read their grid points from `grid_ptr` (the int8 grid `[points, 8 or 4]` of
+`gguf.quants.codebooks.GRIDS`; for IQ4_NL/IQ4_XS the 16 int8 levels; any pointer for the other types).
+IQ2_XXS/IQ2_XS/IQ3_XXS's 7-bit sign indices become sign bytes by their parity (llama.cpp's ksigns: bit 7 makes
+the count of negatives even), MXFP4's e2m1 levels are computed.
 """
 
 import triton
