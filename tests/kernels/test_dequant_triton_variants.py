@@ -87,15 +87,15 @@ def test_every_quantized_type_has_a_layout_variant():
 
 @pytest.mark.parametrize("ggml_type,variant", CASES, ids=lambda c: c.name if isinstance(c, GGMLType) else str(c))
 def test_variant_matches_codec_bit_exact(ggml_type, variant, variant_of):
-    """Whole rows in fp32 and bf16 over several programs with a ragged last one, a rectangle whose rows start
-    inside the tensor and whose columns cut blocks at both ends (into a wider buffer: nothing written outside),
-    the split halves of both, and the matvec."""
+    """Whole rows in fp32 and bf16 over several programs with a ragged last one, programs whose blocks run on
+    into the next row (3 blocks a row, 2 a program), a rectangle whose rows start inside the tensor and whose
+    columns cut blocks at both ends (into a wider buffer: nothing written outside), the split halves of both, and
+    the matvec."""
     block = dequant.KERNEL_BLOCK.get(ggml_type, GGML_BLOCK_SIZES[ggml_type][0])
-    small = block == 256 and ggml_type not in dequant.KERNEL_BLOCK
-    n_rows, n_cols = ((5, 512) if small else (7, 96)) if DEVICE == "cpu" else (301, 4096)
+    n_rows, n_cols = (5, 3 * block) if DEVICE == "cpu" else (301, 4096)
     if ggml_type in dequant.KERNEL_BLOCK and DEVICE == "cpu":
-        n_rows, n_cols = 3, 300
-    variant_of(ggml_type, variant, nb=4 if block == 256 else 8)
+        n_rows, n_cols = 3, 700
+    variant_of(ggml_type, variant, nb=2 if DEVICE == "cpu" else None)
     raw = rows_of(ggml_type, n_rows, n_cols, seed=int(ggml_type) * 4 + variant)
     dev = raw.to(DEVICE)
     for dtype in (torch.float32, torch.bfloat16):
@@ -138,3 +138,16 @@ def test_variant_with_16_bit_loads_reads_bytes_at_an_odd_address(ggml_type, vari
         dequantize_tile(view, ggml_type, n_cols, dtype=torch.float32),
         dequantize_reference(raw, ggml_type, n_cols, torch.float32),
     )
+
+
+@pytest.mark.parametrize("ggml_type", [GGMLType.IQ2_XXS, GGMLType.Q4_0, GGMLType.Q4_K], ids=lambda t: t.name)
+def test_variant_with_more_blocks_a_program_than_a_row_has(ggml_type, variant_of):
+    """Programs of more blocks than a row (or the rectangle's width) has, so one program spans several rows."""
+    variant_of(ggml_type, 1, nb=8)
+    block = GGML_BLOCK_SIZES[ggml_type][0]
+    n_rows, n_cols = 7, 3 * block
+    raw = rows_of(ggml_type, n_rows, n_cols, seed=11)
+    ref = dequantize_reference(raw, ggml_type, n_cols, torch.bfloat16)
+    assert_same_bits(dequantize_tile(raw.to(DEVICE), ggml_type, n_cols), ref)
+    tile = dequantize_tile(raw.to(DEVICE), ggml_type, n_cols, (2, 7), (block + 3, 2 * block - 1))
+    assert_same_bits(tile, ref[2:7, block + 3 : 2 * block - 1])
