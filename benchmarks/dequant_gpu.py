@@ -29,6 +29,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -244,10 +245,10 @@ def sweep_configs(t: GGMLType) -> list[tuple[int, int]]:
         grid = [(64, 4), (128, 4), (256, 4), (256, 8), (512, 8)]
     else:
         grid = [(8, 4), (16, 4), (32, 4), (32, 8)]
-    return sorted(set(grid) | {current})
+    return sorted(set(grid) | {(current[0], current[1])})
 
 
-def make_raw(t: GGMLType, n_out: int, n_in: int, gen) -> torch.Tensor:
+def make_raw(t: GGMLType, n_out: int, n_in: int, gen: torch.Generator) -> torch.Tensor:
     """uint8 `[n_out, row bytes]` on DEV: random valid blocks (float types: normal values)."""
     if t in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
         dtype = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}[t]
@@ -262,7 +263,7 @@ def use(t: GGMLType, variant: int, nb: int, warps: int) -> None:
     dequant.KERNEL_VARIANT[t] = variant
 
 
-def _compile_worker(items: list) -> list[str]:
+def _compile_worker(items: list[tuple[str, int, int, int, int]]) -> list[str]:
     """Compile (by launching once on 16 rows: the same specialization as the timed shapes) every (type, variant,
     blocks, warps, columns) of `items` into Triton's disk cache; the errors, one line each."""
     errors = []
@@ -280,7 +281,7 @@ def _compile_worker(items: list) -> list[str]:
     return errors
 
 
-def precompile(items: list, jobs: int) -> list[str]:
+def precompile(items: list[tuple[str, int, int, int, int]], jobs: int) -> list[str]:
     """`_compile_worker` over `items` in `jobs` processes at once (compiling is most of a sweep's time otherwise)."""
     import multiprocessing
 
@@ -303,7 +304,14 @@ def same_bits(got: torch.Tensor, ref: torch.Tensor) -> bool:
     )
 
 
-def sweep_table(types, shapes, gen, jobs: int, rep: int, table: list) -> tuple[list[dict], dict]:
+def sweep_table(
+    types: list[str],
+    shapes: list[tuple[int, ...]],
+    gen: torch.Generator,
+    jobs: int,
+    rep: int,
+    table: list[list[object]],
+) -> tuple[list[dict[str, object]], dict[str, dict[str, object]]]:
     """Time every type × variant × setting of `sweep_configs` on every shape; (rows, best setting per type)."""
     items = [
         (name, v, nb, w, n_in)
@@ -370,16 +378,16 @@ def sweep_table(types, shapes, gen, jobs: int, rep: int, table: list) -> tuple[l
                         ],
                     )
                     rows.append(row)
-            raw = out = None  # freed
+            raw = out = None  # type: ignore[assignment]  # freed
     for t, (cfg, v) in saved.items():
         dequant.KERNEL_CONFIG[t], dequant.KERNEL_VARIANT[t] = cfg, v
     return rows, best_settings(rows, saved, len(shapes))
 
 
-def best_settings(rows: list[dict], saved: dict, n_shapes: int) -> dict:
+def best_settings(rows: list[dict[str, Any]], saved: dict[GGMLType, Any], n_shapes: int) -> dict[str, dict[str, Any]]:
     """Per type: the bit-exact setting whose worst share of the copy over the shapes is highest, and the current
     setting's, {name: dict(variant, blocks, warps, of_copy (worst), current_of_copy)}."""
-    by: dict = {}
+    by: dict[str, dict[tuple[int, int, int], list[float]]] = {}
     for r in rows:
         if r.get("exact"):
             by.setdefault(r["type"], {}).setdefault((r["variant"], r["blocks"], r["warps"]), []).append(r["of_copy"])
@@ -396,7 +404,7 @@ def best_settings(rows: list[dict], saved: dict, n_shapes: int) -> dict:
     return best
 
 
-def paste_lines(best: dict, hardware: str) -> str:
+def paste_lines(best: dict[str, dict[str, Any]], hardware: str) -> str:
     """The best settings as lines for juno_py/kernels/dequant.py, after KERNEL_VARIANT / MATVEC_VARIANT (formatted as
     ruff formats them)."""
     cfg = "".join(
@@ -410,7 +418,7 @@ def paste_lines(best: dict, hardware: str) -> str:
     )
 
 
-def _check_worker(item: tuple) -> list[str]:
+def _check_worker(item: tuple[str, int]) -> list[str]:
     """Every check of one (type, variant) on DEV: the names of those that failed."""
     name, variant = item
     t = GGMLType[name]
@@ -423,7 +431,7 @@ def _check_worker(item: tuple) -> list[str]:
     biggest = sweep_configs(t)[-1]
     dequant.KERNEL_VARIANT[t] = dequant.MATVEC_VARIANT[t] = variant
 
-    def check(what: str, ok) -> None:
+    def check(what: str, ok: Callable[[], bool]) -> None:
         try:
             if not ok():
                 failed.append(what)
@@ -467,7 +475,7 @@ def _check_worker(item: tuple) -> list[str]:
     return failed
 
 
-def check_all(types, jobs: int) -> bool:
+def check_all(types: list[str], jobs: int) -> bool:
     """`_check_worker` for every type × variant, `jobs` at once; prints one line each; whether all passed."""
     import multiprocessing
 
@@ -516,7 +524,7 @@ def main() -> None:
     if args.check:
         raise SystemExit(0 if check_all(args.types or all_types(), args.jobs) else 1)
     if args.sweep:
-        sweep_rows: list = []
+        sweep_rows: list[list[object]] = []
         rows, best = sweep_table(args.types or all_types(), shapes, gen, args.jobs, args.rep, sweep_rows)
         print("\n" + harness.markdown_table(["type", "variant", "blocks, warps", "worst of copy", "current"], []))
         for name, b in best.items():

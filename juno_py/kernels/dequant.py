@@ -89,8 +89,8 @@ GROUPED_TYPES = frozenset(
     | ({GGMLType.MXFP4} if GGMLType.MXFP4 in TRITON_TYPES else set())
 )
 # the layout variant (`dequant_kernel`'s VARIANT, see `variants`) the decode and the matvec use, per type
-KERNEL_VARIANT = {t: 0 for t in TRITON_TYPES}
-MATVEC_VARIANT = {t: 0 for t in TRITON_TYPES}
+KERNEL_VARIANT: dict[int, int] = {t: 0 for t in TRITON_TYPES}
+MATVEC_VARIANT: dict[int, int] = {t: 0 for t in TRITON_TYPES}
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 _kernels = None
@@ -138,7 +138,8 @@ def _grid_table(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
 def variants(ggml_type: int) -> tuple[int, ...]:
     """The variants of a type's kernels (`dequant_kernel`'s VARIANT), all decoding the same bits. Bit 0 (quantized
     types): `_grouped`'s layouts for GROUPED_TYPES, and for the others the per-value layouts with 16-bit loads of
-    their float16 fields; bit 1: bf16 rounded by the GPU's float cast (two values an instruction) rather than with
+    their float16 fields; codes made fp32 with integer and float additions rather than conversions, and one
+    division a program to find the rows of its blocks; bit 1: bf16 rounded by the GPU's float cast (two values an instruction) rather than with
     integer operations (under the interpreter, whose cast truncates, the integer operations still)."""
     return (0, 2) if int(ggml_type) in KERNEL_BLOCK else (0, 1, 2, 3)
 

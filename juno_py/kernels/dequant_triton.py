@@ -16,7 +16,9 @@ bf16 tensor cores (DoRA's U = W·Aᵀ); the matvec mode (`matvec_kernel`) sums v
 
 VARIANT (a compile-time argument of both kernels; `dequant.variants`, all decoding the same bits): bit 0 picks the
 layouts below marked (1) for the types that have one and 16-bit loads of the float16 fields (and Q5's qh) for the
-other quantized types; bit 1 rounds to bf16 with the cast (`_emit`). Axes of a block's value tensor (`v` is the
+other quantized types, codes made fp32 without conversion instructions (`_exact_f32`, `_i8_f32`, `_flip`) and, in
+`dequant_kernel`, one division a program to find its blocks' rows instead of one a block; bit 1 rounds to bf16
+with the cast (`_emit`). Axes of a block's value tensor (`v` is the
 value's index inside its block):
 - Q4_0/Q4_1/Q5_0/Q5_1/Q8_0: [NB, 2 (h), 16 (l)], v = 16h + l; a nibble code is byte qs[l] shifted by 4h;
 - Q4_K/Q5_K: [NB, 4 (c), 2 (h), 32 (l)], v = 64c + 32h + l; byte qs[32c + l] shifted by 4h, sub-block 2c + h;
