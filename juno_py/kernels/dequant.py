@@ -13,9 +13,11 @@ scale of 11 significant bits times integers small enough that the product fits 2
 addition rounds, as in the torch codecs: the fp32 values are bit-identical to `juno_py.gguf.quants.dequantize`
 (a fused multiply-add changes nothing, since the product is exact, except where it overflows: MXFP4's largest
 scales, whose split low halves are set to NaN outright). fp32 → bf16 rounds to nearest even with
-integer operations on the bit pattern (NaN → 0x7FC0, as torch), never with a float cast: Triton's interpreter
-truncates on that cast while the GPU rounds, and this way both give torch's `.to(torch.bfloat16)`. The split
-halves are rounded the same way; w − w_hi is exact in fp32, so w_lo is `kernels.split_bf16`'s, bit for bit.
+integer operations on the bit pattern (NaN → 0x7FC0, as torch): Triton's interpreter truncates on a float cast
+while the GPU rounds, and this way both give torch's `.to(torch.bfloat16)`. The variants with bit 1 (`variants`)
+round with the cast on the GPU (to nearest even too, NaN → 0x7FFF; the integer operations under the interpreter).
+The split halves are rounded the same way; w − w_hi is exact in fp32, so w_lo is `kernels.split_bf16`'s, bit for
+bit.
 
 Types with a kernel: `TRITON_TYPES`. Every other type decodes through the torch codecs (on the CPU).
 """
@@ -80,6 +82,15 @@ OUT_DTYPES = (torch.bfloat16, torch.float32)
 KERNEL_BLOCK = {GGMLType.F32: 256, GGMLType.F16: 256, GGMLType.BF16: 256}
 KERNEL_CONFIG = {t: ((128, 4, 16, 8) if GGML_BLOCK_SIZES[t][0] == 32 else (8, 4, 16, 1)) for t in TRITON_TYPES}
 KERNEL_CONFIG.update({GGMLType.Q5_K: (16, 4, 16, 1), GGMLType.Q6_K: (16, 4, 16, 1)})
+# the types whose VARIANT 1 decodes in `_grouped`'s layouts (fields read once per group of values and broadcast)
+GROUPED_TYPES = frozenset(
+    {GGMLType.TQ1_0, GGMLType.TQ2_0, GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS}
+    | CODEBOOK_TYPES
+    | ({GGMLType.MXFP4} if GGMLType.MXFP4 in TRITON_TYPES else set())
+)
+# the layout variant (`dequant_kernel`'s VARIANT, see `variants`) the decode and the matvec use, per type
+KERNEL_VARIANT: dict[int, int] = {t: 0 for t in TRITON_TYPES}
+MATVEC_VARIANT: dict[int, int] = {t: 0 for t in TRITON_TYPES}
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 _kernels = None
@@ -124,6 +135,15 @@ def _grid_table(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
     return table
 
 
+def variants(ggml_type: int) -> tuple[int, ...]:
+    """The variants of a type's kernels (`dequant_kernel`'s VARIANT), all decoding the same bits. Bit 0 (quantized
+    types): `_grouped`'s layouts for GROUPED_TYPES, and for the others the per-value layouts with 16-bit loads of
+    their float16 fields; codes made fp32 with integer and float additions rather than conversions, and one
+    division a program to find the rows of its blocks; bit 1: bf16 rounded by the GPU's float cast (two values an instruction) rather than with
+    integer operations (under the interpreter, whose cast truncates, the integer operations still)."""
+    return (0, 2) if int(ggml_type) in KERNEL_BLOCK else (0, 1, 2, 3)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -149,10 +169,13 @@ def _row_alignment(row_bytes: int) -> int:
     return math.gcd(row_bytes, 16)
 
 
-def _aligned(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
+def _aligned(raw: torch.Tensor, ggml_type: int, variant: int = 0) -> torch.Tensor:
     """`raw`, or an aligned copy of it when its first byte is not aligned to the float type's element size (the
-    float kernels read whole elements)."""
-    size = GGML_BLOCK_SIZES[ggml_type][1] if ggml_type in KERNEL_BLOCK else 1
+    float kernels read whole elements) or, for an odd variant of a block type of even size, to 2 (it reads 16-bit
+    fields)."""
+    size = GGML_BLOCK_SIZES[ggml_type][1]
+    if ggml_type not in KERNEL_BLOCK:
+        size = 2 if variant % 2 and size % 2 == 0 else 1
     return raw if raw.data_ptr() % size == 0 else raw.clone()
 
 
@@ -206,7 +229,8 @@ def _decode(
     variant), both with row stride `stride`; bf16 outputs are int16 views."""
     if r1 == r0 or c1 == c0:
         return
-    raw = _aligned(raw, ggml_type)
+    variant = KERNEL_VARIANT[ggml_type]
+    raw = _aligned(raw, ggml_type, variant)
     B, block_bytes = _geometry(ggml_type)
     blk0 = c0 // B
     n_blk = _cdiv(c1, B) - blk0
@@ -239,6 +263,7 @@ def _decode(
             EDGES=bool(c0 % B or c1 % B),
             NB=nb,
             SPLIT=lo_dst is not None,
+            VARIANT=variant,
         )
 
 
@@ -324,7 +349,8 @@ def dequant_matvec(
     n_rows = raw.shape[0]
     y = torch.empty(x.shape[0], n_rows, dtype=torch.float32, device=raw.device)
     if x.shape[0] and n_rows:
-        raw = _aligned(raw, ggml_type)
+        variant = MATVEC_VARIANT[ggml_type]
+        raw = _aligned(raw, ggml_type, variant)
         B, block_bytes = _geometry(ggml_type)
         _, _, bn, kb = KERNEL_CONFIG[ggml_type]
         ra = _row_alignment(row_bytes)
@@ -353,6 +379,7 @@ def dequant_matvec(
                 ROUND_BF16=round_bf16,
                 BN=bn,
                 KB=kb,
+                VARIANT=variant,
             )
     return y
 
