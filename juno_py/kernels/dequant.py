@@ -311,24 +311,104 @@ def dequantize_split_tile(
     return out[:, : shape[0], : shape[1]]
 
 
+# the types with the dedicated GEMV (`matvec_triton`), and its configuration per type: (rows a program BR, blocks
+# of each row a step KB, warps, split-K). `benchmarks/dequant_gpu.py --gemv-sweep` times the candidates on the GPU
+# and prints the best as a JUNO_PY_GEMV value; that variable (`TYPE=BR,KB,WARPS,SPLIT;...`) overrides this table
+GEMV_TYPES = frozenset(
+    {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K}
+)
+MATVEC_CONFIG: dict[int, tuple[int, int, int, int]] = {
+    GGMLType.Q4_0: (2, 8, 4, 1),
+    GGMLType.Q4_1: (2, 8, 4, 1),
+    GGMLType.Q8_0: (2, 8, 4, 1),
+    GGMLType.Q4_K: (2, 2, 4, 1),
+    GGMLType.Q5_K: (2, 2, 4, 1),
+    GGMLType.Q6_K: (2, 1, 4, 1),
+}
+_GEMV_ENV = "JUNO_PY_GEMV"
+_gemv_env_read = False
+
+
+def parse_gemv_config(text: str) -> dict[int, tuple[int, int, int, int]]:
+    """`TYPE=BR,KB,WARPS,SPLIT;...` (e.g. `Q4_K=2,2,4,1;Q6_K=4,1,4,2`) as {type: config}; ValueError naming the
+    entry otherwise. BR, KB and WARPS are powers of two; SPLIT ≥ 1."""
+    out: dict[int, tuple[int, int, int, int]] = {}
+    for item in filter(None, (p.strip() for p in text.split(";"))):
+        name, _, values = item.partition("=")
+        try:
+            t = GGMLType[name.strip()]
+            cfg = tuple(int(v) for v in values.split(","))
+        except (KeyError, ValueError):
+            cfg, t = (), None
+        if t not in GEMV_TYPES or len(cfg) != 4 or any(v < 1 for v in cfg) or any(v & (v - 1) for v in cfg[:3]):
+            raise ValueError(
+                f"{_GEMV_ENV}: {item!r}: expected TYPE=BR,KB,WARPS,SPLIT with TYPE one of "
+                f"{', '.join(sorted(GGMLType(t).name for t in GEMV_TYPES))}, BR, KB, WARPS powers of two, SPLIT >= 1"
+            )
+        out[int(t)] = (cfg[0], cfg[1], cfg[2], cfg[3])
+    return out
+
+
+def gemv_config(ggml_type: int) -> tuple[int, int, int, int]:
+    """The GEMV configuration of a type: `MATVEC_CONFIG`, with JUNO_PY_GEMV's entries over it (read once)."""
+    global _gemv_env_read
+    if not _gemv_env_read:
+        import os
+
+        MATVEC_CONFIG.update(parse_gemv_config(os.environ.get(_GEMV_ENV, "")))
+        _gemv_env_read = True
+    return MATVEC_CONFIG[ggml_type]
+
+
+_gemv_module = None
+
+
+def gemv_kernels():
+    """The `matvec_triton` module (imported on first use)."""
+    global _gemv_module
+    if _gemv_module is None:
+        _gemv_module = importlib.import_module("juno_py.kernels.matvec_triton")
+    return _gemv_module
+
+
+def _words(raw: torch.Tensor, word: int) -> torch.Tensor:
+    """raw's bytes viewed as `word`-byte integers (a copy where its first byte is not so aligned)."""
+    if raw.data_ptr() % word:
+        raw = raw.clone()
+    return raw.view(torch.int32 if word == 4 else torch.int16)
+
+
 def dequant_matvec(
-    raw: torch.Tensor, ggml_type: int, n_cols: int, x: torch.Tensor, round_bf16: bool = True
+    raw: torch.Tensor,
+    ggml_type: int,
+    n_cols: int,
+    x: torch.Tensor,
+    round_bf16: bool = True,
+    out_dtype: torch.dtype = torch.float32,
+    config: Optional[tuple[int, int, int, int]] = None,
 ) -> torch.Tensor:
-    """`x · Wᵀ` for a few tokens, x `[T, n_cols]`, decoding W inside the product: one program per 32 output rows
-    and token, fp32 accumulation, the weight rounded to bf16 first when `round_bf16` (as the tile path multiplies
-    it). Returns fp32 `[T, n_rows]`."""
+    """`x · Wᵀ` for a few tokens, x `[T, n_cols]` (any float dtype; read as it is, widened to fp32 exactly),
+    decoding W inside the product with fp32 accumulation, the weight rounded to bf16 first when `round_bf16` (as
+    the tile path multiplies it). Returns `[T, n_rows]` in `out_dtype` (fp32, or bf16 rounded to nearest even from
+    the fp32 sum). The GEMV types (`GEMV_TYPES`) at 1 to 4 tokens take `matvec_triton.gemv_kernel` with the type's
+    `gemv_config` (or `config`: (BR, KB, warps, split-K)); the others, and more tokens, `dequant_triton.matvec_kernel`
+    (one program per rows and token), converted to `out_dtype` after."""
     row_bytes = _check(raw, ggml_type, n_cols)
     if x.dim() != 2 or x.shape[1] != n_cols:
         raise ValueError(f"dequant_matvec: x {tuple(x.shape)}, expected [tokens, {n_cols}]")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"dequant_matvec: out_dtype {out_dtype}, expected torch.bfloat16 or torch.float32")
+    n_rows, tokens = raw.shape[0], x.shape[0]
+    if ggml_type in GEMV_TYPES and 0 < tokens <= 4 and n_rows:
+        return _gemv(raw, ggml_type, n_cols, row_bytes, x, round_bf16, out_dtype, config or gemv_config(ggml_type))
     x = x.to(torch.float32).contiguous()
-    n_rows = raw.shape[0]
-    y = torch.empty(x.shape[0], n_rows, dtype=torch.float32, device=raw.device)
-    if x.shape[0] and n_rows:
+    y = torch.empty(tokens, n_rows, dtype=torch.float32, device=raw.device)
+    if tokens and n_rows:
         raw = _aligned(raw, ggml_type)
         B, block_bytes = _geometry(ggml_type)
         _, _, bn, kb = KERNEL_CONFIG[ggml_type]
         ra = _row_alignment(row_bytes)
-        grid = (_cdiv(n_rows, bn), x.shape[0])
+        grid = (_cdiv(n_rows, bn), tokens)
         with _on(raw):
             launch(
                 kernels().matvec_kernel,
@@ -353,6 +433,67 @@ def dequant_matvec(
                 ROUND_BF16=round_bf16,
                 BN=bn,
                 KB=kb,
+            )
+    return y if out_dtype == torch.float32 else y.to(out_dtype)
+
+
+def _gemv(
+    raw: torch.Tensor,
+    ggml_type: int,
+    n_cols: int,
+    row_bytes: int,
+    x: torch.Tensor,
+    round_bf16: bool,
+    out_dtype: torch.dtype,
+    config: tuple[int, int, int, int],
+) -> torch.Tensor:
+    mod = gemv_kernels()
+    t = int(ggml_type)
+    br, kb, warps, split = config
+    word = mod.WORD_BYTES[t]
+    rw = _words(raw, word)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    n_rows, tokens = raw.shape[0], x.shape[0]
+    block = mod.BLOCK_VALUES[t]
+    n_blk = n_cols // block
+    split_blk = _cdiv(_cdiv(n_blk, max(1, split)), kb) * kb
+    split = _cdiv(n_blk, split_blk)
+    row_words = row_bytes // word
+    ra = math.gcd(row_words, 16 // word)
+    even = n_blk % kb == 0 and split_blk % kb == 0
+    y = torch.empty(tokens, n_rows, dtype=out_dtype, device=raw.device)
+    y_bits = y.view(torch.int16) if out_dtype == torch.bfloat16 else y
+    grid = (_cdiv(n_rows, br), split)
+    consts = dict(
+        TYPE=t,
+        B=block,
+        BLOCK_WORDS=mod.BLOCK_WORDS[t],
+        RA=ra,
+        T=tokens,
+        ROUND_BF16=bool(round_bf16),
+        OUT_BF16=out_dtype == torch.bfloat16,
+        EVEN=even,
+        BR=br,
+        KB=kb,
+    )
+    with _on(raw):
+        if split == 1:
+            args = (raw, rw, x, y_bits, n_rows, n_blk, split_blk, row_words // ra, x.stride(0), y.stride(0))
+            launch(mod.gemv_kernel, grid, args, warps, PARTIAL=False, **consts)
+        else:
+            part = torch.empty(split, tokens, n_rows, dtype=torch.float32, device=raw.device)
+            args = (raw, rw, x, part, n_rows, n_blk, split_blk, row_words // ra, x.stride(0), 0)
+            launch(mod.gemv_kernel, grid, args, warps, PARTIAL=True, **consts)
+            n = tokens * n_rows
+            launch(
+                mod.gemv_finish_kernel,
+                (_cdiv(n, 1024),),
+                (part, y_bits, n_rows, n, y.stride(0)),
+                4,
+                SPLIT=split,
+                OUT_BF16=out_dtype == torch.bfloat16,
+                BLOCK=1024,
             )
     return y
 
@@ -392,6 +533,10 @@ __all__ = [
     "dequantize_tile",
     "dequantize_split_tile",
     "dequant_matvec",
+    "GEMV_TYPES",
+    "MATVEC_CONFIG",
+    "gemv_config",
+    "parse_gemv_config",
     "dequantize_reference",
     "dequantize_split_reference",
     "matvec_reference",
