@@ -345,7 +345,17 @@ class AdaptedLinear(nn.Module):
         else:
             y = self.base.matmul(x)
             for w, a in zip(self.weights, cast("Iterable[LoraAdapter]", self.adapters)):
-                y = y + (w * a.scale) * a.delta_input(x).to(y.dtype)
+                if torch.is_grad_enabled():
+                    y = y + (w * a.scale) * a.delta_input(x).to(y.dtype)
+                    continue
+                # inference (playback): y + s·(xa·Bᵀ) as one GEMM with the scale as its alpha, not a product, a
+                # scaling and an addition (a decode step on a GPU is bound by its launches)
+                xa, B = a.delta_parts(x)
+                if xa.dtype == y.dtype:
+                    y = torch.addmm(y.reshape(-1, y.shape[-1]), xa.reshape(-1, xa.shape[-1]), B.T, alpha=w * a.scale)
+                    y = y.reshape(*x.shape[:-1], y.shape[-1])
+                else:
+                    y = y + (w * a.scale) * (xa @ B.T).to(y.dtype)
         bias: Optional[torch.Tensor] = getattr(self.base, "bias", None)
         return y + bias.to(y.dtype) if bias is not None else y
 

@@ -28,7 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from juno_py.models.model import KVCache, Transformer, rope_cos_sin, rope_qk
+from juno_py.gguf import quants
+from juno_py.kernels import dequant as device_dequant
+from juno_py.models.model import KVCache, QuantEmbedding, Transformer, rope_cos_sin, rope_qk
 
 # decode steps run eagerly before the capture: Triton compiles (and autotunes) its kernels there, not in the graph
 WARMUP_STEPS = 2
@@ -43,6 +45,20 @@ def _dropout_blocker(module: Any, what: str) -> Optional[str]:
             if a.training and a.config.dropout > 0:
                 return f"{what} has an adapter in training mode with dropout"
     return None
+
+
+def _embedding_table(model: Transformer) -> Optional[tuple[Tensor, int, int, Optional[float]]]:
+    """(bytes, GGML type, width, scale) of the model's embedding table where its bytes are a tensor on the model's
+    device (a model built there): the step then looks the token up itself, inside the graph. None elsewhere (a
+    table in the file's memory map): the lookup runs on the host before each replay."""
+    emb = model.embed
+    if not isinstance(emb, QuantEmbedding):
+        return None
+    info = emb.gguf.tensors[emb.tensor]
+    raw = info.raw
+    if not isinstance(raw, Tensor) or raw.device != emb.device or raw.dim() != 2:
+        return None
+    return raw, int(info.ggml_type), int(emb.dim), emb.scale
 
 
 class CudaGraphDecoder:
@@ -60,10 +76,14 @@ class CudaGraphDecoder:
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.graph_error: Optional[str] = None
         self.warm = 0
-        # static inputs: the token's embedding and its position
+        # static inputs: the token (or its embedding, where the table's bytes are not on the model's device) and
+        # its position; static outputs: the logits, and [greedy token, 1 if every logit is finite] (`pick`)
+        self.token = torch.zeros(1, device=device, dtype=torch.long)
         self.x_in = torch.zeros(1, 1, a.n_embd, device=device, dtype=model.act_dtype)
         self.pos = torch.zeros(1, device=device, dtype=torch.long)
         self.logits: Optional[Tensor] = None
+        self.picked: Optional[Tensor] = None
+        self.table = _embedding_table(model)
         self.key_index = torch.arange(cache.max_len, device=device)
         self.positions = torch.arange(cache.max_len, device=device).unsqueeze(0)
         # cos and sin [1, max_len, 1, rope_dim / 2] per RoPE table, in the activations' dtype as the forward has them
@@ -127,12 +147,28 @@ class CudaGraphDecoder:
             if w:
                 valid = valid & (self.key_index > self.pos - w)
             masks[w] = valid.view(1, 1, 1, -1)
-        x = self.x_in
+        x = self.x_in if self.table is None else self._embed()
         rope_of = model._rope_of_layer
         for blk in blocks:
             rope, valid = ropes[rope_of[blk.layer]], masks[blk.window]
             x = blk.around(x, partial(self._attention, blk, rope=rope, valid=valid))
-        return model.project(model.norm(x)[0, -1])
+        logits = model.project(model.norm(x)[0, -1])
+        self.picked = torch.stack([torch.argmax(logits), torch.isfinite(logits).all().to(torch.long)])
+        return logits
+
+    def _embed(self) -> Tensor:
+        """The embedding `[1, 1, n_embd]` of the token in `token`, from the table's bytes on the device: the rows
+        `QuantEmbedding` gives (the row decoded to fp32, the embedding scale, the activations' dtype)."""
+        assert self.table is not None
+        raw, ggml_type, dim, scale = self.table
+        picked = raw.index_select(0, self.token)
+        if raw.is_cuda and device_dequant.has_kernel(ggml_type) and device_dequant.triton_ready(raw.device):
+            rows = device_dequant.dequantize_tile(picked, ggml_type, dim, dtype=torch.float32)
+        else:
+            rows = quants.dequantize(ggml_type, picked, dim)
+        if scale is not None:
+            rows = rows * torch.tensor(scale, dtype=torch.float32)
+        return rows.view(1, 1, dim).to(self.model.act_dtype)
 
     def _capture(self) -> None:
         stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
@@ -144,15 +180,28 @@ class CudaGraphDecoder:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         self.graph, self.logits = graph, logits
 
+    def pick(self) -> tuple[int, bool]:
+        """(the greedy token, whether every logit is finite) of the last step's logits, computed inside the step:
+        one read of two integers instead of an argmax and a finiteness check on the host's side of the logits.
+        The token is `int(torch.argmax(logits))`, the first of equal maxima, as `generate.sample` gives it."""
+        assert self.picked is not None, "pick() follows a step"
+        token, finite = self.picked.tolist()
+        return int(token), bool(finite)
+
     @torch.no_grad()
     def step(self, token: int) -> Tensor:
         cache = self.cache
         pos = cache.length
         if pos >= cache.max_len:
             raise ValueError(f"KV cache holds {cache.max_len} tokens; {pos} used, 1 more requested")
+        if self.table is not None:
+            n_vocab = self.table[0].shape[0]
+            if not 0 <= token < n_vocab:
+                raise IndexError(f"token id {token} is outside the vocabulary of {n_vocab} ({self.model.embed.tensor})")
+            self.token.fill_(token)
+        else:
+            self.x_in.copy_(self.model.embed_tokens(torch.tensor([[token]], dtype=torch.long)))
         cache.extend(self.positions[:, pos : pos + 1], by_index=True)
-        tokens = torch.tensor([[token]], dtype=torch.long)
-        self.x_in.copy_(self.model.embed_tokens(tokens))
         self.pos.fill_(pos)
         if self.graph is not None:
             self.graph.replay()

@@ -110,8 +110,8 @@ class ResidentQuantLinear(FrozenQuantLinear, resident=True):
         elif op != torch.float64 and 0 < tokens <= MATVEC_MAX_TOKENS and self._use_triton():
             # x in the compute dtype, as the tile path multiplies it (the kernel widens it to fp32 exactly)
             y = device_dequant.dequant_matvec(
-                self.raw, self._ggml_type, self._n_in, x2.to(op), round_bf16=op == torch.bfloat16
-            ).to(res)
+                self.raw, self._ggml_type, self._n_in, x2.to(op), round_bf16=op == torch.bfloat16, out_dtype=res
+            )
         elif exact and op == torch.float32:
             y = self._device_split_exact(x2)
         else:
