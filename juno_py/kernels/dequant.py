@@ -312,11 +312,9 @@ def dequantize_split_tile(
 
 
 # the types with the dedicated GEMV (`matvec_triton`), and its configuration per type: (rows a program BR, blocks
-# of each row a step KB, warps, split-K). `benchmarks/dequant_gpu.py --gemv-sweep` times the candidates on the GPU
+# of each row a step KB, warps, split-K). `benchmarks/gemv_gpu.py --sweep` times the candidates on the GPU
 # and prints the best as a JUNO_PY_GEMV value; that variable (`TYPE=BR,KB,WARPS,SPLIT;...`) overrides this table
-GEMV_TYPES = frozenset(
-    {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K}
-)
+GEMV_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
 MATVEC_CONFIG: dict[int, tuple[int, int, int, int]] = {
     GGMLType.Q4_0: (2, 8, 4, 1),
     GGMLType.Q4_1: (2, 8, 4, 1),
