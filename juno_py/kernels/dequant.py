@@ -5,8 +5,9 @@ from its bytes into bf16 or fp32: the GPU frozen linear multiplies such tiles wi
 counts. `dequantize_split_tile` writes both bf16 halves of each value (w_hi = bf16(w), w_lo = bf16(w − w_hi)) in
 one pass, for products that need fp32 accuracy on bf16 tensor cores (DoRA's U = W·Aᵀ) beside the bf16 one.
 `dequant_matvec` fuses decoding into a matrix-vector product for a few tokens (playback decode), where writing a
-dequantized tile would cost more than the product. The kernels live in `dequant_triton`, imported
-only when one first runs (Triton is optional; `@triton.jit` reads TRITON_INTERPRET when a kernel is defined).
+dequantized tile would cost more than the product: the GEMV of `matvec_triton` for the types playback meets
+(`GEMV_TYPES`, configured per type by `MATVEC_CONFIG` and JUNO_PY_GEMV), `dequant_triton.matvec_kernel` for the
+others. The kernels live in `dequant_triton` and `matvec_triton`, imported only when one first runs (Triton is optional; `@triton.jit` reads TRITON_INTERPRET when a kernel is defined).
 
 Numerics: every block type decodes as `code · scale (+ bias)` where the products are exact in fp32 (an f16
 scale of 11 significant bits times integers small enough that the product fits 24 bits), so only the one

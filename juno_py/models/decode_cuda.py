@@ -5,15 +5,21 @@ activation, its output projection) for one token over the model's preallocated `
 the position is a device tensor, RoPE's cos and sin come from a table of the cache's positions indexed by it, the
 new key and value go into the cache at it (`index_copy_`), and attention runs over the whole cache with a mask of
 the keys at or before it (and inside the block's sliding window) computed from it. Nothing in a step reads the
-host, so on CUDA the step is captured once as a graph over static buffers (the token's embedding in, the logits
-out) and replayed per token: one launch for the whole model. The frozen products of one token go through the
-resident weights' fused dequantize-matvec kernel (`weights.resident`, `kernels.dequant_triton`), which reads each
-weight byte once; LoRAs add their two small products, DoRA composes as `AdaptedLinear` composes it at inference.
+host, so on CUDA the step is captured once as a graph over static buffers (the token in, the logits out) and
+replayed per token: one launch for the whole model. The frozen products of one token go through the resident
+weights' GEMV (`weights.resident`, `kernels.matvec_triton`), which reads each weight byte once and writes the
+activations' dtype; LoRAs add their two small products (x·Aᵀ, then one addmm scaled by its alpha), DoRA composes
+as `AdaptedLinear` composes it at inference.
 
-The embedding lookup (which reads the token id on the host) runs before the replay; sampling runs after it on the
-static logits (`models.generate.sample`), so temperature, top-k and top-p draw from the caller's generator exactly
-as the forward path does. Where a graph cannot be captured (CPU, or a capture that fails) the same step runs
-eagerly: on the CPU its logits equal the model's forward within float32 rounding, which the tests check.
+Where the embedding table's bytes are a tensor on the model's device (a model built there) the step looks the
+token up itself from the static token tensor, inside the graph; a table in the file's memory map is looked up on
+the host before the replay. The step also computes [greedy token, every logit finite] (`pick`), which `generate`
+reads at temperature 0 instead of the logits; other sampling runs after the replay on the static logits
+(`models.generate.sample`), so temperature, top-k and top-p draw from the caller's generator exactly as the forward
+path does. Where a graph cannot be captured (CPU, or a capture that fails) the same step runs eagerly: on the CPU
+its logits equal the model's forward within float32 rounding, which the tests check. A decoder (and its graph)
+belongs to one cache: the graph holds the cache's and the adapters' kept casts' addresses, so each `generate` call
+captures its own.
 `CudaGraphDecoder.unsupported(model, cache)` says why a model cannot take this path (mixture-of-experts blocks,
 adapters in training with dropout, a cache other than batch 1 in the activations' dtype).
 """
