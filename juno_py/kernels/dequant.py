@@ -319,10 +319,10 @@ GEMV_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4
 MATVEC_CONFIG: dict[int, tuple[int, int, int, int]] = {
     GGMLType.Q4_0: (2, 8, 4, 1),
     GGMLType.Q4_1: (2, 8, 4, 1),
-    GGMLType.Q8_0: (2, 8, 4, 1),
-    GGMLType.Q4_K: (2, 2, 4, 1),
-    GGMLType.Q5_K: (2, 2, 4, 1),
-    GGMLType.Q6_K: (2, 1, 4, 1),
+    GGMLType.Q8_0: (2, 16, 4, 1),
+    GGMLType.Q4_K: (2, 4, 4, 1),
+    GGMLType.Q5_K: (2, 4, 4, 1),
+    GGMLType.Q6_K: (2, 2, 4, 1),
 }
 _GEMV_ENV = "JUNO_PY_GEMV"
 _gemv_env_read = False
@@ -473,6 +473,7 @@ def _gemv(
         ROUND_BF16=bool(round_bf16),
         OUT_BF16=out_dtype == torch.bfloat16,
         EVEN=even,
+        NPART=mod.PARTS[t],
         BR=br,
         KB=kb,
     )

@@ -30,6 +30,8 @@ GEMV_TYPES = (2, 3, 8, 12, 13, 14)
 WORD_BYTES = {2: 2, 3: 4, 8: 2, 12: 4, 13: 4, 14: 2}
 BLOCK_WORDS = {2: 9, 3: 5, 8: 17, 12: 36, 13: 44, 14: 105}
 BLOCK_VALUES = {2: 32, 3: 32, 8: 32, 12: 256, 13: 256, 14: 256}
+# the value tensors `_values` makes of a step's words: 2 (the nibbles; Q6_K's bit planes) or 1 (Q8_0's bytes)
+PARTS = {2: 2, 3: 2, 8: 1, 12: 2, 13: 2, 14: 2}
 
 
 @triton.jit
@@ -179,6 +181,7 @@ def gemv_kernel(
     OUT_BF16: tl.constexpr,
     PARTIAL: tl.constexpr,
     EVEN: tl.constexpr,
+    NPART: tl.constexpr,
     BR: tl.constexpr,
     KB: tl.constexpr,
 ):
@@ -186,7 +189,7 @@ def gemv_kernel(
     split s = program_id(1), all T tokens. A row is row_units · RA words (RA: a power of two dividing it, so the
     compiler knows the rows' alignment). PARTIAL: store fp32 partial sums at y + (s·T + t)·n_rows (y_stride
     unused); else y[t] at y + t·y_stride (bf16 bits when OUT_BF16). EVEN: every step's KB blocks are inside the
-    split and the row (no masks)."""
+    split and the row (no masks). NPART: the value parts of a word (`PARTS`)."""
     s = tl.program_id(1)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     keep = rows < n_rows
@@ -195,7 +198,6 @@ def gemv_kernel(
     k_lo = s * split_blk
     k_hi = tl.minimum(k_lo + split_blk, n_blk)
     kk = tl.arange(0, KB)[None, :, None, None, None]
-    NPART: tl.constexpr = 1 if TYPE == 8 else 2
     acc0 = _zeros(TYPE, BR, KB)
     acc1 = _zeros(TYPE, BR, KB)
     acc2 = _zeros(TYPE, BR, KB)
