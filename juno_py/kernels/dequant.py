@@ -385,21 +385,27 @@ def dequant_matvec(
     round_bf16: bool = True,
     out_dtype: torch.dtype = torch.float32,
     config: Optional[tuple[int, int, int, int]] = None,
+    lora: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None,
 ) -> torch.Tensor:
     """`x · Wᵀ` for a few tokens, x `[T, n_cols]` (any float dtype; read as it is, widened to fp32 exactly),
     decoding W inside the product with fp32 accumulation, the weight rounded to bf16 first when `round_bf16` (as
     the tile path multiplies it). Returns `[T, n_rows]` in `out_dtype` (fp32, or bf16 rounded to nearest even from
     the fp32 sum). The GEMV types (`GEMV_TYPES`) at 1 to 4 tokens take `matvec_triton.gemv_kernel` with the type's
     `gemv_config` (or `config`: (BR, KB, warps, split-K)); the others, and more tokens, `dequant_triton.matvec_kernel`
-    (one program per rows and token), converted to `out_dtype` after."""
+    (one program per rows and token), converted to `out_dtype` after. `lora`: (xa `[T, r]`, B `[n_rows, r]`,
+    alpha), a LoRA term alpha · xa · Bᵀ added to the fp32 sums before they are rounded (the GEMV types at 1 to 4
+    tokens only: `gemv_takes`)."""
     row_bytes = _check(raw, ggml_type, n_cols)
     if x.dim() != 2 or x.shape[1] != n_cols:
         raise ValueError(f"dequant_matvec: x {tuple(x.shape)}, expected [tokens, {n_cols}]")
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"dequant_matvec: out_dtype {out_dtype}, expected torch.bfloat16 or torch.float32")
     n_rows, tokens = raw.shape[0], x.shape[0]
-    if ggml_type in GEMV_TYPES and 0 < tokens <= 4 and n_rows:
-        return _gemv(raw, ggml_type, n_cols, row_bytes, x, round_bf16, out_dtype, config or gemv_config(ggml_type))
+    if gemv_takes(ggml_type, tokens) and n_rows:
+        cfg = config or gemv_config(ggml_type)
+        return _gemv(raw, ggml_type, n_cols, row_bytes, x, round_bf16, out_dtype, cfg, lora)
+    if lora is not None:
+        raise ValueError(f"dequant_matvec: a LoRA term needs the GEMV (1 to 4 tokens of {sorted(GEMV_TYPES)})")
     x = x.to(torch.float32).contiguous()
     y = torch.empty(tokens, n_rows, dtype=torch.float32, device=raw.device)
     if tokens and n_rows:
@@ -436,6 +442,11 @@ def dequant_matvec(
     return y if out_dtype == torch.float32 else y.to(out_dtype)
 
 
+def gemv_takes(ggml_type: int, tokens: int) -> bool:
+    """Whether `dequant_matvec` of `tokens` tokens of this type runs the GEMV (and can add a LoRA term)."""
+    return ggml_type in GEMV_TYPES and 0 < tokens <= 4
+
+
 def _gemv(
     raw: torch.Tensor,
     ggml_type: int,
@@ -445,6 +456,7 @@ def _gemv(
     round_bf16: bool,
     out_dtype: torch.dtype,
     config: tuple[int, int, int, int],
+    lora: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None,
 ) -> torch.Tensor:
     mod = gemv_kernels()
     t = int(ggml_type)
@@ -464,6 +476,18 @@ def _gemv(
     y = torch.empty(tokens, n_rows, dtype=out_dtype, device=raw.device)
     y_bits = y.view(torch.int16) if out_dtype == torch.bfloat16 else y
     grid = (_cdiv(n_rows, br), split)
+    if lora is not None:
+        xa, lb, alpha = lora
+        rank = xa.shape[-1]
+        if xa.shape != (tokens, rank) or lb.shape != (n_rows, rank) or xa.stride(-1) != 1 or lb.stride(-1) != 1:
+            raise ValueError(
+                f"dequant_matvec: LoRA xa {tuple(xa.shape)} and B {tuple(lb.shape)}: expected [{tokens}, r] and "
+                f"[{n_rows}, r] with contiguous rows"
+            )
+        extra = (xa, lb, float(alpha), rank, xa.stride(0), lb.stride(0))
+        rp = max(2, 1 << (rank - 1).bit_length())
+    else:
+        extra, rp = (x, x, 0.0, 0, 0, 0), 0
     consts = dict(
         TYPE=t,
         B=block,
@@ -474,26 +498,28 @@ def _gemv(
         OUT_BF16=out_dtype == torch.bfloat16,
         EVEN=even,
         NPART=mod.PARTS[t],
+        RP=rp,
         BR=br,
         KB=kb,
     )
     with _on(raw):
         if split == 1:
-            args = (raw, rw, x, y_bits, n_rows, n_blk, split_blk, row_words // ra, x.stride(0), y.stride(0))
+            args = (raw, rw, x, y_bits, n_rows, n_blk, split_blk, row_words // ra, x.stride(0), y.stride(0), *extra)
             launch(mod.gemv_kernel, grid, args, warps, PARTIAL=False, **consts)
         else:
             part = torch.empty(split, tokens, n_rows, dtype=torch.float32, device=raw.device)
-            args = (raw, rw, x, part, n_rows, n_blk, split_blk, row_words // ra, x.stride(0), 0)
-            launch(mod.gemv_kernel, grid, args, warps, PARTIAL=True, **consts)
+            args = (raw, rw, x, part, n_rows, n_blk, split_blk, row_words // ra, x.stride(0), 0, *extra)
+            launch(mod.gemv_kernel, grid, args, warps, PARTIAL=True, **{**consts, "RP": 0})
             n = tokens * n_rows
             launch(
                 mod.gemv_finish_kernel,
-                (_cdiv(n, 1024),),
-                (part, y_bits, n_rows, n, y.stride(0)),
+                (_cdiv(n, 1024 // max(rp, 1)),),
+                (part, y_bits, n_rows, n, y.stride(0), *extra),
                 4,
                 SPLIT=split,
                 OUT_BF16=out_dtype == torch.bfloat16,
-                BLOCK=1024,
+                RP=rp,
+                BLOCK=1024 // max(rp, 1),
             )
     return y
 
@@ -534,6 +560,7 @@ __all__ = [
     "dequantize_split_tile",
     "dequant_matvec",
     "GEMV_TYPES",
+    "gemv_takes",
     "MATVEC_CONFIG",
     "gemv_config",
     "parse_gemv_config",

@@ -18,7 +18,9 @@ shape, and reduced once at the end. Every token's product comes from one read of
 
 SPLIT = 1 writes y (fp32, or bf16 rounded to nearest even with integer operations) directly; SPLIT > 1 writes fp32
 partial sums `[SPLIT, T, n_rows]` that `gemv_finish_kernel` adds in split order (deterministic: the same bits every
-run, so a replayed CUDA graph equals the eager step).
+run, so a replayed CUDA graph equals the eager step). Either may add a LoRA term alpha · xa · Bᵀ (xa = x · Aᵀ
+computed before, `[T, rank]`; B `[n_rows, rank]`) to the fp32 sums before they are rounded and stored: a played
+adapter then costs its x · Aᵀ product and nothing more.
 """
 
 import triton
@@ -172,6 +174,12 @@ def gemv_kernel(
     row_units,
     x_stride,
     y_stride,
+    xa_ptr,
+    lb_ptr,
+    alpha,
+    rank,
+    xa_stride,
+    lb_stride,
     TYPE: tl.constexpr,
     B: tl.constexpr,
     BLOCK_WORDS: tl.constexpr,
@@ -182,14 +190,16 @@ def gemv_kernel(
     PARTIAL: tl.constexpr,
     EVEN: tl.constexpr,
     NPART: tl.constexpr,
+    RP: tl.constexpr,
     BR: tl.constexpr,
     KB: tl.constexpr,
 ):
     """y[t, rows] = Σ over blocks [s·split_blk, (s + 1)·split_blk) of x[t] · W[rows]ᵀ for the program's BR rows and
-    split s = program_id(1), all T tokens. A row is row_units · RA words (RA: a power of two dividing it, so the
-    compiler knows the rows' alignment). PARTIAL: store fp32 partial sums at y + (s·T + t)·n_rows (y_stride
-    unused); else y[t] at y + t·y_stride (bf16 bits when OUT_BF16). EVEN: every step's KB blocks are inside the
-    split and the row (no masks). NPART: the value parts of a word (`PARTS`)."""
+        split s = program_id(1), all T tokens. A row is row_units · RA words (RA: a power of two dividing it, so the
+        compiler knows the rows' alignment). PARTIAL: store fp32 partial sums at y + (s·T + t)·n_rows (y_stride
+        unused); else y[t] at y + t·y_stride (bf16 bits when OUT_BF16). EVEN: every step's KB blocks are inside the
+        split and the row (no masks). NPART: the value parts of a word (`PARTS`). RP > 0 (a power of two ≥ rank): a
+    LoRA term is added to y before it is stored (`_lora`; by `gemv_finish_kernel` when PARTIAL)."""
     s = tl.program_id(1)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     keep = rows < n_rows
@@ -233,24 +243,70 @@ def gemv_kernel(
         if T > 3:
             _store(base + 3 * n_rows, _reduce(acc3), rows, keep, False)
     else:
-        _store(y_ptr, _reduce(acc0), rows, keep, OUT_BF16)
+        y0 = _reduce(acc0)
+        if RP > 0:
+            y0 += _lora(rows_c, 0, xa_ptr, lb_ptr, alpha, rank, xa_stride, lb_stride, RP)
+        _store(y_ptr, y0, rows, keep, OUT_BF16)
         if T > 1:
-            _store(y_ptr + y_stride, _reduce(acc1), rows, keep, OUT_BF16)
+            y1 = _reduce(acc1)
+            if RP > 0:
+                y1 += _lora(rows_c, 1, xa_ptr, lb_ptr, alpha, rank, xa_stride, lb_stride, RP)
+            _store(y_ptr + y_stride, y1, rows, keep, OUT_BF16)
         if T > 2:
-            _store(y_ptr + 2 * y_stride, _reduce(acc2), rows, keep, OUT_BF16)
+            y2 = _reduce(acc2)
+            if RP > 0:
+                y2 += _lora(rows_c, 2, xa_ptr, lb_ptr, alpha, rank, xa_stride, lb_stride, RP)
+            _store(y_ptr + 2 * y_stride, y2, rows, keep, OUT_BF16)
         if T > 3:
-            _store(y_ptr + 3 * y_stride, _reduce(acc3), rows, keep, OUT_BF16)
+            y3 = _reduce(acc3)
+            if RP > 0:
+                y3 += _lora(rows_c, 3, xa_ptr, lb_ptr, alpha, rank, xa_stride, lb_stride, RP)
+            _store(y_ptr + 3 * y_stride, y3, rows, keep, OUT_BF16)
+
+
+@triton.jit
+def _lora(rows, t, xa_ptr, lb_ptr, alpha, rank, xa_stride, lb_stride, RP: tl.constexpr):
+    """alpha · Σ_j B[rows, j] · xa[t, j] over the adapter's rank (fp32; B `[n_rows, rank]` and xa `[T, rank]` in
+    their own dtypes): a LoRA term, added to the frozen product before it is rounded and stored."""
+    j = tl.arange(0, RP)[None, :]
+    ok = j < rank
+    b = tl.load(lb_ptr + rows.to(tl.int64)[:, None] * lb_stride + j, mask=ok, other=0.0).to(tl.float32)
+    xa = tl.load(xa_ptr + t * xa_stride + j, mask=ok, other=0.0).to(tl.float32)
+    return alpha * tl.sum(b * xa, axis=1)
 
 
 @triton.jit
 def gemv_finish_kernel(
-    part_ptr, y_ptr, n_rows, n, y_stride, SPLIT: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr
+    part_ptr,
+    y_ptr,
+    n_rows,
+    n,
+    y_stride,
+    xa_ptr,
+    lb_ptr,
+    alpha,
+    rank,
+    xa_stride,
+    lb_stride,
+    SPLIT: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    RP: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    """y[t, r] = Σ_s part[s, t, r] added in split order (n = T · n_rows entries), fp32 or bf16 bits."""
+    """y[t, r] = Σ_s part[s, t, r] added in split order (n = T · n_rows entries), plus the LoRA term when RP > 0,
+    fp32 or bf16 bits."""
     e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = e < n
     acc = tl.load(part_ptr + e, mask=ok, other=0.0)
     for s in tl.static_range(1, SPLIT):
         acc += tl.load(part_ptr + s * n + e, mask=ok, other=0.0)
-    t = e // n_rows
-    _store(y_ptr + t * y_stride, acc, e - t * n_rows, ok, OUT_BF16)
+    ec = tl.minimum(e, n - 1)
+    t = ec // n_rows
+    r = ec - t * n_rows
+    if RP > 0:
+        j = tl.arange(0, RP)[None, :]
+        jok = j < rank
+        b = tl.load(lb_ptr + r.to(tl.int64)[:, None] * lb_stride + j, mask=jok, other=0.0).to(tl.float32)
+        xa = tl.load(xa_ptr + t[:, None] * xa_stride + j, mask=jok, other=0.0).to(tl.float32)
+        acc += alpha * tl.sum(b * xa, axis=1)
+    _store(y_ptr + t * y_stride, acc, r, ok, OUT_BF16)

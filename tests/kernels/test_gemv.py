@@ -83,3 +83,62 @@ def test_gemv_config_strings():
     for bad in ("Q4_K=3,2,4,1", "Q4_K=2,2,4", "IQ2_XS=1,1,4,1", "Q4_K=2,2,4,0", "nonsense"):
         with pytest.raises(ValueError, match="JUNO_PY_GEMV"):
             parse_gemv_config(bad)
+
+
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_K, GGMLType.Q8_0], ids=lambda t: t.name)
+def test_gemv_adds_a_lora_term_before_rounding(ggml_type):
+    """alpha·xa·Bᵀ added to the fp32 sums (split or not, 1 and 3 tokens, a rank that is not a power of two): within
+    the product's bound plus the term's own fp32 rounding."""
+    n_rows, n_cols = shape(ggml_type)
+    raw = torch.from_numpy(random_rows(ggml_type, n_rows, n_cols, seed=9))
+    w = dequantize_reference(raw, ggml_type, n_cols, torch.bfloat16).double()
+    g = torch.Generator().manual_seed(4)
+    B = torch.randn(n_rows, 5, generator=g)
+    for config, tokens in (((2, 2, 4, 1), 1), ((1, 1, 4, 3), 3)):
+        x = torch.randn(tokens, n_cols, generator=g)
+        xa = torch.randn(tokens, 5, generator=g)
+        y = dequant_matvec(raw.to(DEVICE), ggml_type, n_cols, x.to(DEVICE), config=config, lora=(xa, B, -0.75))
+        term = -0.75 * xa.double() @ B.double().T
+        ref = matvec_reference(raw, ggml_type, n_cols, x) + term
+        bound = n_cols * U32 * (x.double().abs() @ w.abs().T) + 8 * U32 * (
+            0.75 * xa.double().abs() @ B.double().abs().T
+        )
+        bound += U32 * ref.abs()
+        err = (y.cpu().double() - ref).abs()
+        assert bool((err <= bound).all()), f"{config}: max |Δ| {err.max().item():.3g}"
+        assert (term.abs() > 100 * err).any()  # the term is there, not lost in the tolerance
+
+
+def test_playback_lora_rides_on_the_gemv_with_the_forwards_logits(tiny_gguf, monkeypatch):
+    """A LoRA-played model on the device path (the GEMV, forced onto the CPU under the interpreter) decodes the
+    logits of the same model's CPU forward, the adapter's term added inside the GEMV (fp32 compute)."""
+    from juno_py.kernels import dequant
+    from juno_py.lora import attach
+    from juno_py.models import load_model
+    from juno_py.models.decode_cuda import CudaGraphDecoder
+    from juno_py.testing.tiny_models import sample_ids
+    from tests.models.decode_checks import assert_logits_close, decoder_steps, forward_steps, randomize
+
+    path = tiny_gguf("llama", GGMLType.Q8_0)
+    models, n_adapted = [], 0
+    for device_path in (True, False):
+        model = load_model(path)
+        if device_path:
+            for lin in model.frozen_linears():
+                lin.dequant = "triton"
+        aset = attach(model, "all", rank=3, alpha=4.0, seed=5)
+        randomize(aset, seed=6)
+        models.append(model)
+        n_adapted = len(aset.adapters)
+    # 16 rows a program: the interpreter runs programs one after another
+    monkeypatch.setitem(dequant.MATVEC_CONFIG, int(GGMLType.Q8_0), (16, 16, 4, 1))
+    fused = []
+    real = dequant.dequant_matvec
+    monkeypatch.setattr(
+        dequant, "dequant_matvec", lambda *a, **k: fused.append(k.get("lora") is not None) or real(*a, **k)
+    )
+    prompt, tokens = sample_ids(2, seed=1), sample_ids(2, seed=2)
+    got = decoder_steps(CudaGraphDecoder, models[0], prompt, tokens, graph=False)
+    # every adapted product of the prefill (2 tokens) and the steps took the GEMV with its term
+    assert sum(fused) == n_adapted * (1 + len(tokens))
+    assert_logits_close(got, forward_steps(models[1], prompt, tokens))
