@@ -89,6 +89,7 @@ class CudaGraphDecoder:
         self.pos = torch.zeros(1, device=device, dtype=torch.long)
         self.logits: Optional[Tensor] = None
         self.picked: Optional[Tensor] = None
+        self.graph_picked: Optional[Tensor] = None
         self.table = _embedding_table(model)
         self.key_index = torch.arange(cache.max_len, device=device)
         self.positions = torch.arange(cache.max_len, device=device).unsqueeze(0)
@@ -177,14 +178,20 @@ class CudaGraphDecoder:
         return rows.view(1, 1, dim).to(self.model.act_dtype)
 
     def _capture(self) -> None:
-        stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            with torch.cuda.graph(graph, stream=stream):
-                logits = self._forward()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        self.graph, self.logits = graph, logits
+        # the step that triggers the capture returns its eager logits and pick; the captured step's outputs are
+        # the replays' (capturing runs nothing: until the first replay they hold no values)
+        eager_picked = self.picked
+        try:
+            stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(stream):
+                with torch.cuda.graph(graph, stream=stream):
+                    logits = self._forward()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            self.graph, self.logits, self.graph_picked = graph, logits, self.picked
+        finally:
+            self.picked = eager_picked
 
     def pick(self) -> tuple[int, bool]:
         """(the greedy token, whether every logit is finite) of the last step's logits, computed inside the step:
@@ -212,6 +219,7 @@ class CudaGraphDecoder:
         if self.graph is not None:
             self.graph.replay()
             assert self.logits is not None
+            self.picked = self.graph_picked
             return self.logits
         logits = self._forward()
         self.warm += 1

@@ -124,10 +124,15 @@ def test_graph_replay_equals_the_eager_step(tiny_gguf, tmp_path, arch):
         prefill(model, torch.tensor([prompt]), cache)
         decoder = CudaGraphDecoder.build(model, cache)
         assert decoder is not None and decoder.use_graph
-        graphed = [decoder.step(t).clone() for t in tokens]
+        graphed, picks = [], []
+        for t in tokens:
+            graphed.append(decoder.step(t).clone())
+            picks.append(decoder.pick())
         assert decoder.graph is not None, decoder.graph_error
     for i, (g, e) in enumerate(zip(graphed, eager[1:])):
         assert torch.equal(g, e), f"step {i}: max |Δ| {(g - e).abs().max().item():.3g}"
+    # the eager steps', the capturing step's and the replays' picks are each their own logits'
+    assert picks == [(int(torch.argmax(g)), True) for g in graphed]
 
 
 @needs_cuda
