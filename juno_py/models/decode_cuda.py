@@ -8,8 +8,8 @@ the keys at or before it (and inside the block's sliding window) computed from i
 host, so on CUDA the step is captured once as a graph over static buffers (the token in, the logits out) and
 replayed per token: one launch for the whole model. The frozen products of one token go through the resident
 weights' GEMV (`weights.resident`, `kernels.matvec_triton`), which reads each weight byte once and writes the
-activations' dtype; LoRAs add their two small products (x·Aᵀ, then one addmm scaled by its alpha), DoRA composes
-as `AdaptedLinear` composes it at inference.
+activations' dtype; a LoRA adds its x·Aᵀ product, whose term the GEMV adds to its sums (`matmul_lora`), DoRA
+composes as `AdaptedLinear` composes it at inference.
 
 Where the embedding table's bytes are a tensor on the model's device (a model built there) the step looks the
 token up itself from the static token tensor, inside the graph; a table in the file's memory map is looked up on
