@@ -136,10 +136,15 @@ class CudaGraphDecoder:
         kc, vc = self.cache.k[blk.layer], self.cache.v[blk.layer]
         kc.index_copy_(2, self.pos, k.to(kc.dtype))
         vc.index_copy_(2, self.pos, v.to(vc.dtype))
+        # grouped queries: the one query of each of a key/value head's query heads as that head's rows of queries
+        # (query head h reads key/value head h // group, as SDPA's enable_gqa has it), so that SDPA runs its
+        # masked kernels without grouped-query support (with it and a mask, CUDA falls back to the math path,
+        # about ten launches a block, and copies the cache's heads)
+        group = a.n_head // a.n_head_kv
         y = F.scaled_dot_product_attention(
-            q, kc, vc, attn_mask=valid, scale=a.attn_scale, enable_gqa=a.n_head != a.n_head_kv
+            q.reshape(1, a.n_head_kv, group, a.head_dim), kc, vc, attn_mask=valid, scale=a.attn_scale
         )
-        out: Tensor = lin["wo"](y.transpose(1, 2).reshape(1, 1, a.n_head * a.head_dim_v))
+        out: Tensor = lin["wo"](y.reshape(1, 1, a.n_head * a.head_dim_v))
         return out.to(blk.act_dtype)
 
     def _forward(self) -> Tensor:
