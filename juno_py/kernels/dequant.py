@@ -314,14 +314,16 @@ def dequantize_split_tile(
 
 # the types with the dedicated GEMV (`matvec_triton`), and its configuration per type: (rows a program BR, blocks
 # of each row a step KB, warps, split-K). `benchmarks/gemv_gpu.py --sweep` times the candidates on the GPU
-# and prints the best as a JUNO_PY_GEMV value; that variable (`TYPE=BR,KB,WARPS,SPLIT;...`) overrides this table
+# and prints the best as a JUNO_PY_GEMV value; that variable (`TYPE=BR,KB,WARPS,SPLIT;...`) overrides this table.
+# Until that sweep has run, the values are configs whose sm_90 compile (`benchmarks/gemv_compile.py`) exchanges no
+# step values through shared memory
 GEMV_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
 MATVEC_CONFIG: dict[int, tuple[int, int, int, int]] = {
-    GGMLType.Q4_0: (2, 8, 4, 1),
-    GGMLType.Q4_1: (2, 8, 4, 1),
+    GGMLType.Q4_0: (4, 8, 4, 1),
+    GGMLType.Q4_1: (4, 8, 4, 1),
     GGMLType.Q8_0: (2, 16, 4, 1),
-    GGMLType.Q4_K: (2, 4, 4, 1),
-    GGMLType.Q5_K: (2, 4, 4, 1),
+    GGMLType.Q4_K: (4, 2, 4, 1),
+    GGMLType.Q5_K: (4, 2, 4, 1),
     GGMLType.Q6_K: (2, 2, 4, 1),
 }
 _GEMV_ENV = "JUNO_PY_GEMV"
@@ -466,6 +468,11 @@ def _gemv(
     if x.stride(-1) != 1:
         x = x.contiguous()
     n_rows, tokens = raw.shape[0], x.shape[0]
+    # bf16 x read as words of the values one weight word's part multiplies (`_dot`'s XPACK)
+    xi = word
+    xpack = x.dtype == torch.bfloat16 and x.stride(0) % xi == 0 and x.data_ptr() % (2 * xi) == 0 and n_cols % xi == 0
+    xk = x.view(torch.int64 if xi == 4 else torch.int32) if xpack else x
+    x_stride = x.stride(0) // xi if xpack else x.stride(0)
     block = mod.BLOCK_VALUES[t]
     n_blk = n_cols // block
     split_blk = _cdiv(_cdiv(n_blk, max(1, split)), kb) * kb
@@ -498,17 +505,19 @@ def _gemv(
         OUT_BF16=out_dtype == torch.bfloat16,
         EVEN=even,
         NPART=mod.PARTS[t],
+        XI=xi,
+        XPACK=xpack,
         RP=rp,
         BR=br,
         KB=kb,
     )
     with _on(raw):
         if split == 1:
-            args = (raw, rw, x, y_bits, n_rows, n_blk, split_blk, row_words // ra, x.stride(0), y.stride(0), *extra)
+            args = (raw, rw, xk, y_bits, n_rows, n_blk, split_blk, row_words // ra, x_stride, y.stride(0), *extra)
             launch(mod.gemv_kernel, grid, args, warps, PARTIAL=False, **consts)
         else:
             part = torch.empty(split, tokens, n_rows, dtype=torch.float32, device=raw.device)
-            args = (raw, rw, x, part, n_rows, n_blk, split_blk, row_words // ra, x.stride(0), 0, *extra)
+            args = (raw, rw, xk, part, n_rows, n_blk, split_blk, row_words // ra, x_stride, 0, *extra)
             launch(mod.gemv_kernel, grid, args, warps, PARTIAL=True, **{**consts, "RP": 0})
             n = tokens * n_rows
             launch(

@@ -13,8 +13,12 @@ I the bytes (or halfword bytes) of a word, one tensor per nibble or bit-plane pa
 the K-quants' 6-bit sub-block scales are decoded once per block or sub-block (`[BR, KB, G, 1, 1]`) and broadcast.
 Each value is `code · scale (+ bias)` with the torch codec's fp32 operations (the product exact, so a fused
 multiply-add changes nothing), rounded to bf16 with integer operations when ROUND_BF16 (as the tile path multiplies
-it), times x (any float dtype, widened to fp32 exactly), accumulated in fp32 per token in a tensor of the step's
-shape, and reduced once at the end. Every token's product comes from one read of the weight bytes.
+it), times x, accumulated in fp32 per token in a tensor of the step's shape, and reduced once at the end. Every
+token's product comes from one read of the weight bytes. bf16 x (playback's) is read as words of the I values one
+weight word multiplies (int64 for 4, int32 for 2) and taken apart with integer operations, so that x arrives in
+the weight words' layout: read element by element, Triton gave x its own layout and exchanged every step's values
+through shared memory (`benchmarks/gemv_compile.py` shows the conversions and the shared memory of a build). Other
+x dtypes are read element by element, widened to fp32 exactly.
 
 SPLIT = 1 writes y (fp32, or bf16 rounded to nearest even with integer operations) directly; SPLIT > 1 writes fp32
 partial sums `[SPLIT, T, n_rows]` that `gemv_finish_kernel` adds in split order (deterministic: the same bits every
@@ -68,7 +72,8 @@ def _k_scale_min(b8, sub):
 def _values(raw8_ptr, rw_ptr, wb, TYPE: tl.constexpr, PART: tl.constexpr):
     """(values, x offsets inside the block) of part PART of the blocks whose first word is at word offsets `wb`
     `[BR, KB, 1, 1, 1]` (int64) of `rw_ptr` (the bytes as int32 or int16 words; `raw8_ptr`: as bytes). Shapes
-    `[BR, KB, G, M, I]` (offsets `[1, 1, G, M, I]`)."""
+    `[BR, KB, G, M, I]`; the offsets `[1, 1, G, M, 1]` are those of each word's first value (byte i of a word is the
+    value i after it)."""
     if TYPE == 12 or TYPE == 13:  # Q4_K: d dmin sc[12] qs[128]; Q5_K: d dmin sc[12] qh[32] qs[128] (int32 words)
         c = tl.arange(0, 4)[None, None, :, None, None]  # 64 values: qs bytes 32c .. 32c + 31
         m = tl.arange(0, 8)[None, None, None, :, None]  # word m of them
@@ -83,7 +88,7 @@ def _values(raw8_ptr, rw_ptr, wb, TYPE: tl.constexpr, PART: tl.constexpr):
         sc, mn = _k_scale_min(raw8_ptr + 4 * wb, 2 * c + PART)  # [BR, KB, 4, 1, 1]
         scale = _half(w0) * sc
         bias = -_half(w0 >> 16) * mn
-        return q.to(tl.float32) * scale + bias, 64 * c + 32 * PART + 4 * m + i
+        return q.to(tl.float32) * scale + bias, 64 * c + 32 * PART + 4 * m
     elif TYPE == 14:  # Q6_K: ql[128] qh[64] int8 sc[16] d (int16 words)
         g = tl.arange(0, 8)[None, None, :, None, None]  # (n, b, mh) = (g // 4, g // 2 % 2, g % 2)
         m = tl.arange(0, 8)[None, None, None, :, None]
@@ -97,38 +102,50 @@ def _values(raw8_ptr, rw_ptr, wb, TYPE: tl.constexpr, PART: tl.constexpr):
         hi2 = (qh >> (8 * i + 2 * (2 * PART + b))) & 3
         sc = tl.load(raw8_ptr + 2 * wb + 192 + 8 * n + 4 * PART + 2 * b + mh).to(tl.int8, bitcast=True)
         scale = _half(tl.load(rw_ptr + wb + 104).to(tl.int32)) * sc.to(tl.float32)
-        return ((lo4 | (hi2 << 4)) - 32).to(tl.float32) * scale, 128 * n + 64 * PART + 32 * b + 16 * mh + 2 * m + i
+        return ((lo4 | (hi2 << 4)) - 32).to(tl.float32) * scale, 128 * n + 64 * PART + 32 * b + 16 * mh + 2 * m
     elif TYPE == 8:  # Q8_0: d int8[32] (int16 words)
         m = tl.arange(0, 16)[None, None, None, :, None]
         i = tl.arange(0, 2)[None, None, None, None, :]
         hw = tl.load(rw_ptr + wb + 1 + m).to(tl.int32)
         q = (hw << (24 - 8 * i)) >> 24  # the signed byte i of the halfword
         d = _half(tl.load(rw_ptr + wb).to(tl.int32))
-        return q.to(tl.float32) * d, 2 * m + i
+        return q.to(tl.float32) * d, 2 * m
     elif TYPE == 2:  # Q4_0: d qs[16] (int16 words): value 16h + l = (qs[l] >> 4h) − 8
         m = tl.arange(0, 8)[None, None, None, :, None]
         i = tl.arange(0, 2)[None, None, None, None, :]
         hw = tl.load(rw_ptr + wb + 1 + m).to(tl.int32)
         q = (hw >> (8 * i + 4 * PART)) & 0xF
         d = _half(tl.load(rw_ptr + wb).to(tl.int32))
-        return (q - 8).to(tl.float32) * d, 16 * PART + 2 * m + i
+        return (q - 8).to(tl.float32) * d, 16 * PART + 2 * m
     else:  # Q4_1: d m qs[16] (int32 words): value 16h + l = d·(qs[l] >> 4h) + m
         m = tl.arange(0, 4)[None, None, None, :, None]
         i = tl.arange(0, 4)[None, None, None, None, :]
         w0 = tl.load(rw_ptr + wb)
         qw = tl.load(rw_ptr + wb + 1 + m)
         q = (qw >> (8 * i + 4 * PART)) & 0xF
-        return q.to(tl.float32) * _half(w0) + _half(w0 >> 16), 16 * PART + 4 * m + i
+        return q.to(tl.float32) * _half(w0) + _half(w0 >> 16), 16 * PART + 4 * m
 
 
 @triton.jit
-def _dot(w, x_ptr, xo, ok, EVEN: tl.constexpr):
-    """w · x over the step's values, elementwise (x at `x_ptr + xo`; outside the blocks (`ok` false) x is 0)."""
+def _dot(w, x_ptr, xo, ok, EVEN: tl.constexpr, XI: tl.constexpr, XPACK: tl.constexpr):
+    """w · x over the step's values, elementwise; outside the blocks (`ok` false) x is 0. XPACK: x is bf16 read as
+    words of XI values (int64 for 4, int32 for 2) at word offsets `xo` `[1, KB, G, M, 1]`, each word's values taken
+    apart with integer operations, so x arrives in the weight words' own layout (no exchange through shared memory
+    a step); else x (any float dtype) at element offsets `xo` + i."""
+    i = tl.arange(0, XI)[None, None, None, None, :]
+    if XPACK:
+        if EVEN:
+            xw = tl.load(x_ptr + xo)
+        else:
+            xw = tl.load(x_ptr + xo, mask=ok, other=0)
+        x = (((xw >> (16 * i)) & 0xFFFF).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    elif EVEN:
+        x = tl.load(x_ptr + (xo + i)).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + (xo + i), mask=ok, other=0.0).to(tl.float32)
     if EVEN:
-        x = tl.load(x_ptr + xo).to(tl.float32)
         return w * x
     else:
-        x = tl.load(x_ptr + xo, mask=ok, other=0.0).to(tl.float32)
         return tl.where(ok, w * x, 0.0)
 
 
@@ -190,16 +207,20 @@ def gemv_kernel(
     PARTIAL: tl.constexpr,
     EVEN: tl.constexpr,
     NPART: tl.constexpr,
+    XI: tl.constexpr,
+    XPACK: tl.constexpr,
     RP: tl.constexpr,
     BR: tl.constexpr,
     KB: tl.constexpr,
 ):
     """y[t, rows] = Σ over blocks [s·split_blk, (s + 1)·split_blk) of x[t] · W[rows]ᵀ for the program's BR rows and
-        split s = program_id(1), all T tokens. A row is row_units · RA words (RA: a power of two dividing it, so the
-        compiler knows the rows' alignment). PARTIAL: store fp32 partial sums at y + (s·T + t)·n_rows (y_stride
-        unused); else y[t] at y + t·y_stride (bf16 bits when OUT_BF16). EVEN: every step's KB blocks are inside the
-        split and the row (no masks). NPART: the value parts of a word (`PARTS`). RP > 0 (a power of two ≥ rank): a
-    LoRA term is added to y before it is stored (`_lora`; by `gemv_finish_kernel` when PARTIAL)."""
+    split s = program_id(1), all T tokens. A row is row_units · RA words (RA: a power of two dividing it, so the
+    compiler knows the rows' alignment). PARTIAL: store fp32 partial sums at y + (s·T + t)·n_rows (y_stride
+    unused); else y[t] at y + t·y_stride (bf16 bits when OUT_BF16). EVEN: every step's KB blocks are inside the
+    split and the row (no masks). NPART: the value parts of a word (`PARTS`); XI: the values of a part a word holds
+    (its bytes: `WORD_BYTES`); XPACK: x is bf16 passed as words of XI values (x_stride in those words). RP > 0 (a
+    power of two ≥ rank): a LoRA term is added to y before it is stored (`_lora`; by `gemv_finish_kernel` when
+    PARTIAL)."""
     s = tl.program_id(1)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     keep = rows < n_rows
@@ -226,13 +247,15 @@ def gemv_kernel(
             if ROUND_BF16:
                 w = _round_bf16(w)
             xo = xb + xo
-            acc0 += _dot(w, x_ptr, xo, ok, EVEN)
+            if XPACK:
+                xo = xo // XI
+            acc0 += _dot(w, x_ptr, xo, ok, EVEN, XI, XPACK)
             if T > 1:
-                acc1 += _dot(w, x_ptr + x_stride, xo, ok, EVEN)
+                acc1 += _dot(w, x_ptr + x_stride, xo, ok, EVEN, XI, XPACK)
             if T > 2:
-                acc2 += _dot(w, x_ptr + 2 * x_stride, xo, ok, EVEN)
+                acc2 += _dot(w, x_ptr + 2 * x_stride, xo, ok, EVEN, XI, XPACK)
             if T > 3:
-                acc3 += _dot(w, x_ptr + 3 * x_stride, xo, ok, EVEN)
+                acc3 += _dot(w, x_ptr + 3 * x_stride, xo, ok, EVEN, XI, XPACK)
     if PARTIAL:
         base = y_ptr + s.to(tl.int64) * T * n_rows
         _store(base, _reduce(acc0), rows, keep, False)

@@ -47,11 +47,15 @@ def test_gemv_within_fp32_accumulation_bound(ggml_type):
         for rb in (True, False)
     }
     dev = raw.to(DEVICE)
-    cases = [(CONFIGS[0], 1, True), (CONFIGS[0], 4, True), (CONFIGS[1], 2, True), (CONFIGS[1], 3, True)]
-    cases += [(CONFIGS[2], 1, False)]
-    for config, tokens, round_bf16 in cases:
+    # (config, tokens, weights rounded to bf16, x in bf16: read as packed words of a weight word's values)
+    cases = [(CONFIGS[0], 1, True, False), (CONFIGS[0], 4, True, True), (CONFIGS[1], 2, True, False)]
+    cases += [(CONFIGS[1], 3, True, True), (CONFIGS[2], 1, False, False)]
+    for config, tokens, round_bf16, bf16_x in cases:
         x = torch.randn(tokens, n_cols, generator=torch.Generator().manual_seed(tokens + 7 * int(ggml_type)))
+        if bf16_x:
+            x = x.to(torch.bfloat16)
         y = dequant_matvec(dev, ggml_type, n_cols, x.to(DEVICE), round_bf16=round_bf16, config=config)
+        x = x.float()
         assert y.shape == (tokens, n_rows) and y.dtype == torch.float32
         ref = matvec_reference(raw, ggml_type, n_cols, x, round_bf16)
         bound = n_cols * U32 * (x.double().abs() @ weights[round_bf16].abs().T)
