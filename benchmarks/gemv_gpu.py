@@ -9,7 +9,8 @@ prints each config's times and effective bandwidth (quantized bytes read / time)
 time over its shapes) as a JUNO_PY_GEMV value, and sets it for the rest of the run. `--check` compares the GEMV
 with the torch reference (`matvec_reference`, fp64 over the codec's values) on the GPU for every type it takes and
 every candidate config (1 token; odd row counts; block counts that steps and splits do not divide), and the chosen
-config at 1 to 4 tokens, within the fp32 accumulation bound. `--decode` then runs `benchmarks.decode_gpu` with the
+config at 1 to 4 tokens, within the fp32 accumulation bound: bf16 x with bf16-rounded weights (playback's case),
+and fp32 x with fp32 weights once per shape. `--decode` then runs `benchmarks.decode_gpu` with the
 chosen configs (extra arguments after `--`).
 
     python -m benchmarks.gemv_gpu --sweep --check --decode          # the whole round, about 5 min on an H200
@@ -131,7 +132,7 @@ def sweep(types: list[str], gen: torch.Generator, table: list, raw_rows: list) -
 def check(types: list[str], gen: torch.Generator, sweep_types: set) -> bool:
     """Every candidate config at 1 token (the sweep's candidates for the swept types, a small grid for the others)
     and the chosen config at 1 to 4 tokens, within the fp32 accumulation bound of the fp64 reference."""
-    from juno_py.kernels.dequant import dequantize_reference, matvec_reference
+    from juno_py.kernels.dequant import dequantize_reference
 
     ok_all = True
     for name in types:
@@ -151,13 +152,16 @@ def check(types: list[str], gen: torch.Generator, sweep_types: set) -> bool:
             raw = random_blocks(t, n_out, n_in, gen, device=DEV).view(n_out, -1)
             w = {
                 rb: dequantize_reference(raw, t, n_in, torch.bfloat16 if rb else torch.float32).double()
-                for rb in (1, 0)
+                for rb in (True, False)
             }
             for cfg, tokens in cases:
                 for rb in (True, False) if tokens == 1 and cfg == chosen else (True,):
                     x = torch.randn(tokens, n_in, generator=torch.Generator().manual_seed(tokens))
+                    if rb:  # playback's case: bf16 activations, read as packed words
+                        x = x.to(torch.bfloat16)
                     y = dequant.dequant_matvec(raw, t, n_in, x.to(DEV), round_bf16=rb, config=cfg).cpu().double()
-                    ref = matvec_reference(raw, t, n_in, x, rb)
+                    x = x.float()
+                    ref = x.double() @ w[rb].T  # matvec_reference, over the codec's values decoded once
                     bound = n_in * U32 * (x.double().abs() @ w[rb].abs().T)
                     excess = ((y - ref).abs() / bound.clamp_min(1e-300)).max().item()
                     worst = max(worst, excess)
