@@ -9,7 +9,8 @@ Adapter: LoRA on all linears, rank 16, alpha 32, B random (the adapter's product
 juno-py (bf16 compute, the base quantized on the GPU): `graph` is `CudaGraphDecoder` as `generate` runs it (the step
 replayed as one CUDA graph, the frozen products through the fused dequantize-matvec kernel); `eager` the same step
 without the graph; `forward` `decode_one_token` through the model's forward. Each step includes the greedy argmax
-read on the host, as playback reads every token. tokens/s: `--tokens` steps after `--warmup` (the capture happens
+read on the host, as playback reads every token (the graph and eager steps pick it themselves: one read of two
+ints). tokens/s: `--tokens` steps after `--warmup` (the capture happens
 in the warmup). The peer: transformers (bf16 weights, the same decoded values, no adapter) `generate`, greedy, with
 its static cache (which transformers compiles with torch.compile) where that runs, else its dynamic cache; tokens/s
 from the time of `1 + --tokens` new tokens less the time of 1 (prefill and first token excluded).
@@ -96,7 +97,10 @@ def juno_rows(name: str, meta, spec, args) -> list[dict]:
                     assert decoder is not None, CudaGraphDecoder.unsupported(model, cache)
 
                 def one(logits):
-                    token = int(torch.argmax(logits))
+                    # as `generate` reads the greedy token: picked inside the step by the decoder
+                    token = decoder.pick()[0] if decoder is not None and decoder.picked is not None else None
+                    if token is None:
+                        token = int(torch.argmax(logits))
                     return decoder.step(token) if decoder is not None else decode_one_token(model, token, cache)
 
                 for _ in range(args.warmup):

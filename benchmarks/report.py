@@ -29,6 +29,7 @@ ORDER = [
     "gpu-decode",
     "gpu-playback",
     "gpu-matvec",
+    "gpu-gemv",
     "cross-entropy",
     "cpu-decode",
     "elementwise-gpu",

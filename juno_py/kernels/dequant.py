@@ -5,8 +5,9 @@ from its bytes into bf16 or fp32: the GPU frozen linear multiplies such tiles wi
 counts. `dequantize_split_tile` writes both bf16 halves of each value (w_hi = bf16(w), w_lo = bf16(w − w_hi)) in
 one pass, for products that need fp32 accuracy on bf16 tensor cores (DoRA's U = W·Aᵀ) beside the bf16 one.
 `dequant_matvec` fuses decoding into a matrix-vector product for a few tokens (playback decode), where writing a
-dequantized tile would cost more than the product. The kernels live in `dequant_triton`, imported
-only when one first runs (Triton is optional; `@triton.jit` reads TRITON_INTERPRET when a kernel is defined).
+dequantized tile would cost more than the product: the GEMV of `matvec_triton` for the types playback meets
+(`GEMV_TYPES`, configured per type by `MATVEC_CONFIG` and JUNO_PY_GEMV), `dequant_triton.matvec_kernel` for the
+others. The kernels live in `dequant_triton` and `matvec_triton`, imported only when one first runs (Triton is optional; `@triton.jit` reads TRITON_INTERPRET when a kernel is defined).
 
 Numerics: every block type decodes as `code · scale (+ bias)` where the products are exact in fp32 (an f16
 scale of 11 significant bits times integers small enough that the product fits 24 bits), so only the one
@@ -336,25 +337,111 @@ def dequantize_split_tile(
     return out[:, : shape[0], : shape[1]]
 
 
+# the types with the dedicated GEMV (`matvec_triton`), and its configuration per type: (rows a program BR, blocks
+# of each row a step KB, warps, split-K). `benchmarks/gemv_gpu.py --sweep` times the candidates on the GPU
+# and prints the best as a JUNO_PY_GEMV value; that variable (`TYPE=BR,KB,WARPS,SPLIT;...`) overrides this table.
+# Until that sweep has run, the values are configs whose sm_90 compile (`benchmarks/gemv_compile.py`) exchanges no
+# step values through shared memory
+GEMV_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
+MATVEC_CONFIG: dict[int, tuple[int, int, int, int]] = {
+    GGMLType.Q4_0: (4, 8, 4, 1),
+    GGMLType.Q4_1: (4, 8, 4, 1),
+    GGMLType.Q8_0: (2, 16, 4, 1),
+    GGMLType.Q4_K: (4, 2, 4, 1),
+    GGMLType.Q5_K: (4, 2, 4, 1),
+    GGMLType.Q6_K: (2, 2, 4, 1),
+}
+_GEMV_ENV = "JUNO_PY_GEMV"
+_gemv_env_read = False
+
+
+def parse_gemv_config(text: str) -> dict[int, tuple[int, int, int, int]]:
+    """`TYPE=BR,KB,WARPS,SPLIT;...` (e.g. `Q4_K=2,2,4,1;Q6_K=4,1,4,2`) as {type: config}; ValueError naming the
+    entry otherwise. BR, KB and WARPS are powers of two; SPLIT ≥ 1."""
+    out: dict[int, tuple[int, int, int, int]] = {}
+    for item in filter(None, (p.strip() for p in text.split(";"))):
+        name, _, values = item.partition("=")
+        try:
+            t = GGMLType[name.strip()]
+            cfg = tuple(int(v) for v in values.split(","))
+        except (KeyError, ValueError):
+            cfg, t = (), None
+        if t not in GEMV_TYPES or len(cfg) != 4 or any(v < 1 for v in cfg) or any(v & (v - 1) for v in cfg[:3]):
+            raise ValueError(
+                f"{_GEMV_ENV}: {item!r}: expected TYPE=BR,KB,WARPS,SPLIT with TYPE one of "
+                f"{', '.join(sorted(GGMLType(t).name for t in GEMV_TYPES))}, BR, KB, WARPS powers of two, SPLIT >= 1"
+            )
+        out[int(t)] = (cfg[0], cfg[1], cfg[2], cfg[3])
+    return out
+
+
+def gemv_config(ggml_type: int) -> tuple[int, int, int, int]:
+    """The GEMV configuration of a type: `MATVEC_CONFIG`, with JUNO_PY_GEMV's entries over it (read once)."""
+    global _gemv_env_read
+    if not _gemv_env_read:
+        import os
+
+        MATVEC_CONFIG.update(parse_gemv_config(os.environ.get(_GEMV_ENV, "")))
+        _gemv_env_read = True
+    return MATVEC_CONFIG[ggml_type]
+
+
+_gemv_module = None
+
+
+def gemv_kernels():
+    """The `matvec_triton` module (imported on first use)."""
+    global _gemv_module
+    if _gemv_module is None:
+        _gemv_module = importlib.import_module("juno_py.kernels.matvec_triton")
+    return _gemv_module
+
+
+def _words(raw: torch.Tensor, word: int) -> torch.Tensor:
+    """raw's bytes viewed as `word`-byte integers (a copy where its first byte is not so aligned)."""
+    if raw.data_ptr() % word:
+        raw = raw.clone()
+    return raw.view(torch.int32 if word == 4 else torch.int16)
+
+
 def dequant_matvec(
-    raw: torch.Tensor, ggml_type: int, n_cols: int, x: torch.Tensor, round_bf16: bool = True
+    raw: torch.Tensor,
+    ggml_type: int,
+    n_cols: int,
+    x: torch.Tensor,
+    round_bf16: bool = True,
+    out_dtype: torch.dtype = torch.float32,
+    config: Optional[tuple[int, int, int, int]] = None,
+    lora: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None,
 ) -> torch.Tensor:
-    """`x · Wᵀ` for a few tokens, x `[T, n_cols]`, decoding W inside the product: one program per 32 output rows
-    and token, fp32 accumulation, the weight rounded to bf16 first when `round_bf16` (as the tile path multiplies
-    it). Returns fp32 `[T, n_rows]`."""
+    """`x · Wᵀ` for a few tokens, x `[T, n_cols]` (any float dtype; read as it is, widened to fp32 exactly),
+    decoding W inside the product with fp32 accumulation, the weight rounded to bf16 first when `round_bf16` (as
+    the tile path multiplies it). Returns `[T, n_rows]` in `out_dtype` (fp32, or bf16 rounded to nearest even from
+    the fp32 sum). The GEMV types (`GEMV_TYPES`) at 1 to 4 tokens take `matvec_triton.gemv_kernel` with the type's
+    `gemv_config` (or `config`: (BR, KB, warps, split-K)); the others, and more tokens, `dequant_triton.matvec_kernel`
+    (one program per rows and token), converted to `out_dtype` after. `lora`: (xa `[T, r]`, B `[n_rows, r]`,
+    alpha), a LoRA term alpha · xa · Bᵀ added to the fp32 sums before they are rounded (the GEMV types at 1 to 4
+    tokens only: `gemv_takes`)."""
     row_bytes = _check(raw, ggml_type, n_cols)
     if x.dim() != 2 or x.shape[1] != n_cols:
         raise ValueError(f"dequant_matvec: x {tuple(x.shape)}, expected [tokens, {n_cols}]")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"dequant_matvec: out_dtype {out_dtype}, expected torch.bfloat16 or torch.float32")
+    n_rows, tokens = raw.shape[0], x.shape[0]
+    if gemv_takes(ggml_type, tokens) and n_rows:
+        cfg = config or gemv_config(ggml_type)
+        return _gemv(raw, ggml_type, n_cols, row_bytes, x, round_bf16, out_dtype, cfg, lora)
+    if lora is not None:
+        raise ValueError(f"dequant_matvec: a LoRA term needs the GEMV (1 to 4 tokens of {sorted(GEMV_TYPES)})")
     x = x.to(torch.float32).contiguous()
-    n_rows = raw.shape[0]
-    y = torch.empty(x.shape[0], n_rows, dtype=torch.float32, device=raw.device)
-    if x.shape[0] and n_rows:
+    y = torch.empty(tokens, n_rows, dtype=torch.float32, device=raw.device)
+    if tokens and n_rows:
         variant = MATVEC_VARIANT[ggml_type]
         raw = _aligned(raw, ggml_type, variant)
         B, block_bytes = _geometry(ggml_type)
         _, _, bn, kb = KERNEL_CONFIG[ggml_type]
         ra = _row_alignment(row_bytes)
-        grid = (_cdiv(n_rows, bn), x.shape[0])
+        grid = (_cdiv(n_rows, bn), tokens)
         with _on(raw):
             launch(
                 kernels().matvec_kernel,
@@ -380,6 +467,95 @@ def dequant_matvec(
                 BN=bn,
                 KB=kb,
                 VARIANT=variant,
+            )
+    return y if out_dtype == torch.float32 else y.to(out_dtype)
+
+
+def gemv_takes(ggml_type: int, tokens: int) -> bool:
+    """Whether `dequant_matvec` of `tokens` tokens of this type runs the GEMV (and can add a LoRA term)."""
+    return ggml_type in GEMV_TYPES and 0 < tokens <= 4
+
+
+def _gemv(
+    raw: torch.Tensor,
+    ggml_type: int,
+    n_cols: int,
+    row_bytes: int,
+    x: torch.Tensor,
+    round_bf16: bool,
+    out_dtype: torch.dtype,
+    config: tuple[int, int, int, int],
+    lora: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None,
+) -> torch.Tensor:
+    mod = gemv_kernels()
+    t = int(ggml_type)
+    br, kb, warps, split = config
+    word = mod.WORD_BYTES[t]
+    rw = _words(raw, word)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    n_rows, tokens = raw.shape[0], x.shape[0]
+    # bf16 x read as words of the values one weight word's part multiplies (`_dot`'s XPACK)
+    xi = word
+    xpack = x.dtype == torch.bfloat16 and x.stride(0) % xi == 0 and x.data_ptr() % (2 * xi) == 0 and n_cols % xi == 0
+    xk = x.view(torch.int64 if xi == 4 else torch.int32) if xpack else x
+    x_stride = x.stride(0) // xi if xpack else x.stride(0)
+    block = mod.BLOCK_VALUES[t]
+    n_blk = n_cols // block
+    split_blk = _cdiv(_cdiv(n_blk, max(1, split)), kb) * kb
+    split = _cdiv(n_blk, split_blk)
+    row_words = row_bytes // word
+    ra = math.gcd(row_words, 16 // word)
+    even = n_blk % kb == 0 and split_blk % kb == 0
+    y = torch.empty(tokens, n_rows, dtype=out_dtype, device=raw.device)
+    y_bits = y.view(torch.int16) if out_dtype == torch.bfloat16 else y
+    grid = (_cdiv(n_rows, br), split)
+    if lora is not None:
+        xa, lb, alpha = lora
+        rank = xa.shape[-1]
+        if xa.shape != (tokens, rank) or lb.shape != (n_rows, rank) or xa.stride(-1) != 1 or lb.stride(-1) != 1:
+            raise ValueError(
+                f"dequant_matvec: LoRA xa {tuple(xa.shape)} and B {tuple(lb.shape)}: expected [{tokens}, r] and "
+                f"[{n_rows}, r] with contiguous rows"
+            )
+        extra = (xa, lb, float(alpha), rank, xa.stride(0), lb.stride(0))
+        rp = max(2, 1 << (rank - 1).bit_length())
+    else:
+        extra, rp = (x, x, 0.0, 0, 0, 0), 0
+    consts = dict(
+        TYPE=t,
+        B=block,
+        BLOCK_WORDS=mod.BLOCK_WORDS[t],
+        RA=ra,
+        T=tokens,
+        ROUND_BF16=bool(round_bf16),
+        OUT_BF16=out_dtype == torch.bfloat16,
+        EVEN=even,
+        NPART=mod.PARTS[t],
+        XI=xi,
+        XPACK=xpack,
+        RP=rp,
+        BR=br,
+        KB=kb,
+    )
+    with _on(raw):
+        if split == 1:
+            args = (raw, rw, xk, y_bits, n_rows, n_blk, split_blk, row_words // ra, x_stride, y.stride(0), *extra)
+            launch(mod.gemv_kernel, grid, args, warps, PARTIAL=False, **consts)
+        else:
+            part = torch.empty(split, tokens, n_rows, dtype=torch.float32, device=raw.device)
+            args = (raw, rw, xk, part, n_rows, n_blk, split_blk, row_words // ra, x_stride, 0, *extra)
+            launch(mod.gemv_kernel, grid, args, warps, PARTIAL=True, **{**consts, "RP": 0})
+            n = tokens * n_rows
+            launch(
+                mod.gemv_finish_kernel,
+                (_cdiv(n, 1024 // max(rp, 1)),),
+                (part, y_bits, n_rows, n, y.stride(0), *extra),
+                4,
+                SPLIT=split,
+                OUT_BF16=out_dtype == torch.bfloat16,
+                RP=rp,
+                BLOCK=1024 // max(rp, 1),
             )
     return y
 
@@ -419,6 +595,11 @@ __all__ = [
     "dequantize_tile",
     "dequantize_split_tile",
     "dequant_matvec",
+    "GEMV_TYPES",
+    "gemv_takes",
+    "MATVEC_CONFIG",
+    "gemv_config",
+    "parse_gemv_config",
     "dequantize_reference",
     "dequantize_split_reference",
     "matvec_reference",

@@ -180,6 +180,15 @@ class LoraAdapter(nn.Module):
         return ad
 
 
+def _add_lora(y: torch.Tensor, xa: torch.Tensor, B: torch.Tensor, alpha: float) -> torch.Tensor:
+    """y + alpha·xa·Bᵀ: one `addmm` (the scale as its alpha) where the dtypes agree, else the product, scaled and
+    added in y's dtype."""
+    if xa.dtype != y.dtype:
+        return y + alpha * (xa @ B.T).to(y.dtype)
+    out = torch.addmm(y.reshape(-1, y.shape[-1]), xa.reshape(-1, xa.shape[-1]), B.T, alpha=alpha)
+    return out.reshape(y.shape)
+
+
 class AdaptedLinear(nn.Module):
     """A frozen base linear with adapters: several LoRAs summed with playback weights, or one DoRA."""
 
@@ -343,9 +352,22 @@ class AdaptedLinear(nn.Module):
             # inference on bf16 activations: the adapter's product xa·Bᵀ is formed inside the composition kernel
             y = dora_compose_xa(base_out, *ad.delta_parts(x), self.dora_scale(dt), ad.scale)
         else:
-            y = self.base.matmul(x)
-            for w, a in zip(self.weights, cast("Iterable[LoraAdapter]", self.adapters)):
-                y = y + (w * a.scale) * a.delta_input(x).to(y.dtype)
+            played = list(zip(self.weights, cast("Iterable[LoraAdapter]", self.adapters)))
+            if torch.is_grad_enabled() or not played:
+                y = self.base.matmul(x)
+                for w, a in played:
+                    y = y + (w * a.scale) * a.delta_input(x).to(y.dtype)
+            else:
+                # inference (playback): each term s·xa·Bᵀ is one GEMM added in place of a product, a scaling and an
+                # addition, and the first rides on the frozen product's own kernel where the base can take it (a
+                # decode step on a GPU is bound by its launches)
+                (w0, a0), rest = played[0], played[1:]
+                xa, B = a0.delta_parts(x)
+                fused = getattr(self.base, "matmul_lora", None)
+                got = fused(x, xa, B, w0 * a0.scale) if fused is not None else None
+                y = got if got is not None else _add_lora(self.base.matmul(x), xa, B, w0 * a0.scale)
+                for w, a in rest:
+                    y = _add_lora(y, *a.delta_parts(x), w * a.scale)
         bias: Optional[torch.Tensor] = getattr(self.base, "bias", None)
         return y + bias.to(y.dtype) if bias is not None else y
 

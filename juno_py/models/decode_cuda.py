@@ -5,15 +5,21 @@ activation, its output projection) for one token over the model's preallocated `
 the position is a device tensor, RoPE's cos and sin come from a table of the cache's positions indexed by it, the
 new key and value go into the cache at it (`index_copy_`), and attention runs over the whole cache with a mask of
 the keys at or before it (and inside the block's sliding window) computed from it. Nothing in a step reads the
-host, so on CUDA the step is captured once as a graph over static buffers (the token's embedding in, the logits
-out) and replayed per token: one launch for the whole model. The frozen products of one token go through the
-resident weights' fused dequantize-matvec kernel (`weights.resident`, `kernels.dequant_triton`), which reads each
-weight byte once; LoRAs add their two small products, DoRA composes as `AdaptedLinear` composes it at inference.
+host, so on CUDA the step is captured once as a graph over static buffers (the token in, the logits out) and
+replayed per token: one launch for the whole model. The frozen products of one token go through the resident
+weights' GEMV (`weights.resident`, `kernels.matvec_triton`), which reads each weight byte once and writes the
+activations' dtype; a LoRA adds its x·Aᵀ product, whose term the GEMV adds to its sums (`matmul_lora`), DoRA
+composes as `AdaptedLinear` composes it at inference.
 
-The embedding lookup (which reads the token id on the host) runs before the replay; sampling runs after it on the
-static logits (`models.generate.sample`), so temperature, top-k and top-p draw from the caller's generator exactly
-as the forward path does. Where a graph cannot be captured (CPU, or a capture that fails) the same step runs
-eagerly: on the CPU its logits equal the model's forward within float32 rounding, which the tests check.
+Where the embedding table's bytes are a tensor on the model's device (a model built there) the step looks the
+token up itself from the static token tensor, inside the graph; a table in the file's memory map is looked up on
+the host before the replay. The step also computes [greedy token, every logit finite] (`pick`), which `generate`
+reads at temperature 0 instead of the logits; other sampling runs after the replay on the static logits
+(`models.generate.sample`), so temperature, top-k and top-p draw from the caller's generator exactly as the forward
+path does. Where a graph cannot be captured (CPU, or a capture that fails) the same step runs eagerly: on the CPU
+its logits equal the model's forward within float32 rounding, which the tests check. A decoder (and its graph)
+belongs to one cache: the graph holds the cache's and the adapters' kept casts' addresses, so each `generate` call
+captures its own.
 `CudaGraphDecoder.unsupported(model, cache)` says why a model cannot take this path (mixture-of-experts blocks,
 adapters in training with dropout, a cache other than batch 1 in the activations' dtype).
 """
@@ -28,7 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from juno_py.models.model import KVCache, Transformer, rope_cos_sin, rope_qk
+from juno_py.gguf import quants
+from juno_py.kernels import dequant as device_dequant
+from juno_py.models.model import KVCache, QuantEmbedding, Transformer, rope_cos_sin, rope_qk
 
 # decode steps run eagerly before the capture: Triton compiles (and autotunes) its kernels there, not in the graph
 WARMUP_STEPS = 2
@@ -43,6 +51,20 @@ def _dropout_blocker(module: Any, what: str) -> Optional[str]:
             if a.training and a.config.dropout > 0:
                 return f"{what} has an adapter in training mode with dropout"
     return None
+
+
+def _embedding_table(model: Transformer) -> Optional[tuple[Tensor, int, int, Optional[float]]]:
+    """(bytes, GGML type, width, scale) of the model's embedding table where its bytes are a tensor on the model's
+    device (a model built there): the step then looks the token up itself, inside the graph. None elsewhere (a
+    table in the file's memory map): the lookup runs on the host before each replay."""
+    emb = model.embed
+    if not isinstance(emb, QuantEmbedding):
+        return None
+    info = emb.gguf.tensors[emb.tensor]
+    raw = info.raw
+    if not isinstance(raw, Tensor) or raw.device != emb.device or raw.dim() != 2:
+        return None
+    return raw, int(info.ggml_type), int(emb.dim), emb.scale
 
 
 class CudaGraphDecoder:
@@ -60,10 +82,15 @@ class CudaGraphDecoder:
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.graph_error: Optional[str] = None
         self.warm = 0
-        # static inputs: the token's embedding and its position
+        # static inputs: the token (or its embedding, where the table's bytes are not on the model's device) and
+        # its position; static outputs: the logits, and [greedy token, 1 if every logit is finite] (`pick`)
+        self.token = torch.zeros(1, device=device, dtype=torch.long)
         self.x_in = torch.zeros(1, 1, a.n_embd, device=device, dtype=model.act_dtype)
         self.pos = torch.zeros(1, device=device, dtype=torch.long)
         self.logits: Optional[Tensor] = None
+        self.picked: Optional[Tensor] = None
+        self.graph_picked: Optional[Tensor] = None
+        self.table = _embedding_table(model)
         self.key_index = torch.arange(cache.max_len, device=device)
         self.positions = torch.arange(cache.max_len, device=device).unsqueeze(0)
         # cos and sin [1, max_len, 1, rope_dim / 2] per RoPE table, in the activations' dtype as the forward has them
@@ -109,10 +136,15 @@ class CudaGraphDecoder:
         kc, vc = self.cache.k[blk.layer], self.cache.v[blk.layer]
         kc.index_copy_(2, self.pos, k.to(kc.dtype))
         vc.index_copy_(2, self.pos, v.to(vc.dtype))
+        # grouped queries: the one query of each of a key/value head's query heads as that head's rows of queries
+        # (query head h reads key/value head h // group, as SDPA's enable_gqa has it), so that SDPA runs its
+        # masked kernels without grouped-query support (with it and a mask, CUDA falls back to the math path,
+        # about ten launches a block, and copies the cache's heads)
+        group = a.n_head // a.n_head_kv
         y = F.scaled_dot_product_attention(
-            q, kc, vc, attn_mask=valid, scale=a.attn_scale, enable_gqa=a.n_head != a.n_head_kv
+            q.reshape(1, a.n_head_kv, group, a.head_dim), kc, vc, attn_mask=valid, scale=a.attn_scale
         )
-        out: Tensor = lin["wo"](y.transpose(1, 2).reshape(1, 1, a.n_head * a.head_dim_v))
+        out: Tensor = lin["wo"](y.reshape(1, 1, a.n_head * a.head_dim_v))
         return out.to(blk.act_dtype)
 
     def _forward(self) -> Tensor:
@@ -127,22 +159,52 @@ class CudaGraphDecoder:
             if w:
                 valid = valid & (self.key_index > self.pos - w)
             masks[w] = valid.view(1, 1, 1, -1)
-        x = self.x_in
+        x = self.x_in if self.table is None else self._embed()
         rope_of = model._rope_of_layer
         for blk in blocks:
             rope, valid = ropes[rope_of[blk.layer]], masks[blk.window]
             x = blk.around(x, partial(self._attention, blk, rope=rope, valid=valid))
-        return model.project(model.norm(x)[0, -1])
+        logits = model.project(model.norm(x)[0, -1])
+        self.picked = torch.stack([torch.argmax(logits), torch.isfinite(logits).all().to(torch.long)])
+        return logits
+
+    def _embed(self) -> Tensor:
+        """The embedding `[1, 1, n_embd]` of the token in `token`, from the table's bytes on the device: the rows
+        `QuantEmbedding` gives (the row decoded to fp32, the embedding scale, the activations' dtype)."""
+        assert self.table is not None
+        raw, ggml_type, dim, scale = self.table
+        picked = raw.index_select(0, self.token)
+        if raw.is_cuda and device_dequant.has_kernel(ggml_type) and device_dequant.triton_ready(raw.device):
+            rows = device_dequant.dequantize_tile(picked, ggml_type, dim, dtype=torch.float32)
+        else:
+            rows = quants.dequantize(ggml_type, picked, dim)
+        if scale is not None:
+            rows = rows * torch.tensor(scale, dtype=torch.float32)
+        return rows.view(1, 1, dim).to(self.model.act_dtype)
 
     def _capture(self) -> None:
-        stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            with torch.cuda.graph(graph, stream=stream):
-                logits = self._forward()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        self.graph, self.logits = graph, logits
+        # the step that triggers the capture returns its eager logits and pick; the captured step's outputs are
+        # the replays' (capturing runs nothing: until the first replay they hold no values)
+        eager_picked = self.picked
+        try:
+            stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(stream):
+                with torch.cuda.graph(graph, stream=stream):
+                    logits = self._forward()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            self.graph, self.logits, self.graph_picked = graph, logits, self.picked
+        finally:
+            self.picked = eager_picked
+
+    def pick(self) -> tuple[int, bool]:
+        """(the greedy token, whether every logit is finite) of the last step's logits, computed inside the step:
+        one read of two integers instead of an argmax and a finiteness check on the host's side of the logits.
+        The token is `int(torch.argmax(logits))`, the first of equal maxima, as `generate.sample` gives it."""
+        assert self.picked is not None, "pick() follows a step"
+        token, finite = self.picked.tolist()
+        return int(token), bool(finite)
 
     @torch.no_grad()
     def step(self, token: int) -> Tensor:
@@ -150,13 +212,19 @@ class CudaGraphDecoder:
         pos = cache.length
         if pos >= cache.max_len:
             raise ValueError(f"KV cache holds {cache.max_len} tokens; {pos} used, 1 more requested")
+        if self.table is not None:
+            n_vocab = self.table[0].shape[0]
+            if not 0 <= token < n_vocab:
+                raise IndexError(f"token id {token} is outside the vocabulary of {n_vocab} ({self.model.embed.tensor})")
+            self.token.fill_(token)
+        else:
+            self.x_in.copy_(self.model.embed_tokens(torch.tensor([[token]], dtype=torch.long)))
         cache.extend(self.positions[:, pos : pos + 1], by_index=True)
-        tokens = torch.tensor([[token]], dtype=torch.long)
-        self.x_in.copy_(self.model.embed_tokens(tokens))
         self.pos.fill_(pos)
         if self.graph is not None:
             self.graph.replay()
             assert self.logits is not None
+            self.picked = self.graph_picked
             return self.logits
         logits = self._forward()
         self.warm += 1

@@ -103,12 +103,19 @@ def generate(
         decoder = CudaGraphDecoder.build(model, cache) if on_cuda else NativeDecoder.build(model, cache)
     out: list[int] = []
     for step in range(max_new_tokens):
-        if not bool(torch.isfinite(logits).all()):
+        if step and temperature <= 0 and isinstance(decoder, CudaGraphDecoder):
+            # greedy on the GPU: the step picked the token and checked the logits itself (one read of two ints)
+            token, finite = decoder.pick()
+        else:
+            finite = bool(torch.isfinite(logits).all())
+            token = -1
+        if not finite:
             raise NonFiniteLogits(
                 f"the model's logits for generated token {step + 1} are not finite: its weights or the adapters "
                 f"played on it hold extreme values"
             )
-        token = sample(logits, temperature, top_k, top_p, generator)
+        if token < 0:
+            token = sample(logits, temperature, top_k, top_p, generator)
         if token in stop:
             break
         out.append(token)

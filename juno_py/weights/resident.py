@@ -110,8 +110,8 @@ class ResidentQuantLinear(FrozenQuantLinear, resident=True):
         elif op != torch.float64 and 0 < tokens <= MATVEC_MAX_TOKENS and self._use_triton():
             # x in the compute dtype, as the tile path multiplies it (the kernel widens it to fp32 exactly)
             y = device_dequant.dequant_matvec(
-                self.raw, self._ggml_type, self._n_in, x2.to(op), round_bf16=op == torch.bfloat16
-            ).to(res)
+                self.raw, self._ggml_type, self._n_in, x2.to(op), round_bf16=op == torch.bfloat16, out_dtype=res
+            )
         elif exact and op == torch.float32:
             y = self._device_split_exact(x2)
         else:
@@ -124,6 +124,36 @@ class ResidentQuantLinear(FrozenQuantLinear, resident=True):
                 y = self._rows_product(xc, w, y, a, b, res)
                 del w
         assert y is not None  # n_out ≥ 1: the loop ran
+        return y.reshape(*x.shape[:-1], self._n_out)
+
+    def matmul_lora(self, x: torch.Tensor, xa: torch.Tensor, B: torch.Tensor, alpha: float) -> Optional[torch.Tensor]:
+        """x·Wᵀ + alpha·xa·Bᵀ (no bias, no autograd) in one launch where the GEMV takes the product (1 to 4 tokens of
+        its types, no resident cache, not float64): the LoRA term xa·Bᵀ (xa = x·Aᵀ `[..., r]`, B `[n_out, r]`) is
+        added to the frozen product's fp32 sums before they are rounded to the result's dtype. None elsewhere: the
+        caller adds the term itself."""
+        if torch.is_grad_enabled() and (x.requires_grad or xa.requires_grad or B.requires_grad):
+            return None
+        tokens = x.numel() // max(x.shape[-1], 1)
+        op, res = self._device_dtypes(x)
+        if (
+            op == torch.float64
+            or self.weight_cache is not None
+            or x.shape[-1] != self._n_in
+            or B.shape[0] != self._n_out
+            or not device_dequant.gemv_takes(self._ggml_type, tokens)
+            or not self._use_triton()
+        ):
+            return None
+        xa2 = xa.reshape(tokens, xa.shape[-1])
+        y = device_dequant.dequant_matvec(
+            self.raw,
+            self._ggml_type,
+            self._n_in,
+            x.reshape(tokens, self._n_in).to(op),
+            round_bf16=op == torch.bfloat16,
+            out_dtype=res,
+            lora=(xa2 if xa2.stride(-1) == 1 else xa2.contiguous(), B if B.stride(-1) == 1 else B.contiguous(), alpha),
+        )
         return y.reshape(*x.shape[:-1], self._n_out)
 
     def _forward_step(self, xc: torch.Tensor) -> int:

@@ -225,10 +225,11 @@ def test_split_decode_rounds_both_halves_to_nearest_even():
 @pytest.mark.skipif(DEVICE != "cuda", reason="the direct launch runs on the GPU (the interpreter launches as usual)")
 @pytest.mark.parametrize("ggml_type", [GGMLType.Q4_K, GGMLType.Q8_0], ids=lambda t: t.name)
 def test_decodes_launch_directly_with_the_same_bits(ggml_type):
-    """The decode and the matvec go through `kernels.launch`: from the second launch of a specialization on, the
+    """The decode and the GEMV go through `kernels.launch`: from the second launch of a specialization on, the
     compiled kernel runs without triton's binder, with the same bits; other rectangles (other specializations:
     offsets that are not multiples of 16, one row) still decode exactly."""
     from juno_py.kernels import launch
+    from juno_py.kernels.dequant import gemv_kernels
     from juno_py.kernels.dequant import kernels as dequant_kernels
 
     raw = torch.from_numpy(random_rows(ggml_type, 300, 512, seed=3)).to(DEVICE)
@@ -242,4 +243,4 @@ def test_decodes_launch_directly_with_the_same_bits(ggml_type):
     y = [dequant_matvec(raw, ggml_type, 512, x) for _ in range(3)]
     assert torch.equal(y[0], y[1]) and torch.equal(y[1], y[2])
     live = launch.compiled_kernels()
-    assert launch.direct() and dequant_kernels().dequant_kernel in live and dequant_kernels().matvec_kernel in live
+    assert launch.direct() and dequant_kernels().dequant_kernel in live and gemv_kernels().gemv_kernel in live

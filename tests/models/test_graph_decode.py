@@ -124,10 +124,15 @@ def test_graph_replay_equals_the_eager_step(tiny_gguf, tmp_path, arch):
         prefill(model, torch.tensor([prompt]), cache)
         decoder = CudaGraphDecoder.build(model, cache)
         assert decoder is not None and decoder.use_graph
-        graphed = [decoder.step(t).clone() for t in tokens]
+        graphed, picks = [], []
+        for t in tokens:
+            graphed.append(decoder.step(t).clone())
+            picks.append(decoder.pick())
         assert decoder.graph is not None, decoder.graph_error
     for i, (g, e) in enumerate(zip(graphed, eager[1:])):
         assert torch.equal(g, e), f"step {i}: max |Δ| {(g - e).abs().max().item():.3g}"
+    # the eager steps', the capturing step's and the replays' picks are each their own logits'
+    assert picks == [(int(torch.argmax(g)), True) for g in graphed]
 
 
 @needs_cuda
@@ -153,3 +158,39 @@ def test_mixture_of_experts_generation_on_cuda_uses_the_forward(tiny_gguf):
     model = _cuda_model(tiny_gguf("qwen3moe", GGMLType.Q8_0))
     ids = sample_ids(4, seed=12)
     assert generate(model, ids, 6) == generate(model, ids, 6, native=False)
+
+
+def _memory_model(path):
+    """The model of a GGUF file built from its tensors' bytes as torch tensors (no memory map): the embedding
+    table's bytes are then on the model's device, and the step looks the token up itself."""
+    import numpy as np
+
+    from juno_py.gguf import GGUFFile
+    from juno_py.models.model import Transformer
+
+    f = GGUFFile(path)
+    tensors = {
+        name: (info.ggml_type, info.shape, torch.from_numpy(np.array(info.raw)).view(info.shape[0], -1))
+        for name, info in f.tensors.items()
+    }
+    return Transformer.from_tensors(f.metadata, tensors)
+
+
+def test_the_step_looks_up_a_table_on_its_device_and_picks_the_greedy_token(tiny_gguf):
+    path = tiny_gguf("gemma3", GGMLType.Q8_0, metadata={"gemma3.attention.sliding_window": 4})  # embedding scale
+    model = _memory_model(path)
+    prompt, tokens = sample_ids(3, seed=13), sample_ids(6, seed=14)
+    with torch.no_grad():
+        cache = model.new_cache(batch=1, max_len=len(prompt) + len(tokens) + 1)
+        prefill(model, torch.tensor([prompt]), cache)
+        decoder = CudaGraphDecoder.build(model, cache, graph=False)
+        assert decoder is not None and decoder.table is not None
+        picks, got = [], []
+        for t in tokens:
+            got.append(decoder.step(t).clone())
+            picks.append(decoder.pick())
+        with pytest.raises(IndexError, match="outside the vocabulary"):
+            decoder.step(model.embed.n_vocab)
+    ref = forward_steps(load_model(path), prompt, tokens)[1:]
+    assert_logits_close(torch.stack(got), ref)
+    assert picks == [(int(torch.argmax(r)), True) for r in got]
