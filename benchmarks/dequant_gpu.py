@@ -128,7 +128,7 @@ def decode_table(types, shapes, gen, table: list) -> list[dict]:
         )
         for name in types:
             t = GGMLType[name]
-            raw = random_blocks(t, n_out, n_in, gen, device=DEV).view(n_out, -1)
+            raw = make_raw(t, n_out, n_in, gen)
             out = torch.empty(n_out, n_in, dtype=torch.bfloat16, device=DEV)
             configs = [dequant.KERNEL_CONFIG[t]]
             default = dequant.KERNEL_CONFIG[t]
@@ -204,7 +204,8 @@ def matvec_table(types, gen, table: list) -> list[dict]:
             for tokens in (1, 2, 4, 8, 16, 64):
                 x = torch.randn(tokens, n_in, device=DEV, dtype=torch.bfloat16)
                 mv = bench(lambda: dequant_matvec(raw, t, n_in, x), rep=50)
-                step = lin._device_step(n_in, 2)
+                # the resident linear's tile height on a GPU; the streaming one's block of rows on the CPU (--smoke)
+                step = lin._device_step(n_in, 2) if DEV == "cuda" else lin.chunk_rows
 
                 def tiles():
                     for a in range(0, n_out, step):

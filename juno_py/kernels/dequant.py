@@ -92,6 +92,65 @@ GROUPED_TYPES = frozenset(
 # the layout variant (`dequant_kernel`'s VARIANT, see `variants`) the decode and the matvec use, per type
 KERNEL_VARIANT: dict[int, int] = {t: 0 for t in TRITON_TYPES}
 MATVEC_VARIANT: dict[int, int] = {t: 0 for t in TRITON_TYPES}
+# chosen by `python -m benchmarks.dequant_gpu --sweep` on 1 x NVIDIA H200; Intel(R) Xeon(R) Processor, 16 CPUs
+KERNEL_CONFIG.update(
+    {
+        GGMLType.F32: (8, 4, 16, 1),
+        GGMLType.F16: (8, 4, 16, 1),
+        GGMLType.Q4_0: (128, 4, 16, 8),
+        GGMLType.Q4_1: (128, 4, 16, 8),
+        GGMLType.Q5_0: (128, 4, 16, 8),
+        GGMLType.Q5_1: (64, 4, 16, 8),
+        GGMLType.Q8_0: (256, 8, 16, 8),
+        GGMLType.Q2_K: (8, 4, 16, 1),
+        GGMLType.Q3_K: (16, 4, 16, 1),
+        GGMLType.Q4_K: (32, 4, 16, 1),
+        GGMLType.Q5_K: (8, 4, 16, 1),
+        GGMLType.Q6_K: (8, 4, 16, 1),
+        GGMLType.IQ2_XXS: (8, 4, 16, 1),
+        GGMLType.IQ2_XS: (8, 4, 16, 1),
+        GGMLType.IQ3_XXS: (8, 4, 16, 1),
+        GGMLType.IQ1_S: (8, 4, 16, 1),
+        GGMLType.IQ4_NL: (128, 4, 16, 8),
+        GGMLType.IQ3_S: (8, 4, 16, 1),
+        GGMLType.IQ2_S: (8, 4, 16, 1),
+        GGMLType.IQ4_XS: (32, 4, 16, 1),
+        GGMLType.IQ1_M: (8, 4, 16, 1),
+        GGMLType.BF16: (8, 4, 16, 1),
+        GGMLType.TQ1_0: (16, 4, 16, 1),
+        GGMLType.TQ2_0: (16, 4, 16, 1),
+        GGMLType.MXFP4: (256, 4, 16, 8),
+    }
+)
+KERNEL_VARIANT.update(
+    {
+        GGMLType.F32: 0,
+        GGMLType.F16: 2,
+        GGMLType.Q4_0: 2,
+        GGMLType.Q4_1: 3,
+        GGMLType.Q5_0: 2,
+        GGMLType.Q5_1: 3,
+        GGMLType.Q8_0: 3,
+        GGMLType.Q2_K: 3,
+        GGMLType.Q3_K: 3,
+        GGMLType.Q4_K: 3,
+        GGMLType.Q5_K: 2,
+        GGMLType.Q6_K: 2,
+        GGMLType.IQ2_XXS: 3,
+        GGMLType.IQ2_XS: 3,
+        GGMLType.IQ3_XXS: 1,
+        GGMLType.IQ1_S: 3,
+        GGMLType.IQ4_NL: 2,
+        GGMLType.IQ3_S: 3,
+        GGMLType.IQ2_S: 3,
+        GGMLType.IQ4_XS: 2,
+        GGMLType.IQ1_M: 3,
+        GGMLType.BF16: 2,
+        GGMLType.TQ1_0: 2,
+        GGMLType.TQ2_0: 3,
+        GGMLType.MXFP4: 3,
+    }
+)
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 _kernels = None
@@ -340,16 +399,19 @@ def dequantize_split_tile(
 # the types with the dedicated GEMV (`matvec_triton`), and its configuration per type: (rows a program BR, blocks
 # of each row a step KB, warps, split-K). `benchmarks/gemv_gpu.py --sweep` times the candidates on the GPU
 # and prints the best as a JUNO_PY_GEMV value; that variable (`TYPE=BR,KB,WARPS,SPLIT;...`) overrides this table.
-# Until that sweep has run, the values are configs whose sm_90 compile (`benchmarks/gemv_compile.py`) exchanges no
-# step values through shared memory
+# Q4_1, Q8_0, Q4_K and Q6_K: the sweep's winners on the H200; Q4_0 and Q5_K (not swept): configs whose sm_90
+# compile (`benchmarks/gemv_compile.py`) exchanges no step values through shared memory
 GEMV_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
+# the GEMV types whose split-K gives the same bits every launch on the H200; Q4_0 and Q4_1 did not (within the fp32
+# bound, but not repeatable), so they always run unsplit
+SPLIT_K_TYPES = frozenset({GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
 MATVEC_CONFIG: dict[int, tuple[int, int, int, int]] = {
     GGMLType.Q4_0: (4, 8, 4, 1),
-    GGMLType.Q4_1: (4, 8, 4, 1),
-    GGMLType.Q8_0: (2, 16, 4, 1),
-    GGMLType.Q4_K: (4, 2, 4, 1),
+    GGMLType.Q4_1: (4, 16, 8, 1),
+    GGMLType.Q8_0: (4, 8, 2, 1),
+    GGMLType.Q4_K: (8, 1, 2, 2),
     GGMLType.Q5_K: (4, 2, 4, 1),
-    GGMLType.Q6_K: (2, 2, 4, 1),
+    GGMLType.Q6_K: (8, 1, 2, 1),
 }
 _GEMV_ENV = "JUNO_PY_GEMV"
 _gemv_env_read = False
@@ -490,6 +552,8 @@ def _gemv(
     mod = gemv_kernels()
     t = int(ggml_type)
     br, kb, warps, split = config
+    if t not in SPLIT_K_TYPES:
+        split = 1
     word = mod.WORD_BYTES[t]
     rw = _words(raw, word)
     if x.stride(-1) != 1:

@@ -44,6 +44,10 @@ CASES = [
 
 def rows_of(t: GGMLType, n_rows: int, n_cols: int, seed: int) -> torch.Tensor:
     """uint8 `[n_rows, row bytes]` of random valid blocks (scales of moderate size)."""
+    floats = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
+    if t in floats:  # finite values of the float type, its bytes
+        x = torch.randn(n_rows, n_cols, generator=torch.Generator().manual_seed(seed)).to(floats[t])
+        return x.view(torch.uint8).reshape(n_rows, -1).contiguous()
     if t in F16_FIELDS:
         return torch.from_numpy(random_rows(t, n_rows, n_cols, seed=seed))
     block, size = GGML_BLOCK_SIZES[t]
