@@ -16,7 +16,6 @@ from safetensors.torch import load_file
 
 from juno_py.cli.main import cli
 from juno_py.lora import read_adapter
-from juno_py.testing.records import MIXED_RECORDS, write_jsonl
 from juno_py.train.distributed import World, shard_rows
 from juno_py.train.state import load_state, state_path
 from tests.train import dist_worker
@@ -53,11 +52,6 @@ def assert_same_weights(got: torch.Tensor, want: torch.Tensor, what: str, rel: f
     norm to 5e-6). A wrong loss scale, shard or all-reduce moves whole tensors by a percent or more."""
     diff = (got - want).norm().item()
     assert diff <= rel * want.norm().item(), f"{what}: ‖difference‖ {diff:.3g}, ‖weights‖ {want.norm().item():.3g}"
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return write_jsonl(tmp_path_factory.mktemp("ddp-data") / "mixed.jsonl", MIXED_RECORDS)
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,7 @@ from click.testing import CliRunner
 
 from juno_py.cli.main import cli
 from juno_py.gguf import GGUFFile
-from juno_py.gguf.constants import GGMLType
 from juno_py.models import load_model
-from juno_py.testing.records import MIXED_RECORDS, write_jsonl
-from juno_py.testing.tiny_models import write_tiny_gguf
 from juno_py.train.data import load_dataset
 from juno_py.train.dense import build_dense_optimizer, densify
 from juno_py.train.distributed import DistributedError
@@ -27,16 +24,6 @@ from tests.train.full_shard_worker import FULL_RUNS, PART_STEPS, TARGETS, full_r
 from tests.train.test_sharded import launch, rel_diff, run
 
 REL = 1e-6  # fp32 sums in another order: the target of sharded training
-
-
-@pytest.fixture(scope="module")
-def q8_path(tmp_path_factory):
-    return write_tiny_gguf(tmp_path_factory.mktemp("tiny-q8") / "tiny-q8.gguf", "llama", GGMLType.Q8_0, seed=3)
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return write_jsonl(tmp_path_factory.mktemp("full-shard-data") / "mixed.jsonl", MIXED_RECORDS)
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,8 @@ import torch
 from click.testing import CliRunner
 
 from juno_py.cli.main import cli
-from juno_py.gguf.constants import GGMLType
 from juno_py.lora import read_adapter
 from juno_py.models import load_model
-from juno_py.testing.records import MIXED_RECORDS, write_jsonl
 from juno_py.testing.tiny_models import write_tiny_gguf
 from juno_py.train.loop import TrainConfig, train
 from juno_py.train.sharded import frozen_linears
@@ -43,16 +41,6 @@ def run(cmd, **env) -> subprocess.CompletedProcess:
 
 def launch(n: int, *args) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), *map(str, args)]
-
-
-@pytest.fixture(scope="module")
-def q8_path(tmp_path_factory):
-    return write_tiny_gguf(tmp_path_factory.mktemp("tiny-q8") / "tiny-q8.gguf", "llama", GGMLType.Q8_0, seed=3)
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return write_jsonl(tmp_path_factory.mktemp("shard-data") / "mixed.jsonl", MIXED_RECORDS)
 
 
 @pytest.fixture(scope="module")
