@@ -349,6 +349,12 @@ def import_peft(base, folder, output) -> Path:
                 )
             if mag is not None and mag.shape != (n_rows,):
                 raise MergeError(f"{where}: lora_magnitude_vector {mag.shape}, expected ({n_rows},)")
+            if (mag is not None) != cfg["use_dora"]:  # PEFT would load such a module as the other kind, or fail
+                raise MergeError(
+                    f"{where}: {cfg_path.name} field use_dora is {str(cfg['use_dora']).lower()}, but the module "
+                    + ("has a lora_magnitude_vector" if mag is not None else "has no lora_magnitude_vector")
+                    + ": expected both to say DoRA, or neither"
+                )
             name = LAYER_MODULE.format(layer=layer, module=m.group("module"))
 
             def rows_of(il: int, t: str, layer=layer, members=members) -> Optional[tuple[int, int]]:

@@ -16,7 +16,7 @@ from juno_py.errors import MAX_MESSAGE, JunoError
 from juno_py.exchange import export_gguf_lora, export_peft, import_gguf_lora, import_peft
 from juno_py.exchange.peft import CONFIG_FILE, WEIGHTS_FILE
 from juno_py.gguf import GGMLType, GGUFFile, GGUFWriter, ValueType
-from juno_py.lora import load_adapters, read_adapter, write_adapter
+from juno_py.lora import Mode, load_adapters, read_adapter, write_adapter
 from juno_py.merge.merge import merge_model
 from juno_py.models import load_model
 from juno_py.models.generate import NonFiniteLogits, generate
@@ -358,3 +358,27 @@ def test_import_command_prints_one_line_for_a_hostile_folder(peft_folder, tmp_pa
     (line,) = res.stderr.splitlines()
     assert line.startswith(f"juno-py: error: {w}: module ") and "field key is missing" in line and len(line) < 520
     assert not out.exists()
+
+
+def test_peft_use_dora_and_the_magnitudes_must_agree(peft_folder, tmp_path, tiny_gguf):
+    """A LoRA folder whose config claims DoRA, and a DoRA folder whose config denies it, are refused: imported
+    as they are, they would play back as the other kind of adapter than the tool that wrote them meant."""
+    base, _, lora_folder = peft_folder
+    edit_config(lora_folder, use_dora=True)
+    refused(
+        lambda: import_peft(base, lora_folder, tmp_path / "x.bin"),
+        tmp_path / "x.bin",
+        "use_dora is true",
+        "no lora_magnitude_vector",
+    )
+    dora = make_adapter(base, tmp_path / "d.bin", targets="qv", mode=Mode.DORA)
+    dora_folder = export_peft(base, dora, tmp_path / "peft-dora")
+    assert json.loads((dora_folder / CONFIG_FILE).read_text())["use_dora"] is True
+    import_peft(base, dora_folder, tmp_path / "ok.bin")  # as written: imports
+    edit_config(dora_folder, use_dora=False)
+    refused(
+        lambda: import_peft(base, dora_folder, tmp_path / "y.bin"),
+        tmp_path / "y.bin",
+        "use_dora is false",
+        "has a lora_magnitude_vector",
+    )
