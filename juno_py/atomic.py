@@ -121,12 +121,7 @@ def reserve(path, size: int, what: str = "output") -> Path:
     check_writable(path, what)
     release(path)
     parent = folder_of(path)
-    free = shutil.disk_usage(parent).free
-    if size > free:
-        raise OutputError(
-            f"{what} {path}: needs about {_size(size)} and its file system has {_size(free)} free; free some "
-            f"space or choose another path"
-        )
+    check_space(path, size, what)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
     try:
         os.fchmod(fd, default_mode())
@@ -138,6 +133,18 @@ def reserve(path, size: int, what: str = "output") -> Path:
     os.close(fd)
     _reserved[_key(path)] = Path(tmp)
     return Path(tmp)
+
+
+def check_space(path, size: int, what: str = "output") -> None:
+    """Fail in one line, before long work, when `path`'s file system has less than `size` bytes free (an estimate:
+    the work itself still fails cleanly, with `OutputError`, if the disk fills up while it runs)."""
+    path = Path(path)
+    free = shutil.disk_usage(folder_of(path)).free
+    if size > free:
+        raise OutputError(
+            f"{what} {path}: needs about {_size(size)} and its file system has {_size(free)} free; free some "
+            f"space or choose another path"
+        )
 
 
 def release(path) -> None:

@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence, Union
 
-from juno_py.atomic import check_writable
+from juno_py.atomic import check_space, check_writable
 from juno_py.errors import show
 from juno_py.gguf import GGUFFile, GGUFWriter, ValueType
+from juno_py.gguf.constants import GGML_BLOCK_SIZES
 from juno_py.merge.report import MergeReport, TensorReport
 from juno_py.merge.requant import choose_encoding, extreme_code_count, parse_requant
 from juno_py.merge.targets import AdapterSource, DenseDelta, MergeError, ModelTargets, plan_patches, read_sources
@@ -42,6 +43,19 @@ def check_output_path(output: Path, inputs: Sequence[Path] = ()) -> None:
     for p in inputs:
         if output.exists() and p.exists() and os.path.samefile(output, p):
             raise MergeError(f"output {output}: is an input of this command; choose another path")
+
+
+def output_bytes(gguf: GGUFFile, plan, policy) -> int:
+    """About the tensor data the merged file holds: each tensor at its own size, a patched one at the size of the
+    type a named --requant policy writes it in ('source' and 'auto' keep the base's size)."""
+    total = 0
+    for name, info in gguf.tensors.items():
+        if name in plan and not isinstance(policy, str) and info.n_elements % GGML_BLOCK_SIZES[policy][0] == 0:
+            block, size = GGML_BLOCK_SIZES[policy]
+            total += info.n_elements // block * size
+        else:
+            total += info.nbytes
+    return total
 
 
 def _provenance(base: Path, sources: Sequence[AdapterSource], deltas, policy, min_retention) -> str:
@@ -123,6 +137,7 @@ def merge_model(
             min_retention if policy == "auto" else None,
             file_bytes_base=base_path.stat().st_size,
         )
+        check_space(output, 2 * output_bytes(gguf, plan, policy))
         bar = Progress(len(plan), "merge", "tensor", enabled=progress, interval=progress_interval)
         with bar, GGUFWriter(output, alignment=gguf.alignment, version=gguf.version) as writer:
             writer.copy_fields(gguf, skip=(PROVENANCE_KEY,) + SPLIT_KEYS)

@@ -170,3 +170,45 @@ def test_export_and_import_commands(tiny_gguf, tmp_path):
     )
     assert code == 1 and "merge it into the model instead" in stderr and stderr.count("\n") == 1
     assert not (tmp_path / "d.gguf").exists()
+
+
+@pytest.mark.parametrize("requant", ["source", "f32"])
+def test_merge_estimates_its_output_and_refuses_a_disk_without_room(tiny_gguf, tmp_path, monkeypatch, requant):
+    """The estimate of the merged file's tensor data is what the written file holds (plus its header); with less
+    than twice that free (the file and the writer's spill of tensor data) the merge refuses in one line before it
+    starts, naming the output, and writes nothing."""
+    import shutil
+    from collections import namedtuple
+
+    from juno_py import atomic
+    from juno_py.atomic import OutputError
+    from juno_py.gguf import GGMLType, GGUFFile
+    from juno_py.merge import merge_model
+    from juno_py.merge.merge import output_bytes
+    from juno_py.merge.requant import parse_requant
+    from juno_py.merge.targets import ModelTargets, plan_patches, read_sources
+    from tests.merge.helpers import make_adapter
+
+    base = tiny_gguf("llama", GGMLType.Q8_0)
+    adapter = make_adapter(base, tmp_path / "a.bin", targets="qv")
+    out = tmp_path / "merged.gguf"
+    merge_model(base, out, [adapter], requant=requant)
+    with GGUFFile(base) as g:
+        plan = plan_patches(ModelTargets(g), read_sources([adapter]))
+        estimate = output_bytes(g, plan, parse_requant(requant))
+    with GGUFFile(out) as merged:
+        data = sum(t.nbytes for t in merged.tensors.values())
+        assert estimate == data
+    assert estimate < out.stat().st_size < estimate + 64 * 1024
+    if requant == "f32":
+        with GGUFFile(base) as g:
+            assert estimate > sum(t.nbytes for t in g.tensors.values())  # the patched tensors widened
+    usage = namedtuple("usage", "total used free")
+    real = shutil.disk_usage
+    monkeypatch.setattr(atomic.shutil, "disk_usage", lambda p: usage(*real(p)[:2], 2 * estimate - 1))
+    again = tmp_path / "again.gguf"
+    with pytest.raises(OutputError) as e:
+        merge_model(base, again, [adapter], requant=requant)
+    msg = str(e.value)
+    assert "\n" not in msg and str(again) in msg and "free" in msg, msg
+    assert not again.exists() and not list(tmp_path.glob(".again.gguf*"))
