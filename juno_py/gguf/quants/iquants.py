@@ -3,14 +3,15 @@
 
 from __future__ import annotations
 
+import gguf.quants as _gq
 import torch
 
 from juno_py.gguf.constants import GGMLType
 from juno_py.gguf.quants.kquants import signed_6bit_scales
 from juno_py.gguf.quants.simple import BlockLayout, PackedCodes, scale_only, unpack_fields
 
-# llama.cpp's kvalues_iq4nl
-IQ4_LEVELS = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.int8)
+# llama.cpp's kvalues_iq4nl, from the gguf package (one source of truth, as the codebook grids)
+IQ4_LEVELS = torch.tensor(_gq.IQ4_NL.kvalues, dtype=torch.int8)
 
 
 def _iq4_xs_scales(blocks: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, None]:
