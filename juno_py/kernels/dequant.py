@@ -78,11 +78,10 @@ TRITON_TYPES = frozenset(
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 
 # values per block as the kernels cut rows (float types: 256 columns a block), and per type (decode: blocks a program
-# NB, warps; matvec: rows a program BN, blocks a step KB). Chosen by `benchmarks/dequant_gpu.py --sweep` on the H200:
-# 4096 values a program for the 32-value types, 2048 (Q4_K) or 4096 (Q5_K, Q6_K) for the K-quants.
+# NB, warps; matvec: rows a program BN, blocks a step KB): a default by block size, then (below) the settings
+# `benchmarks/dequant_gpu.py --sweep` chose on the H200 for every type.
 KERNEL_BLOCK = {GGMLType.F32: 256, GGMLType.F16: 256, GGMLType.BF16: 256}
 KERNEL_CONFIG = {t: ((128, 4, 16, 8) if GGML_BLOCK_SIZES[t][0] == 32 else (8, 4, 16, 1)) for t in TRITON_TYPES}
-KERNEL_CONFIG.update({GGMLType.Q5_K: (16, 4, 16, 1), GGMLType.Q6_K: (16, 4, 16, 1)})
 # the types whose VARIANT 1 decodes in `_grouped`'s layouts (fields read once per group of values and broadcast)
 GROUPED_TYPES = frozenset(
     {GGMLType.TQ1_0, GGMLType.TQ2_0, GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS}
