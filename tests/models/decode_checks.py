@@ -5,6 +5,9 @@ import torch
 
 from juno_py.models.generate import decode_one_token, prefill
 
+# a tiny model wide enough for the native and Triton kernels' blocks (256-value K-quant rows, 64-wide heads)
+WIDE = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+
 
 def forward_steps(model, prompt, tokens):
     """Logits after the prompt and after each token, through the model's forward."""
@@ -40,3 +43,19 @@ def randomize(aset, seed):
             ad.lora_B.normal_(0, 0.3, generator=g)
             if ad.magnitude is not None:
                 ad.magnitude.mul_(1 + 0.2 * torch.randn(ad.magnitude.shape, generator=g))
+
+
+def two_loras_played(path, tmp_path):
+    """The model at `path` playing two saved LoRAs of different targets and ranks at scales 0.7 and -1.3 (their B
+    randomised), as `load_adapters` plays a user's list."""
+    from juno_py.lora import attach, load_adapters
+    from juno_py.models import load_model
+
+    files = []
+    for i, targets in enumerate(["all", "qv"]):
+        aset = attach(load_model(path), targets, rank=3 + i, alpha=4.0, seed=i)
+        randomize(aset, seed=10 + i)
+        files.append(aset.save(tmp_path / f"a{i}.bin"))
+    model = load_model(path)
+    load_adapters(model, [f"{files[0]}:0.7", f"{files[1]}:-1.3"])
+    return model

@@ -13,10 +13,16 @@ from juno_py.models import load_model
 from juno_py.models.decode_cuda import CudaGraphDecoder
 from juno_py.models.generate import generate, prefill
 from juno_py.testing.tiny_models import sample_ids
-from tests.models.decode_checks import assert_logits_close, decoder_steps, forward_steps, randomize
+from tests.models.decode_checks import (
+    WIDE,
+    assert_logits_close,
+    decoder_steps,
+    forward_steps,
+    randomize,
+    two_loras_played,
+)
 
 ARCHS = ["llama", "qwen2", "qwen3", "phi3", "gemma3"]
-WIDE = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
 
@@ -38,14 +44,7 @@ def test_static_steps_equal_the_forward_for_every_architecture(tiny_gguf, arch):
 
 def test_static_steps_play_several_loras_at_their_scales(tiny_gguf, tmp_path):
     path = tiny_gguf("qwen2", GGMLType.Q4_K, config=WIDE)  # biases on q, k and v
-    files = []
-    for i, targets in enumerate(["all", "qv"]):
-        trainee = load_model(path)
-        aset = attach(trainee, targets, rank=3 + i, alpha=4.0, seed=i)
-        randomize(aset, seed=10 + i)
-        files.append(aset.save(tmp_path / f"a{i}.bin"))
-    model = load_model(path)
-    load_adapters(model, [f"{files[0]}:0.7", f"{files[1]}:-1.3"])
+    model = two_loras_played(path, tmp_path)
     prompt, tokens = sample_ids(4, seed=5), sample_ids(6, seed=6)
     got, ref = static_steps(model, prompt, tokens, graph=False), forward_steps(model, prompt, tokens)
     assert_logits_close(got, ref)

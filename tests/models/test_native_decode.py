@@ -19,7 +19,14 @@ from juno_py.models.decode import NativeDecoder
 from juno_py.models.generate import generate, prefill
 from juno_py.testing.blocks import ALL_TYPES, random_rows
 from juno_py.testing.tiny_models import sample_ids
-from tests.models.decode_checks import assert_logits_close, decoder_steps, forward_steps, randomize
+from tests.models.decode_checks import (
+    WIDE,
+    assert_logits_close,
+    decoder_steps,
+    forward_steps,
+    randomize,
+    two_loras_played,
+)
 
 MATVEC_TYPES = [GGMLType(t) for t in sorted(native.MATVEC_TYPES)]
 # the types the tiny models are written in (what our quantizer encodes among the common ones)
@@ -37,7 +44,6 @@ MODEL_TYPES = [
 ]
 ARCHS = ["llama", "qwen2", "qwen3", "phi3", "gemma3"]
 # rows of whole k-quant super-blocks (256): the tiny models' widths, scaled up
-WIDE = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
 
 
 @pytest.fixture(scope="module")
@@ -167,14 +173,7 @@ def test_decoder_logits_equal_the_forward_for_every_architecture(lib, tiny_gguf,
 
 def test_decoder_plays_several_loras_at_their_scales(lib, tiny_gguf, tmp_path, monkeypatch):
     path = tiny_gguf("qwen2", GGMLType.Q4_K, config=WIDE)  # biases on q, k and v
-    files = []
-    for i, targets in enumerate(["all", "qv"]):
-        trainee = load_model(path)
-        aset = attach(trainee, targets, rank=3 + i, alpha=4.0, seed=i)
-        randomize(aset, seed=10 + i)
-        files.append(aset.save(tmp_path / f"a{i}.bin"))
-    model = load_model(path)
-    load_adapters(model, [f"{files[0]}:0.7", f"{files[1]}:-1.3"])
+    model = two_loras_played(path, tmp_path)
     prompt, tokens = sample_ids(4, seed=5), sample_ids(6, seed=6)
     got, ref = native_steps(model, prompt, tokens), reference_steps(model, prompt, tokens, monkeypatch)
     assert_logits_close(got, ref)
