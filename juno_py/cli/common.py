@@ -105,6 +105,18 @@ def set_quiet(quiet: bool) -> None:
     _quiet = quiet
 
 
+def join_world(o: dict):
+    """This process's place in a torchrun job (or a single process): only rank 0 speaks, and `--shard` without
+    other processes is refused in one line."""
+    from juno_py.train import distributed
+
+    world = distributed.init_from_env(o["device"])
+    set_quiet(not world.is_main)
+    if o.get("shard") and not world.active:
+        raise click.UsageError("--shard splits the model across processes: add --nproc N, or run under torchrun")
+    return world
+
+
 def say(msg: str) -> None:
     if not _quiet:
         click.echo(msg, err=True)

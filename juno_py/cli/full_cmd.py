@@ -15,6 +15,7 @@ from juno_py.cli.common import (
     FiniteFloatRange,
     StopFlag,
     check_output_options,
+    join_world,
     load_training_data,
     load_training_model,
     lora_targets_option,
@@ -24,7 +25,6 @@ from juno_py.cli.common import (
     say,
     say_metrics_files,
     say_written,
-    set_quiet,
     thread_guard,
     warnings_to_stderr,
 )
@@ -238,11 +238,8 @@ def full(**o) -> None:
 
         sys.exit(run_torchrun(click.get_current_context(), o["nproc"], o["device"]))
     o = take_deprecated_aliases(o)
-    world = distributed.init_from_env(o["device"])  # a rank of a torchrun job, or a single process
-    set_quiet(not world.is_main)
+    world = join_world(o)  # a rank of a torchrun job, or a single process
     shard = o["shard"]
-    if shard and not world.active:
-        raise click.UsageError("--shard splits the model across processes: add --nproc N, or run under torchrun")
     if shard and o["bptt_window"]:
         raise click.UsageError(
             "--shard with --bptt-window: every process must run the same forwards; use --bptt-window 0"

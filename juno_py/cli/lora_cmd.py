@@ -10,6 +10,7 @@ import click
 from juno_py.cli.common import (
     StopFlag,
     check_output_options,
+    join_world,
     load_training_data,
     load_training_model,
     one_line_errors,
@@ -18,7 +19,6 @@ from juno_py.cli.common import (
     say,
     say_metrics_files,
     say_written,
-    set_quiet,
     thread_guard,
 )
 from juno_py.cli.options import deprecated_alias, training_options
@@ -43,10 +43,7 @@ def lora(**o) -> None:
         from juno_py.cli.launch import run_torchrun
 
         sys.exit(run_torchrun(click.get_current_context(), o["nproc"], o["device"]))
-    world = distributed.init_from_env(o["device"])  # a rank of a torchrun job, or a single process
-    set_quiet(not world.is_main)
-    if o["shard"] and not world.active:
-        raise click.UsageError("--shard splits the model across processes: add --nproc N, or run under torchrun")
+    world = join_world(o)  # a rank of a torchrun job, or a single process
     if world.active:
         o["device"] = str(world.device)
         say(f"data parallel: {world.size} processes ({world.backend}); each takes its share of every global batch")
