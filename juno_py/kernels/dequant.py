@@ -176,12 +176,14 @@ def kernels():
 _GRID_TABLES: dict = {}
 
 
-def _grid_table(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """The int8 grid `[points, 8 or 4]` of a codebook type, or the 16 levels of IQ4_NL/IQ4_XS, on raw's device
-    (made once per device), or `raw` itself for the other types (their kernels never read it)."""
+def _grid_table(raw: torch.Tensor, ggml_type: int, variant: int = 0) -> torch.Tensor:
+    """The int8 grid `[points, 8 or 4]` of a codebook type (as fp32 for a variant with bit 3), or the 16 levels of
+    IQ4_NL/IQ4_XS, on raw's device (made once per device), or `raw` itself for the other types (their kernels never
+    read it)."""
     if ggml_type not in CODEBOOK_TYPES and ggml_type not in LEVEL_TYPES:
         return raw
-    key = (int(ggml_type), raw.device)
+    floats = ggml_type in CODEBOOK_TYPES and variant & 8
+    key = (int(ggml_type), raw.device, bool(floats))
     table = _GRID_TABLES.get(key)
     if table is None:
         if ggml_type in LEVEL_TYPES:
@@ -190,7 +192,8 @@ def _grid_table(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
             from juno_py.gguf.quants.codebooks import GRIDS
 
             grid = GRIDS[GGMLType(ggml_type)]
-        table = _GRID_TABLES[key] = grid.to(torch.int8).contiguous().to(raw.device)
+        table = grid.to(torch.float32 if floats else torch.int8).contiguous().to(raw.device)
+        _GRID_TABLES[key] = table
     return table
 
 
@@ -199,8 +202,14 @@ def variants(ggml_type: int) -> tuple[int, ...]:
     types): `_grouped`'s layouts for GROUPED_TYPES, and for the others the per-value layouts with 16-bit loads of
     their float16 fields; codes made fp32 with integer and float additions rather than conversions, and one
     division a program to find the rows of its blocks; bit 1: bf16 rounded by the GPU's float cast (two values an instruction) rather than with
-    integer operations (under the interpreter, whose cast truncates, the integer operations still)."""
-    return (0, 2) if int(ggml_type) in KERNEL_BLOCK else (0, 1, 2, 3)
+    integer operations (under the interpreter, whose cast truncates, the integer operations still). Codebook
+    types only, with bit 0: bit 2 reads each grid row as one word and its bytes by shifts, bit 3 reads the points
+    from an fp32 copy of the grid (no integer work a value); see `dequant_triton._grid_points`."""
+    if int(ggml_type) in KERNEL_BLOCK:
+        return (0, 2)
+    if int(ggml_type) in CODEBOOK_TYPES:
+        return (0, 1, 2, 3, 5, 7, 9, 11)
+    return (0, 1, 2, 3)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -301,7 +310,7 @@ def _decode(
             (_cdiv((r1 - r0) * n_blk, nb),),
             (
                 raw,
-                _grid_table(raw, ggml_type),
+                _grid_table(raw, ggml_type, variant),
                 dst,
                 dst if lo_dst is None else lo_dst,
                 row_bytes // ra,
@@ -509,7 +518,7 @@ def dequant_matvec(
                 grid,
                 (
                     raw,
-                    _grid_table(raw, ggml_type),
+                    _grid_table(raw, ggml_type, variant),
                     x,
                     y,
                     n_rows,

@@ -18,7 +18,8 @@ VARIANT (a compile-time argument of both kernels; `dequant.variants`, all decodi
 layouts below marked (1) for the types that have one and 16-bit loads of the float16 fields (and Q5's qh) for the
 other quantized types, codes made fp32 without conversion instructions (`_exact_f32`, `_i8_f32`, `_flip`) and, in
 `dequant_kernel`, one division a program to find its blocks' rows instead of one a block; bit 1 rounds to bf16
-with the cast (`_emit`). Axes of a block's value tensor (`v` is the
+with the cast (`_emit`); bits 2 and 3 (codebook types, with bit 0) pick how a grid point is read
+(`_grid_points`: its row as one word, or from an fp32 copy of the grid). Axes of a block's value tensor (`v` is the
 value's index inside its block):
 - Q4_0/Q4_1/Q5_0/Q5_1/Q8_0: [NB, 2 (h), 16 (l)], v = 16h + l; a nibble code is byte qs[l] shifted by 4h;
 - Q4_K/Q5_K: [NB, 4 (c), 2 (h), 32 (l)], v = 64c + 32h + l; byte qs[32c + l] shifted by 4h, sub-block 2c + h;
@@ -37,7 +38,8 @@ value's index inside its block):
   TQ1_0: five tensors [NB, K digits, L bytes] over its runs of bytes, each byte shared by its base-3 digits
   (`_grouped`).
 The codebook types read their grid points from `grid_ptr` (the int8 grid `[points, 8 or 4]` of
-`gguf.quants.codebooks.GRIDS`; for IQ4_NL/IQ4_XS the 16 int8 levels; any pointer for the other types).
+`gguf.quants.codebooks.GRIDS`, or its fp32 copy in the variants with bit 3; for IQ4_NL/IQ4_XS the 16 int8 levels;
+any pointer for the other types).
 IQ2_XXS/IQ2_XS/IQ3_XXS's 7-bit sign indices become sign bytes by their parity (llama.cpp's ksigns: bit 7 makes
 the count of negatives even), MXFP4's e2m1 levels are computed.
 """
@@ -131,6 +133,24 @@ def _exact_f32(u, BIAS: tl.constexpr):
 def _i8_f32(ptr):
     """The int8 at each address `ptr` (an int8 pointer), as fp32 (exact), without a conversion instruction."""
     return _exact_f32(tl.load(ptr.to(tl.pointer_type(tl.uint8))).to(tl.int32) ^ 0x80, 128.0)
+
+
+@triton.jit
+def _grid_points(grid_ptr, index, j, WIDTH: tl.constexpr, GRID: tl.constexpr):
+    """Value j of grid row `index` (rows of WIDTH = 8 or 4 values) as fp32, exact. GRID 0: one byte load a value
+    from the int8 grid; 1: the row as one 8- or 4-byte word load, shared by its values, and its bytes by shifts;
+    2: one load a value from the fp32 copy of the grid (`grid_ptr` points at it). `index` has size 1 along j's
+    axis, the last one."""
+    if GRID == 0:
+        return _i8_f32(grid_ptr + WIDTH * index + j)
+    if GRID == 2:
+        return tl.load(grid_ptr.to(tl.pointer_type(tl.float32)) + WIDTH * index + j)
+    if WIDTH == 8:
+        row = tl.load(grid_ptr.to(tl.pointer_type(tl.int64)) + index)
+        byte = ((row >> (8 * j).to(tl.int64)) & 0xFF).to(tl.int32)
+    else:
+        byte = (tl.load(grid_ptr.to(tl.pointer_type(tl.int32)) + index) >> (8 * j)) & 0xFF
+    return _exact_f32(byte ^ 0x80, 128.0)
 
 
 @triton.jit
@@ -362,6 +382,7 @@ def _grouped(
     EDGES: tl.constexpr,
     NB: tl.constexpr,
     CAST: tl.constexpr,
+    GRID: tl.constexpr,
 ):
     """VARIANT 1 of the codebook, ternary, Q2_K, Q3_K and IQ4 types: the block's values in a tensor whose axes
     follow its fields, each field read once with its own shape and broadcast (see the module docstring), the same
@@ -374,13 +395,13 @@ def _grouped(
             w = b3 + 2 + 8 * (g // 4)
             aux = _h32(w + 4)
             sign = (_ksign_byte((aux >> (7 * (g % 4))) & 0x7F) >> j) & 1
-            point = _i8_f32(grid_ptr + 8 * _u8(w + g % 4) + j)
+            point = _grid_points(grid_ptr, _u8(w + g % 4), j, 8, GRID)
             scale = _hf16(b3) * (((aux >> 28) & 0xF).to(tl.float32) + 0.5) * 0.25
             val = _flip(scale * point, sign)
         elif TYPE == 17:  # IQ2_XS: a uint16 per group (9-bit grid index, 7-bit sign index), 4-bit scales
             q = _h16(b3 + 2 + 2 * g)
             s = (_u8(b3 + 66 + g // 4) >> (4 * ((g // 2) % 2))) & 0xF
-            point = _i8_f32(grid_ptr + 8 * (q & 511) + j)
+            point = _grid_points(grid_ptr, q & 511, j, 8, GRID)
             scale = _hf16(b3) * (s.to(tl.float32) + 0.5) * 0.25
             sign = (_ksign_byte(q >> 9) >> j) & 1
             val = _flip(scale * point, sign)
@@ -388,13 +409,13 @@ def _grouped(
             index = _u8(b3 + 2 + g) | (((_u8(b3 + 66 + g // 4) >> (2 * (g % 4))) & 3) << 8)
             sign = (_u8(b3 + 34 + g) >> j) & 1
             s = (_u8(b3 + 74 + g // 4) >> (4 * ((g // 2) % 2))) & 0xF
-            point = _i8_f32(grid_ptr + 8 * index + j)
+            point = _grid_points(grid_ptr, index, j, 8, GRID)
             scale = _hf16(b3) * (s.to(tl.float32) + 0.5) * 0.25
             val = _flip(scale * point, sign)
         elif TYPE == 19:  # IQ1_S: index byte per group; per 4 groups a uint16 (3 high index bits each, scale, sign)
             qh = _h16(b3 + 34 + 2 * (g // 4))
             index = _u8(b3 + 2 + g) | (((qh >> (3 * (g % 4))) & 7) << 8)
-            point = _i8_f32(grid_ptr + 8 * index + j)
+            point = _grid_points(grid_ptr, index, j, 8, GRID)
             delta = tl.where((qh & 0x8000) != 0, -0.125, 0.125)
             val = _hf16(b3) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32) * (point + delta)
         else:  # IQ1_M: index byte and nibble per group, 3-bit scales per 2 groups, d in the scales' top nibbles
@@ -408,7 +429,7 @@ def _grouped(
             sb = g // 2
             sc = (_h16(b3 + 48 + 2 * (sb // 4)) >> (3 * (sb % 4))) & 7
             nib = (_u8(b3 + 32 + g // 2) >> (4 * (g % 2))) & 0xF
-            point = _i8_f32(grid_ptr + 8 * (_u8(b3 + g) | ((nib & 7) << 8)) + j)
+            point = _grid_points(grid_ptr, _u8(b3 + g) | ((nib & 7) << 8), j, 8, GRID)
             delta = tl.where((nib & 8) != 0, -0.125, 0.125)
             val = d * (2 * sc + 1).to(tl.float32) * (point + delta)
         return _emit(
@@ -435,7 +456,7 @@ def _grouped(
         if TYPE == 18:  # index byte per 4 values; per 32 values a uint32 of 4 × 7 sign bits and the scale
             aux = _h32(b4 + 66 + 4 * (g // 4))
             sign = (_ksign_byte((aux >> (7 * (g % 4))) & 0x7F) >> (4 * p + e)) & 1
-            point = _i8_f32(grid_ptr + 4 * _u8(b4 + 2 + 2 * g + p) + e)
+            point = _grid_points(grid_ptr, _u8(b4 + 2 + 2 * g + p), e, 4, GRID)
             scale = _hf16(b4) * (((aux >> 28) & 0xF).to(tl.float32) + 0.5) * 0.5
             val = _flip(scale * point, sign)
         else:  # index byte and high bit per 4 values, sign byte per group, 4-bit scales per 4 groups
@@ -444,7 +465,7 @@ def _grouped(
             sign = (_u8(b4 + 74 + g) >> (4 * p + e)) & 1
             sb = g // 4
             s = (_u8(b4 + 106 + sb // 2) >> (4 * (sb % 2))) & 0xF
-            point = _i8_f32(grid_ptr + 4 * index + e)
+            point = _grid_points(grid_ptr, index, e, 4, GRID)
             val = _flip(_hf16(b4) * (1 + 2 * s).to(tl.float32) * point, sign)
         return _emit(
             val,
@@ -623,7 +644,7 @@ def _blocks(
     other quantized types the layouts below with 16-bit loads of the float16 fields and Q5's fifth bits (every
     block there has an even size; the launch makes the bytes start at an even address)."""
     b = raw_ptr + blk
-    CAST: tl.constexpr = VARIANT >= 2
+    CAST: tl.constexpr = VARIANT % 4 >= 2
     if VARIANT % 2 == 1 and (
         TYPE == 16
         or TYPE == 17
@@ -640,7 +661,9 @@ def _blocks(
         or TYPE == 20
         or TYPE == 39
     ):
-        return _grouped(b, grid_ptr, base, lo, hi, ok, out_ptr, lo_out_ptr, TYPE, MODE, BF16, EDGES, NB, CAST)
+        return _grouped(
+            b, grid_ptr, base, lo, hi, ok, out_ptr, lo_out_ptr, TYPE, MODE, BF16, EDGES, NB, CAST, VARIANT // 4
+        )
     if (
         TYPE == 16
         or TYPE == 17

@@ -79,9 +79,11 @@ def variant_of(monkeypatch):
 
 
 def test_every_quantized_type_has_a_layout_variant():
-    """The odd variants exist for every block type, and the grouped layouts cover every codebook, ternary and
-    low-bit K type."""
-    assert all(dequant.variants(t) == (0, 1, 2, 3) for t in QUANTIZED)
+    """The odd variants exist for every block type, the grid-word and register-grid ones for every codebook type,
+    and the grouped layouts cover every codebook, ternary and low-bit K type."""
+    for t in QUANTIZED:
+        grids = (5, 7, 9, 11) if t in dequant.CODEBOOK_TYPES else ()
+        assert dequant.variants(t) == (0, 1, 2, 3, *grids)
     low_bit = {GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.TQ1_0, GGMLType.TQ2_0, GGMLType.IQ4_NL, GGMLType.IQ4_XS}
     assert dequant.CODEBOOK_TYPES | low_bit <= dequant.GROUPED_TYPES <= set(QUANTIZED)
     assert all(v == 0 for v in dequant.KERNEL_VARIANT.values()) or set(dequant.KERNEL_VARIANT) == set(
