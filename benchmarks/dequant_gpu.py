@@ -245,7 +245,7 @@ def sweep_configs(t: GGMLType) -> list[tuple[int, int]]:
     if GGML_BLOCK_SIZES[t][0] == 32:
         grid = [(64, 4), (128, 4), (256, 4), (256, 8), (512, 8)]
     else:
-        grid = [(4, 4), (8, 2), (8, 4), (16, 4), (16, 8), (32, 4), (32, 8)]
+        grid = [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 2), (8, 4), (16, 4), (16, 8), (32, 4), (32, 8)]
     return sorted(set(grid) | {(current[0], current[1])})
 
 
