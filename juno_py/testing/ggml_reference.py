@@ -11,6 +11,9 @@ import numpy as np
 
 KQUANT_TYPES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 IQ4_TYPES = {"IQ4_NL": 20, "IQ4_XS": 23}
+# the other types llama.cpp's quantizer writes without an importance matrix (IQ1_S, IQ2_XXS, IQ2_XS and IQ2_S assert
+# one): their blocks, decoded, are checked against the `gguf` package's decoder
+WRITABLE_NEW_TYPES = {"IQ3_XXS": 18, "IQ3_S": 21, "IQ1_M": 29, "TQ1_0": 34, "TQ2_0": 35, "MXFP4": 39}
 
 
 def load_ggml():

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from juno_py.testing.ggml_reference import IQ4_TYPES, KQUANT_TYPES, ggml_quantize, load_ggml
+from juno_py.testing.ggml_reference import IQ4_TYPES, KQUANT_TYPES, WRITABLE_NEW_TYPES, ggml_quantize, load_ggml
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 MODELS = {"smollm2": "/tmp/models/smollm2-135m.gguf", "gemma3": "/tmp/models/gemma3-270m.gguf"}
@@ -250,7 +250,20 @@ def make_iq4(out_dir: Path) -> None:
         print(f"iq4_{name}.npz: " + ", ".join(f"{s} {v.shape}" for s, v in sets.items()))
 
 
-GOLDEN_SETS = {"kquants": make_kquants, "iq4": make_iq4}
+def make_newtypes(out_dir: Path) -> None:
+    """newtypes_<type>.npz per type of WRITABLE_NEW_TYPES: llama.cpp's bytes (`ggml_quantize_chunk`, no imatrix) for
+    each input set of the kquants set, uint8 [rows of 256 values, row bytes] (MXFP4: 8 blocks of 32 a row), the
+    blocks tests/gguf/test_quants_llama_written.py decodes. IQ3_XXS and IQ3_S leave out the edge set: llama.cpp's
+    quantizer aborts on some of its blocks (`GGML_ASSERT(grid_index >= 0)`)."""
+    lib = load_ggml()
+    for name, ggml_type in WRITABLE_NEW_TYPES.items():
+        inputs = {s: x for s, x in iq4_inputs().items() if not (s == "edge" and name.startswith("IQ3"))}
+        sets = {s: ggml_quantize(lib, ggml_type, x) for s, x in inputs.items()}
+        np.savez_compressed(out_dir / f"newtypes_{name}.npz", **sets)
+        print(f"newtypes_{name}.npz: " + ", ".join(f"{s} {v.shape}" for s, v in sets.items()))
+
+
+GOLDEN_SETS = {"kquants": make_kquants, "iq4": make_iq4, "newtypes": make_newtypes}
 
 
 def make_tokenization(out_dir: Path) -> None:

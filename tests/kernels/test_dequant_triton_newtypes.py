@@ -169,3 +169,20 @@ def test_device_model_logits_match_eager_cpu(tmp_path, ggml_type):
     assert got.shape == ref.shape and float(ref.std()) > 0
     assert float((got.cpu() - ref).abs().max()) <= 1e-3
     assert float((got.cpu().double() - ref.double()).norm() / ref.double().norm()) <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["IQ3_XXS", "IQ3_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"])
+def test_llama_cpp_blocks_decode_bit_for_bit(name):
+    """Rows written by llama.cpp's quantizer (golden set `newtypes`, 256 values a row): the kernel's fp32 values
+    are the `gguf` package's. The edge set's infinite inputs give blocks whose float16 scale is infinite: their
+    zero codes decode to NaN, as in gguf, and only the NaN positions must match there."""
+    from tests.gguf.test_quants_llama_written import golden, reference
+
+    t = GGMLType[name]
+    if int(t) not in TRITON_TYPES:
+        pytest.skip(f"no Triton decoder for {name}")
+    for set_name, raw in golden(name).items():
+        raw = raw[:256] if DEVICE == "cpu" else raw  # the interpreter runs programs one by one
+        want = torch.from_numpy(reference(name, raw))
+        got = dequantize_tile(torch.from_numpy(raw).to(DEVICE), int(t), 256, dtype=torch.float32)
+        assert_same_bits(got, want, nan_from_inf=True)
