@@ -1,6 +1,7 @@
 """A tiny model whose every linear is IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, TQ1_0, TQ2_0 or MXFP4
 (random valid blocks, decoded by the frozen linear through the generic codec path): its logits equal those of the
-same model with the weights stored dense (F32, decoded by the `gguf` package), and a LoRA step trains on it."""
+same model with the weights stored dense (F32, decoded by the `gguf` package), and a LoRA and a DoRA step train on
+it."""
 
 import pytest
 import torch
@@ -31,8 +32,14 @@ def test_model_in_new_type_matches_dense_and_trains(tmp_path, tiny_llama, ggml_t
     assert float(ref.std()) > 0
     assert torch.equal(got, ref)
 
-    # one LoRA step: gradients reach every adapter, the step moves B, and the logits change
-    adapters = attach(model, "all", rank=4, alpha=8, mode=Mode.LORA, seed=0)
+    for mode in (Mode.LORA, Mode.DORA):
+        step_moves_logits(load_model(quant_path) if mode is Mode.DORA else model, mode, got)
+
+
+def step_moves_logits(model, mode: Mode, before: torch.Tensor) -> None:
+    """One training step with adapters of `mode` on every linear: gradients reach every adapter, the step moves
+    them, and the logits change."""
+    adapters = attach(model, "all", rank=4, alpha=8, mode=mode, seed=0)
     opt = torch.optim.AdamW(list(adapters.parameters()), lr=1e-2)
     tokens = torch.tensor([IDS[:-1]])
     targets = torch.tensor([IDS[1:]])
@@ -45,4 +52,5 @@ def test_model_in_new_type_matches_dense_and_trains(tmp_path, tiny_llama, ggml_t
     opt.step()
     with torch.no_grad():
         after = model.logits(IDS)
-    assert not torch.equal(after, got)
+    assert torch.isfinite(after).all()
+    assert not torch.equal(after, before)
