@@ -572,16 +572,13 @@ class Transformer(nn.Module):
         return torch.tanh(logits / cap) * cap if cap > 0 else logits
 
     def loss_head(self) -> Optional[LinearHead]:
-        """The output projection as a LinearHead for the chunked loss where it streams a quantized W on the CPU:
-        one decode of W per chunk instead of two, and no `[positions, vocab]` buffer. None elsewhere (the loss calls
-        `project`): on a GPU, and where a resident cache leaves nothing to decode."""
+        """The output projection as a LinearHead for the chunked loss where a quantized W lives on the CPU: one
+        decode of W per chunk instead of two when it streams, and, cached or not, no `[positions, vocab]` buffer:
+        each block of W's rows meets the chunk's hidden states while its logits are still in cache (SmolLM2, bf16
+        cache, 2 cores: about 5 % of a LoRA step faster and 0.1 GiB less peak memory than the logits through
+        `project`). None on a GPU (the loss calls `project`)."""
         out = self.output
-        if (
-            not isinstance(out, FrozenQuantLinear)
-            or out.resident
-            or out.weight_cache is not None
-            or self.act_dtype != torch.float32
-        ):
+        if not isinstance(out, FrozenQuantLinear) or out.resident or self.act_dtype != torch.float32:
             return None
         return LinearHead(out, self.args.final_logit_softcap)
 
