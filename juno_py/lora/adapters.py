@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from juno_py.kernels.dora import DORA_EPS, DoraLinearFn, dora_compose_xa, factored_row_norm, layer_training_fused
+from juno_py.lora import bf16_step
 from juno_py.lora.format import (
     AdapterEntry,
     Fingerprint,
@@ -353,10 +354,16 @@ class AdaptedLinear(nn.Module):
             y = dora_compose_xa(base_out, *ad.delta_parts(x), self.dora_scale(dt), ad.scale)
         else:
             played = list(zip(self.weights, cast("Iterable[LoraAdapter]", self.adapters)))
-            if torch.is_grad_enabled() or not played:
+            if len(played) == 1 and bf16_step.applies(self.base, x, played[0][1].config.dropout):
+                # a training step on a CPU streaming base in bf16: one node, x and its gradient cast once
+                (w0, a0) = played[0]
+                y = bf16_step.LoraBf16Fn.apply(x, a0.lora_A, a0.lora_B, self.base, w0 * a0.scale)  # type: ignore[no-untyped-call]
+            elif torch.is_grad_enabled() or not played:
+                # training: each term s·xa·Bᵀ one `addmm` over y (the scale as its alpha), not a product, a scaling
+                # and an addition that each pass over [tokens, d_out]
                 y = self.base.matmul(x)
                 for w, a in played:
-                    y = y + (w * a.scale) * a.delta_input(x).to(y.dtype)
+                    y = _add_lora(y, *a.delta_parts(x), w * a.scale)
             else:
                 # inference (playback): each term s·xa·Bᵀ is one GEMM added in place of a product, a scaling and an
                 # addition, and the first rides on the frozen product's own kernel where the base can take it (a
