@@ -7,7 +7,7 @@ model), and llama.cpp through llama-cpp-python on the same GGUF when it is insta
 
 Decode tokens/s: greedy steps after a short prompt, timed from the first step to the last (prefill apart), the
 best of `--rounds` runs, the configurations interleaved so a busy spell of the machine reaches them alike. Prefill
-tokens/s: a `--prefill`-token prompt through the forward.
+tokens/s: a `--prefill`-token prompt through the forward (llama.cpp: the same prompt as one batch).
 """
 
 from __future__ import annotations
@@ -132,6 +132,23 @@ def llama_cpp_tokens_per_s(path: Path, prompt: list[int], n: int, threads: int, 
     return n / best
 
 
+def llama_cpp_prefill_tokens_per_s(path: Path, prompt: list[int], threads: int, rounds: int) -> Optional[float]:
+    """llama.cpp's prefill tokens/s on the same file (the prompt in one batch), or None without llama-cpp-python."""
+    try:
+        import llama_cpp  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    n = len(prompt)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n + 8, n_batch=n, n_threads=threads, verbose=False)
+    best = float("inf")
+    for _ in range(rounds):
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(prompt)
+        best = min(best, time.perf_counter() - start)
+    return n / best
+
+
 def with_lora(model, rank: int, seed: int = 0):
     """Random LoRA adapters of rank `rank` on q and v (B non-zero, so the products are not skipped)."""
     from juno_py.lora import attach
@@ -150,7 +167,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m", help="a .gguf file or a model-store name")
     ap.add_argument("--synthetic", choices=["smollm2"], help="a random-block model of these shapes instead")
     ap.add_argument("--tokens", type=int, default=64, help="decode steps per run")
-    ap.add_argument("--prefill", type=int, default=128, help="prompt tokens of the prefill row")
+    ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill row")
     ap.add_argument("--rounds", type=int, default=2, help="runs of every configuration (the best is kept)")
     ap.add_argument("--threads", type=int, default=None, help="threads (default: juno_py.threads.choose())")
     ap.add_argument("--lora-rank", type=int, default=8, help="rank of the LoRA row (0: no such row)")
@@ -212,7 +229,17 @@ def main() -> None:
             ]
         )
     pre = args.prefill / min(prefill_seconds(model, long_prompt) for _ in range(args.rounds))
-    rows.append([f"prefill, {args.prefill} tokens", f"{pre:.0f}", f"{pre:.0f}", "1.00×", "-", "-"])
+    peer_pre = llama_cpp_prefill_tokens_per_s(Path(path), long_prompt, n_threads, args.rounds)
+    rows.append(
+        [
+            f"prefill, {args.prefill} tokens",
+            f"{pre:.0f}",
+            f"{pre:.0f}",
+            "1.00×",
+            f"{peer_pre:.0f}" if peer_pre is not None else "not installed",
+            f"{pre / peer_pre:.2f}×" if peer_pre else "-",
+        ]
+    )
     notes = [
         f"Model: {label}. juno-py: `NativeDecoder` (products from the quantized bytes, {n_threads} native and "
         f"torch threads); streaming forward: the same steps through `Transformer.forward` with "
