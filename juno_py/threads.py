@@ -106,16 +106,23 @@ def native_threads() -> int:
     return _native_threads
 
 
+# steps after a drop until the guard first looks for an idle core again
+QUICK_RECHECK = 5
+
+
 class StallGuard:
     """Drops a thread during a long run when the steps' wall time shows stalls.
 
     `observe(seconds, work)` takes each step's wall time and its amount of work (tokens, say). The first steps at a
     thread count set its rate (the best seconds per unit of work seen at that count). A step `slack` times slower
     than that rate, twice in a row, is a stall: another process took a core, and threads that wait for one another
-    at every synchronisation slow the whole step. The guard then moves to one thread fewer (`apply`) and keeps the
-    count whose recent steps are fastest: if the fewer threads are slower than the stalled steps were, it goes back.
-    Every `recheck` steps below `max_threads` (default: the allowed CPUs) it looks at the idle CPUs and tries one
-    thread more where they allow.
+    at every synchronisation slow the whole step. One step `2·slack` times slower is one already (a busy core makes
+    a 2-thread step about 4 times slower: waiting for a second such step doubles what the stall costs). The guard
+    then moves to one thread fewer (`apply`) and keeps the count whose recent steps are fastest: if the fewer
+    threads are slower than the stalled steps were, it goes back. Below `max_threads` (default: the allowed CPUs) it
+    looks at the idle CPUs and tries one thread more where they allow: `QUICK_RECHECK` steps after a drop (a single
+    slow step may have been a passing hiccup), then every `recheck` steps. `one_step_stalls=False` waits for two
+    slow steps whatever their size (token-by-token decoding, whose millisecond steps a scheduler tick can triple).
     Nothing changes when the count was given explicitly (`fixed`)."""
 
     def __init__(
@@ -125,6 +132,7 @@ class StallGuard:
         slack: float = 1.5,
         recheck: int = 50,
         max_threads: Optional[int] = None,
+        one_step_stalls: bool = True,
     ):
         self.threads, self.fixed, self.slack, self.recheck = int(threads), fixed, slack, recheck
         # the most it may return to: the allowed CPUs (a run that started on a busy machine may grow)
@@ -133,6 +141,8 @@ class StallGuard:
         self.recent: dict[int, float] = {}  # the last step's seconds per unit at each count
         self._slow = 0
         self._since_change = 0
+        self._next_check = recheck
+        self.one_step_stalls = one_step_stalls
         self.changes: list[tuple[int, int]] = []  # (from, to) in order: what the guard did
 
     def observe(self, seconds: float, work: float = 1.0) -> int:
@@ -152,24 +162,36 @@ class StallGuard:
         else:
             self._slow = 0
         fewer = self.recent.get(n - 1)
-        if n > 1 and self._slow >= 2:
+        severe = self.one_step_stalls and best is not None and rate > 2 * self.slack * best
+        if n > 1 and (self._slow >= 2 or severe):
             self._move(n - 1)
         elif n < self.max_threads and self.recent.get(n + 1, math.inf) < rate / self.slack:
             self._move(n + 1)  # the stalled count was still faster than this one: back to it
         elif fewer is not None and fewer < rate / self.slack:
             self._move(n - 1)
-        elif n < self.max_threads and self._since_change >= self.recheck:
+        elif n < self.max_threads and self._since_change >= self._next_check:
             if idle_cpus(0.02) >= 0.5:  # a core more than this run's own threads is free
                 self._move(n + 1)
             else:
-                self._since_change = 1
+                self._since_change, self._next_check = 1, self.recheck
         return self.threads
 
     def _move(self, n: int) -> None:
+        self._next_check = min(self.recheck, QUICK_RECHECK) if n < self.threads else self.recheck
         self.changes.append((self.threads, n))
         self.threads = apply(n)
         self._slow = 0
         self._since_change = 0
 
 
-__all__ = ["allowed_cpus", "idle_cpus", "env_threads", "choose", "apply", "setup", "native_threads", "StallGuard"]
+__all__ = [
+    "allowed_cpus",
+    "idle_cpus",
+    "env_threads",
+    "choose",
+    "apply",
+    "setup",
+    "native_threads",
+    "StallGuard",
+    "QUICK_RECHECK",
+]

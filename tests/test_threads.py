@@ -61,14 +61,30 @@ def test_stalled_steps_drop_a_thread_and_a_worse_count_goes_back(monkeypatch):
     guard = threads.StallGuard(2, slack=1.5, recheck=1000)
     for _ in range(4):
         assert guard.observe(1.0, 100) == 2  # the first step after a start is not judged; steady steps keep 2
-    assert guard.observe(3.5, 100) == 2  # one slow step is no stall
-    assert guard.observe(3.5, 100) == 1  # two are: one thread fewer
+    assert guard.observe(2.5, 100) == 2  # one slow step is no stall
+    assert guard.observe(2.5, 100) == 1  # two are: one thread fewer
     assert torch.get_num_threads() == 1 and threads.native_threads() == 1
     assert guard.changes == [(2, 1)]
     guard.observe(1.6, 100)  # the warm-up step at 1 thread
     assert guard.observe(1.6, 100) == 1  # faster than the stalled 2-thread steps: stays
     # the other process left: a step at 1 thread is now slower than 2 threads were when stalled, by the slack
     assert guard.observe(6.0, 100) == 2
+    assert guard.changes == [(2, 1), (1, 2)]
+
+
+def test_one_step_far_slower_is_a_stall_and_the_core_is_looked_for_soon(monkeypatch):
+    idle = {"now": 0.0}
+    monkeypatch.setattr(threads, "idle_cpus", lambda sample_s=0.05, cpus=None: idle["now"])
+    threads.apply(2)
+    guard = threads.StallGuard(2, slack=1.5, recheck=50)
+    for _ in range(3):
+        guard.observe(1.0, 100)
+    assert guard.observe(3.1, 100) == 1  # over 2 · slack times the best: no second such step is waited for
+    steps = 0
+    while guard.observe(1.8, 100) == 1:  # a hiccup, not another process: a core stays idle beside this one
+        idle["now"] = 1.0
+        steps += 1
+        assert steps < threads.QUICK_RECHECK + 2, "the idle core was not tried again soon after the drop"
     assert guard.changes == [(2, 1), (1, 2)]
 
 

@@ -52,7 +52,7 @@ def local(prompt, system, max_tokens, temperature, top_k, top_p, seed, **model_k
     model = open_model(**model_kw)
     # decode steps that stall (another process took a core) move to fewer threads, unless --threads fixed them
     fixed = model_kw.get("threads") is not None or cpu_threads.env_threads() is not None
-    guard = cpu_threads.StallGuard(cpu_threads.native_threads(), fixed=fixed)
+    guard = cpu_threads.StallGuard(cpu_threads.native_threads(), fixed=fixed, one_step_stalls=False)
     base = [{"role": "system", "content": system}] if system else []
     if prompt is not None:
         _, n, dt = _reply(
