@@ -170,7 +170,9 @@ class StallGuard:
         elif fewer is not None and fewer < rate / self.slack:
             self._move(n - 1)
         elif n < self.max_threads and self._since_change >= self._next_check:
-            if idle_cpus(0.02) >= 0.5:  # a core more than this run's own threads is free
+            # the sample runs while this process sleeps between steps: its own n cores show as idle too, so a core
+            # more than those must be free
+            if idle_cpus(0.02) >= n + 0.5:
                 self._move(n + 1)
             else:
                 self._since_change, self._next_check = 1, self.recheck

@@ -81,8 +81,8 @@ def test_one_step_far_slower_is_a_stall_and_the_core_is_looked_for_soon(monkeypa
         guard.observe(1.0, 100)
     assert guard.observe(3.1, 100) == 1  # over 2 · slack times the best: no second such step is waited for
     steps = 0
-    while guard.observe(1.8, 100) == 1:  # a hiccup, not another process: a core stays idle beside this one
-        idle["now"] = 1.0
+    while guard.observe(1.8, 100) == 1:  # a hiccup, not another process: both cores idle while the guard samples
+        idle["now"] = 2.0
         steps += 1
         assert steps < threads.QUICK_RECHECK + 2, "the idle core was not tried again soon after the drop"
     assert guard.changes == [(2, 1), (1, 2)]
@@ -99,7 +99,11 @@ def test_an_idle_core_is_tried_again_after_recheck_steps(monkeypatch):
     for _ in range(8):
         guard.observe(2.0, 10)
     assert guard.threads == 1  # no idle CPU: stays
-    idle["now"] = 1.0
+    idle["now"] = 1.0  # the guard samples while this process sleeps: its own core is the idle one, stays
+    for _ in range(8):
+        guard.observe(2.0, 10)
+    assert guard.threads == 1
+    idle["now"] = 2.0
     for _ in range(5):
         if guard.observe(2.0, 10) == 2:
             break
