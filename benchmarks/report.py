@@ -20,6 +20,7 @@ REQUIRED = ("capability", "title", "command", "date", "hardware", "software", "c
 ORDER = [
     "cpu-training",
     "cpu-training-7b",
+    "cpu-threads",
     "gpu-training",
     "gpu-scale-70b",
     "gpu-long-context",
