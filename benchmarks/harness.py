@@ -310,9 +310,24 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_vector_isa() -> str:
+    """The widest vector instructions the CPU has for matrix products, from /proc/cpuinfo's flags ("" where they
+    cannot be read): hosts of one name differ (bf16 products run on AVX-512 BF16 or AMX, a slow path on AVX2)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 BF16"), ("avx512f", "AVX-512"), ("avx2", "AVX2")):
+        if flag in flags:
+            return name
+    return ""
+
+
 def hardware(device: str = "cpu") -> str:
-    """The CPU (model, core count) and, for a CUDA device, the GPU's name and count."""
-    text = f"{cpu_name()}, {os.cpu_count()} CPUs"
+    """The CPU (model, vector instructions, core count) and, for a CUDA device, the GPU's name and count."""
+    isa = cpu_vector_isa()
+    text = f"{cpu_name()}{f' ({isa})' if isa else ''}, {os.cpu_count()} CPUs"
     if device.startswith("cuda"):
         import torch
 
