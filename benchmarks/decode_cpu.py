@@ -113,13 +113,20 @@ def prefill_seconds(model, prompt: list[int]) -> float:
         return time.perf_counter() - start
 
 
-def llama_cpp_tokens_per_s(path: Path, prompt: list[int], n: int, threads: int, rounds: int) -> Optional[float]:
-    """llama.cpp's decode tokens/s on the same file, or None where llama-cpp-python is not installed."""
+def _llama_cpp(path: Path, threads: int, **kw):
+    """llama-cpp-python's model of the file (`kw`: its context options), or None where it is not installed."""
     try:
         import llama_cpp  # type: ignore[import-not-found]
     except ImportError:
         return None
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompt) + n + 8, n_threads=threads, verbose=False)
+    return llama_cpp.Llama(model_path=str(path), n_threads=threads, verbose=False, **kw)
+
+
+def llama_cpp_tokens_per_s(path: Path, prompt: list[int], n: int, threads: int, rounds: int) -> Optional[float]:
+    """llama.cpp's decode tokens/s on the same file, or None where llama-cpp-python is not installed."""
+    llm = _llama_cpp(path, threads, n_ctx=len(prompt) + n + 8)
+    if llm is None:
+        return None
     best = float("inf")
     for _ in range(rounds):
         llm.reset()
@@ -134,12 +141,10 @@ def llama_cpp_tokens_per_s(path: Path, prompt: list[int], n: int, threads: int, 
 
 def llama_cpp_prefill_tokens_per_s(path: Path, prompt: list[int], threads: int, rounds: int) -> Optional[float]:
     """llama.cpp's prefill tokens/s on the same file (the prompt in one batch), or None without llama-cpp-python."""
-    try:
-        import llama_cpp  # type: ignore[import-not-found]
-    except ImportError:
-        return None
     n = len(prompt)
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n + 8, n_batch=n, n_threads=threads, verbose=False)
+    llm = _llama_cpp(path, threads, n_ctx=n + 8, n_batch=n)
+    if llm is None:
+        return None
     best = float("inf")
     for _ in range(rounds):
         llm.reset()

@@ -43,14 +43,16 @@ def worker(args) -> dict:
     import torch
 
     from juno_py import threads
+    from juno_py.cli.common import thread_guard
     from juno_py.lora import Mode, attach
     from juno_py.metrics import MetricsRecorder
     from juno_py.models import load_model
     from juno_py.train.data import Example
     from juno_py.train.loop import TrainConfig, train
 
-    n = threads.setup(None if args.threads == "auto" else int(args.threads))
-    guard = threads.StallGuard(n, fixed=args.threads != "auto")
+    requested = None if args.threads == "auto" else int(args.threads)
+    n = threads.setup(requested)
+    guard = thread_guard({"device": "cpu", "threads": requested}, n, distributed_run=False)
     model = load_model(args.model_file, compute_dtype="bf16", weights_cache="bf16")
     adapters = attach(model, "qv", rank=8, alpha=16, mode=Mode.LORA)
     g = torch.Generator().manual_seed(0)

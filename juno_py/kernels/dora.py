@@ -141,7 +141,7 @@ class DoraLinearFn(torch.autograd.Function):
         s = float(ad.scale)
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         combined = layer.base.matmul_with_exact if has_exact_products(layer.base) else None
-        dt = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32  # as `LoraAdapter.delta_input`
+        dt = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32  # as `LoraAdapter.delta_parts`
         U = A_split = None
         if combined is not None and not layer.norm_is_cached(torch.float32):
             # the norm needs U = W·Aᵀ: one pass over W gives it with the base product (a quantized W decoded once);

@@ -114,14 +114,10 @@ class LoraAdapter(nn.Module):
     def is_dora(self) -> bool:
         return self.config.mode == Mode.DORA
 
-    def delta_input(self, x: torch.Tensor) -> torch.Tensor:
-        """B·A·drop(x) (unscaled), in fp32 (float64 when x is: exactness checks; bf16 when x is: the GPU's bf16
-        activations: the fp32 A and B are cast per call, as under torch autocast)."""
-        xa, B = self.delta_parts(x)
-        return xa @ B.T
-
     def delta_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(drop(x)·Aᵀ, B), both in `delta_input`'s dtype: B·A·drop(x) is the first times the second's transpose."""
+        """(drop(x)·Aᵀ, B): the unscaled B·A·drop(x) is the first times the second's transpose. Both in fp32 (float64
+        when x is: exactness checks; bf16 when x is: the GPU's bf16 activations: the fp32 A and B are cast per call,
+        as under torch autocast)."""
         dt = x.dtype if x.dtype in (torch.float64, torch.bfloat16) else torch.float32
         x = x.to(dt)
         if self.training and self.config.dropout > 0:
