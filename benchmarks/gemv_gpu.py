@@ -59,14 +59,14 @@ def values_per_part(t: GGMLType) -> int:
 
 
 def candidates(t: GGMLType) -> list[tuple[int, int, int, int]]:
-    """(BR, KB, warps, 1) whose step holds 4 to 16 values a thread (one of them, under --smoke)."""
-    kbs = (1, 2, 4) if GGML_BLOCK_SIZES[t][0] == 256 else (2, 4, 8, 16)
+    """(BR, KB, warps, 1) whose step holds 4 to 32 values a thread (one of them, under --smoke)."""
+    kbs = (1, 2, 4, 8) if GGML_BLOCK_SIZES[t][0] == 256 else (2, 4, 8, 16)
     out = []
-    for br in (1, 2, 4, 8):
+    for br in (1, 2, 4, 8, 16):
         for kb in kbs:
             for warps in (2, 4, 8):
                 per_thread = br * kb * values_per_part(t) / (32 * warps)
-                if 4 <= per_thread <= 16:
+                if 4 <= per_thread <= 32:
                     out.append((br, kb, warps, 1))
     return out[:1] if SMOKE else out
 

@@ -407,8 +407,11 @@ def dequantize_split_tile(
 # the types with the dedicated GEMV (`matvec_triton`), and its configuration per type: (rows a program BR, blocks
 # of each row a step KB, warps, split-K). `benchmarks/gemv_gpu.py --sweep` times the candidates on the GPU
 # and prints the best as a JUNO_PY_GEMV value; that variable (`TYPE=BR,KB,WARPS,SPLIT;...`) overrides this table.
-# Q4_1, Q8_0, Q4_K and Q6_K: the sweep's winners on the H200; Q4_0 and Q5_K (not swept): configs whose sm_90
-# compile (`benchmarks/gemv_compile.py`) exchanges no step values through shared memory
+# Q4_1 and Q8_0: the sweep's winners on the H200; Q4_K and Q6_K: the best decode step of the Llama-3-8B-shaped
+# Q4_K_M model (`benchmarks/decode_gpu.py`, JUNO_PY_GEMV over the sweep's leaders) on the H100, where the sweep's
+# total, each shape counted once, misweighs a model's products (ffn_down's 4096x14336 comes 32 times a token, the
+# output once); Q4_0 and Q5_K (not swept): configs whose sm_90 compile (`benchmarks/gemv_compile.py`) exchanges no
+# step values through shared memory
 GEMV_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
 # the GEMV types whose split-K gives the same bits every launch on the H200; Q4_0 and Q4_1 did not (within the fp32
 # bound, but not repeatable), so they always run unsplit
@@ -417,10 +420,17 @@ MATVEC_CONFIG: dict[int, tuple[int, int, int, int]] = {
     GGMLType.Q4_0: (4, 8, 4, 1),
     GGMLType.Q4_1: (4, 16, 8, 1),
     GGMLType.Q8_0: (4, 8, 2, 1),
-    GGMLType.Q4_K: (8, 1, 2, 2),
+    GGMLType.Q4_K: (8, 1, 2, 4),
     GGMLType.Q5_K: (4, 2, 4, 1),
-    GGMLType.Q6_K: (8, 1, 2, 1),
+    GGMLType.Q6_K: (4, 2, 2, 1),
 }
+# how the GEMV turns codes into floats and rounds the weights to bf16: its decode, not its bytes, bounds it on the
+# GPU (about 28 fp32-issue slots a weight with a quarter-rate integer-to-float conversion and a rounding made of
+# seven integer operations). MAGIC: codes through the float bits of 2²³ + q (an OR and a subtraction, exact);
+# HW_ROUND: the hardware's fp32 -> bf16 conversion (nearest even, as the integer rounding; the interpreter's cast
+# truncates, so there the integer rounding stays). Both give the same bits as the plain operations.
+GEMV_MAGIC_CODES = True
+GEMV_HW_ROUND = True
 _GEMV_ENV = "JUNO_PY_GEMV"
 _gemv_env_read = False
 
@@ -603,6 +613,8 @@ def _gemv(
         ROUND_BF16=bool(round_bf16),
         OUT_BF16=out_dtype == torch.bfloat16,
         EVEN=even,
+        MAGIC=GEMV_MAGIC_CODES,
+        HW_ROUND=GEMV_HW_ROUND and not interpreting(),
         NPART=mod.PARTS[t],
         XI=xi,
         XPACK=xpack,
@@ -630,6 +642,42 @@ def _gemv(
                 BLOCK=1024 // max(rp, 1),
             )
     return y
+
+
+def lora_xa(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+    """`x · Aᵀ` `[1, R]` in x's dtype for one token x `[1, d]` and A `[R, d]` (bf16 or fp32, the same dtype, on the
+    GPU or under the interpreter; `matvec_triton.lora_xa_kernel`): the first product of a played LoRA, fp32 sums
+    rounded once. `torch.mm` elsewhere (more tokens, other dtypes or devices)."""
+    if (
+        x.dim() != 2
+        or x.shape[0] != 1
+        or A.dim() != 2
+        or x.shape[1] != A.shape[1]
+        or x.dtype != A.dtype
+        or x.dtype not in OUT_DTYPES
+        or not triton_ready(x.device)
+        or x.stride(-1) != 1
+        or A.stride(-1) != 1
+    ):
+        return x @ A.T
+    mod = gemv_kernels()
+    n_rows, d = A.shape
+    out = torch.empty(1, n_rows, dtype=x.dtype, device=x.device)
+    bits = out.view(torch.int16) if x.dtype == torch.bfloat16 else out
+    # one row of A a program, its whole width in one or a few steps: the product is a few microseconds of
+    # latency, not of bytes, so each program issues all its loads at once
+    rb, block = 1, min(4096, 1 << max(d - 1, 1).bit_length())
+    with _on(x):
+        launch(
+            mod.lora_xa_kernel,
+            (_cdiv(n_rows, rb),),
+            (x, A, bits, n_rows, d, A.stride(0)),
+            8 if block >= 2048 else 4,
+            OUT_BF16=x.dtype == torch.bfloat16,
+            RB=rb,
+            BLOCK=block,
+        )
+    return out
 
 
 # ---- eager references -------------------------------------------------------------------------------------------

@@ -12,8 +12,9 @@ are a tensor `[BR, KB, G, M, I]`: G × M words of each block (the same word tens
 I the bytes (or halfword bytes) of a word, one tensor per nibble or bit-plane part (`PART`); the float16 scales and
 the K-quants' 6-bit sub-block scales are decoded once per block or sub-block (`[BR, KB, G, 1, 1]`) and broadcast.
 Each value is `code · scale (+ bias)` with the torch codec's fp32 operations (the product exact, so a fused
-multiply-add changes nothing), rounded to bf16 with integer operations when ROUND_BF16 (as the tile path multiplies
-it), times x, accumulated in fp32 per token in a tensor of the step's shape, and reduced once at the end. Every
+multiply-add changes nothing; the code made a float without an integer-to-float conversion when MAGIC), rounded to
+bf16 when ROUND_BF16 (as the tile path multiplies it: the hardware's conversion when HW_ROUND, else integer
+operations, which the interpreter needs), times x, accumulated in fp32 per token in a tensor of the step's shape, and reduced once at the end. Every
 token's product comes from one read of the weight bytes. bf16 x (playback's) is read as words of the I values one
 weight word multiplies (int64 for 4, int32 for 2) and taken apart with integer operations, so that x arrives in
 the weight words' layout: read element by element, Triton gave x its own layout and exchanged every step's values
@@ -56,6 +57,18 @@ def _round_bf16(v):
 
 
 @triton.jit
+def _code_f32(q, offset: tl.constexpr, MAGIC: tl.constexpr):
+    """The integer code `q − offset` (q in [0, 2²³)) as fp32, exactly. MAGIC: without an integer-to-float
+    conversion (a quarter-rate instruction on the GPU, where a GEMV's decode is bound by its instructions, not its
+    bytes): q's bits under the exponent of 2²³ make the float 2²³ + q, and subtracting 2²³ + offset leaves q −
+    offset, both operands and the result being integers that fp32 holds exactly."""
+    if MAGIC:
+        return (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + offset)
+    else:
+        return (q - offset).to(tl.float32)
+
+
+@triton.jit
 def _k_scale_min(b8, sub):
     """(scale, minimum) codes of the 6-bit pairs of a Q4_K/Q5_K block: `b8` its first byte's address, `sub` the
     sub-block (0..7), as fp32."""
@@ -69,7 +82,7 @@ def _k_scale_min(b8, sub):
 
 
 @triton.jit
-def _values(raw8_ptr, rw_ptr, wb, TYPE: tl.constexpr, PART: tl.constexpr):
+def _values(raw8_ptr, rw_ptr, wb, TYPE: tl.constexpr, PART: tl.constexpr, MAGIC: tl.constexpr):
     """(values, x offsets inside the block) of part PART of the blocks whose first word is at word offsets `wb`
     `[BR, KB, 1, 1, 1]` (int64) of `rw_ptr` (the bytes as int32 or int16 words; `raw8_ptr`: as bytes). Shapes
     `[BR, KB, G, M, I]`; the offsets `[1, 1, G, M, 1]` are those of each word's first value (byte i of a word is the
@@ -88,7 +101,7 @@ def _values(raw8_ptr, rw_ptr, wb, TYPE: tl.constexpr, PART: tl.constexpr):
         sc, mn = _k_scale_min(raw8_ptr + 4 * wb, 2 * c + PART)  # [BR, KB, 4, 1, 1]
         scale = _half(w0) * sc
         bias = -_half(w0 >> 16) * mn
-        return q.to(tl.float32) * scale + bias, 64 * c + 32 * PART + 4 * m
+        return _code_f32(q, 0, MAGIC) * scale + bias, 64 * c + 32 * PART + 4 * m
     elif TYPE == 14:  # Q6_K: ql[128] qh[64] int8 sc[16] d (int16 words)
         g = tl.arange(0, 8)[None, None, :, None, None]  # (n, b, mh) = (g // 4, g // 2 % 2, g % 2)
         m = tl.arange(0, 8)[None, None, None, :, None]
@@ -102,28 +115,28 @@ def _values(raw8_ptr, rw_ptr, wb, TYPE: tl.constexpr, PART: tl.constexpr):
         hi2 = (qh >> (8 * i + 2 * (2 * PART + b))) & 3
         sc = tl.load(raw8_ptr + 2 * wb + 192 + 8 * n + 4 * PART + 2 * b + mh).to(tl.int8, bitcast=True)
         scale = _half(tl.load(rw_ptr + wb + 104).to(tl.int32)) * sc.to(tl.float32)
-        return ((lo4 | (hi2 << 4)) - 32).to(tl.float32) * scale, 128 * n + 64 * PART + 32 * b + 16 * mh + 2 * m
+        return _code_f32(lo4 | (hi2 << 4), 32, MAGIC) * scale, 128 * n + 64 * PART + 32 * b + 16 * mh + 2 * m
     elif TYPE == 8:  # Q8_0: d int8[32] (int16 words)
         m = tl.arange(0, 16)[None, None, None, :, None]
         i = tl.arange(0, 2)[None, None, None, None, :]
         hw = tl.load(rw_ptr + wb + 1 + m).to(tl.int32)
-        q = (hw << (24 - 8 * i)) >> 24  # the signed byte i of the halfword
+        q = ((hw >> (8 * i)) & 0xFF) ^ 0x80  # the signed byte i of the halfword, plus 128
         d = _half(tl.load(rw_ptr + wb).to(tl.int32))
-        return q.to(tl.float32) * d, 2 * m
+        return _code_f32(q, 128, MAGIC) * d, 2 * m
     elif TYPE == 2:  # Q4_0: d qs[16] (int16 words): value 16h + l = (qs[l] >> 4h) − 8
         m = tl.arange(0, 8)[None, None, None, :, None]
         i = tl.arange(0, 2)[None, None, None, None, :]
         hw = tl.load(rw_ptr + wb + 1 + m).to(tl.int32)
         q = (hw >> (8 * i + 4 * PART)) & 0xF
         d = _half(tl.load(rw_ptr + wb).to(tl.int32))
-        return (q - 8).to(tl.float32) * d, 16 * PART + 2 * m
+        return _code_f32(q, 8, MAGIC) * d, 16 * PART + 2 * m
     else:  # Q4_1: d m qs[16] (int32 words): value 16h + l = d·(qs[l] >> 4h) + m
         m = tl.arange(0, 4)[None, None, None, :, None]
         i = tl.arange(0, 4)[None, None, None, None, :]
         w0 = tl.load(rw_ptr + wb)
         qw = tl.load(rw_ptr + wb + 1 + m)
         q = (qw >> (8 * i + 4 * PART)) & 0xF
-        return q.to(tl.float32) * _half(w0) + _half(w0 >> 16), 16 * PART + 4 * m
+        return _code_f32(q, 0, MAGIC) * _half(w0) + _half(w0 >> 16), 16 * PART + 4 * m
 
 
 @triton.jit
@@ -206,6 +219,8 @@ def gemv_kernel(
     OUT_BF16: tl.constexpr,
     PARTIAL: tl.constexpr,
     EVEN: tl.constexpr,
+    MAGIC: tl.constexpr,
+    HW_ROUND: tl.constexpr,
     NPART: tl.constexpr,
     XI: tl.constexpr,
     XPACK: tl.constexpr,
@@ -243,9 +258,12 @@ def gemv_kernel(
         wb = row_w + bcc * BLOCK_WORDS
         xb = bcc * B
         for p in tl.static_range(NPART):
-            w, xo = _values(raw8_ptr, rw_ptr, wb, TYPE, p)
+            w, xo = _values(raw8_ptr, rw_ptr, wb, TYPE, p, MAGIC)
             if ROUND_BF16:
-                w = _round_bf16(w)
+                if HW_ROUND:
+                    w = w.to(tl.bfloat16).to(tl.float32)
+                else:
+                    w = _round_bf16(w)
             xo = xb + xo
             if XPACK:
                 xo = xo // XI
@@ -333,3 +351,24 @@ def gemv_finish_kernel(
         xa = tl.load(xa_ptr + t[:, None] * xa_stride + j, mask=jok, other=0.0).to(tl.float32)
         acc += alpha * tl.sum(b * xa, axis=1)
     _store(y_ptr + t * y_stride, acc, r, ok, OUT_BF16)
+
+
+@triton.jit
+def lora_xa_kernel(
+    x_ptr, a_ptr, out_ptr, n_rows, d, a_stride, OUT_BF16: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr
+):
+    """xa[j] = Σ_k x[k] · A[j, k] for one token: RB rows of A a program, fp32 sums of the operands' values (bf16 or
+    fp32, widened exactly), stored as fp32 or bf16 rounded to nearest even. The x·Aᵀ of a played LoRA (or of the
+    concatenated A's of the linears that read one input) without cuBLAS's split-K GEMM and its reduction: two
+    launches of a few microseconds each, for a product of a few thousand multiply-adds."""
+    rows = tl.program_id(0) * RB + tl.arange(0, RB)
+    keep = rows < n_rows
+    rows_c = tl.minimum(rows, n_rows - 1).to(tl.int64)[:, None]
+    acc = tl.zeros((RB, BLOCK), dtype=tl.float32)
+    for k0 in range(0, d, BLOCK):
+        cols = k0 + tl.arange(0, BLOCK)
+        ok = cols < d
+        a = tl.load(a_ptr + rows_c * a_stride + cols[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        acc += a * xv[None, :]
+    _store(out_ptr, tl.sum(acc, axis=1), rows, keep, OUT_BF16)

@@ -19,6 +19,7 @@ from juno_py.kernels.dequant import (  # noqa: E402
     SPLIT_K_TYPES,
     dequant_matvec,
     dequantize_reference,
+    lora_xa,
     matvec_reference,
     parse_gemv_config,
 )
@@ -78,6 +79,42 @@ def test_gemv_bf16_output_is_the_fp32_result_rounded(ggml_type):
         y16 = dequant_matvec(raw, ggml_type, n_cols, x, out_dtype=torch.bfloat16, config=config)
         assert y16.dtype == torch.bfloat16
         assert torch.equal(y16.view(torch.int16), y32.to(torch.bfloat16).view(torch.int16))
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_codes_through_float_bits_give_the_conversion_s_bits(ggml_type, monkeypatch):
+    """The decode without integer-to-float conversions (`GEMV_MAGIC_CODES`) and with the hardware's bf16 rounding
+    (`GEMV_HW_ROUND`, compiled kernels only) gives the bits of the plain conversions, weights rounded or not."""
+    from juno_py.kernels import dequant
+
+    n_rows, n_cols = shape(ggml_type)
+    raw = torch.from_numpy(random_rows(ggml_type, n_rows, n_cols, seed=11)).to(DEVICE)
+    x = torch.randn(2, n_cols, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(DEVICE)
+    got = {}
+    for magic, hw in ((False, False), (True, True)):
+        monkeypatch.setattr(dequant, "GEMV_MAGIC_CODES", magic)
+        monkeypatch.setattr(dequant, "GEMV_HW_ROUND", hw)
+        got[magic] = [dequant_matvec(raw, ggml_type, n_cols, x, round_bf16=r) for r in (True, False)]
+    for plain, fast in zip(got[False], got[True]):
+        assert torch.equal(plain, fast)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_lora_xa_within_fp32_accumulation_bound(dtype):
+    """x·Aᵀ of one token by `lora_xa` (rows of A spread unevenly over programs, a width that is no multiple of the
+    kernel's step): within the fp32 bound of the fp64 product; its bf16 result is the fp32 one rounded."""
+    g = torch.Generator().manual_seed(6)
+    d = 4100 if DEVICE == "cuda" else 700
+    x, A = torch.randn(1, d, generator=g).to(dtype), torch.randn(11, d, generator=g).to(dtype)
+    y = lora_xa(x.to(DEVICE), A.to(DEVICE)).cpu()
+    assert y.shape == (1, 11) and y.dtype == dtype
+    ref = x.double() @ A.double().T
+    bound = d * U32 * (x.double().abs() @ A.double().abs().T)
+    if dtype == torch.bfloat16:
+        y32 = lora_xa(x.float().to(DEVICE), A.float().to(DEVICE)).cpu()
+        assert torch.equal(y.view(torch.int16), y32.to(torch.bfloat16).view(torch.int16))
+        y = y32
+    assert bool(((y.double() - ref).abs() <= bound).all())
 
 
 def test_gemv_config_strings():
