@@ -89,7 +89,7 @@ def juno_rows(name: str, meta, spec, args) -> list[dict]:
         row = dict(model=name, impl=f"juno-py {impl}", tokens=n)
         try:
             with torch.no_grad():
-                cache = model.new_cache(batch=1, max_len=PROMPT + args.warmup + n + 1)
+                cache = model.new_cache(batch=1, max_len=PROMPT + args.warmup + n + args.kernels + 1)
                 logits = prefill(model, torch.tensor([ids], device=args.device), cache)
                 decoder = None
                 if impl != "forward":
@@ -113,6 +113,8 @@ def juno_rows(name: str, meta, spec, args) -> list[dict]:
                     logits = one(logits)
                 sync(args.device)
                 row["s_per_token"] = (time.perf_counter() - t0) / n
+                if args.kernels and impl == "eager" and args.device.startswith("cuda"):
+                    kernel_table(f"{name}, one eager step", lambda: one(logits), args.kernels)
         except Exception as e:  # noqa: BLE001
             row["error"] = failure(e)
         print(json.dumps(row), file=sys.stderr, flush=True)
@@ -124,6 +126,24 @@ def juno_rows(name: str, meta, spec, args) -> list[dict]:
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return rows
+
+
+def kernel_table(label: str, step, steps: int) -> None:
+    """torch.profiler's kernels of `steps` decode steps, per token: count and device time by kernel name, and
+    the launches per token (the graph replays the same kernels: what a token costs beyond its weight bytes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    stats = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    stats.sort(key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in stats) / steps
+    launches = sum(e.count for e in stats) / steps
+    print(f"\n### kernels per token: {label} ({launches:.0f} launches, {total:.0f} us)\n", file=sys.stderr)
+    for e in stats[:40]:
+        print(f"{e.self_device_time_total / steps:9.1f} us {e.count / steps:6.1f}x  {e.key[:110]}", file=sys.stderr)
 
 
 def peer_rows(name: str, meta, spec, args) -> list[dict]:
@@ -200,6 +220,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=8, help="steps before the measured ones (the graph is captured)")
     ap.add_argument("--peer-cache", default="auto", choices=["auto", "static", "dynamic"])
     ap.add_argument("--device", default="cuda")
+    ap.add_argument(
+        "--kernels", type=int, default=0, help="profile this many eager steps and print their kernels per token"
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, few tokens: the script runs")
     harness.add_output_args(ap)
     args = ap.parse_args()

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from juno_py.kernels.dequant import lora_xa
 from juno_py.kernels.dora import DORA_EPS, DoraLinearFn, dora_compose_xa, factored_row_norm, layer_training_fused
 from juno_py.lora import bf16_step
 from juno_py.lora.format import (
@@ -123,6 +124,9 @@ class LoraAdapter(nn.Module):
         if self.training and self.config.dropout > 0:
             x = F.dropout(x, self.config.dropout, training=True)
         A, B = self.factors(dt)
+        if x.numel() == x.shape[-1] and not (torch.is_grad_enabled() and (x.requires_grad or A.requires_grad)):
+            # one token in playback: a small kernel where one runs (`lora_xa`), not a split-K GEMM and its reduction
+            return lora_xa(x.reshape(1, -1), A).reshape(*x.shape[:-1], A.shape[0]), B
         return x @ A.T, B
 
     def factors(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,6 +188,51 @@ def _add_lora(y: torch.Tensor, xa: torch.Tensor, B: torch.Tensor, alpha: float) 
         return y + alpha * (xa @ B.T).to(y.dtype)
     out = torch.addmm(y.reshape(-1, y.shape[-1]), xa.reshape(-1, xa.shape[-1]), B.T, alpha=alpha)
     return out.reshape(y.shape)
+
+
+class SharedInputPlay:
+    """Playback of linears that read one input (a block's q, k and v; its gate and up), each an AdaptedLinear with
+    one LoRA: their x·Aᵀ as ONE product over the A's concatenated once, here, then each base's product with its
+    slice (inside the base's own kernel where it has one, `matmul_lora`). A decode step on a GPU is bound by its
+    launches: this is one launch where each linear had its own. `build` returns None where the linears do not all
+    fit (DoRA, several or no adapters, dropout in training); the caller then calls each linear. The concatenated A
+    is a copy: build again after the adapters change."""
+
+    def __init__(self, A: torch.Tensor, parts: list[tuple[Any, int, int, torch.Tensor, float]]):
+        self.A, self.parts = A, parts
+
+    @staticmethod
+    def build(modules: list[nn.Module], dtype: torch.dtype) -> Optional["SharedInputPlay"]:
+        As, parts, lo = [], [], 0
+        for m in modules:
+            if not isinstance(m, AdaptedLinear) or m.dora is not None or len(m.adapters) != 1:
+                return None
+            a = cast(LoraAdapter, m.adapters[0])
+            if a.training and a.config.dropout > 0:
+                return None
+            with torch.no_grad():
+                A, B = a.factors(dtype)
+            As.append(A)
+            parts.append((m, lo, lo + A.shape[0], B, m.weights[0] * a.scale))
+            lo += A.shape[0]
+        if not parts or len({A.shape[1] for A in As}) != 1:
+            return None
+        return SharedInputPlay(torch.cat(As).contiguous(), parts)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each linear's output for x `[..., d]` (no autograd), as its own forward gives it."""
+        x2 = x.reshape(-1, x.shape[-1])
+        xa = lora_xa(x2, self.A) if x2.shape[0] == 1 else x2 @ self.A.T
+        outs = []
+        for m, lo, hi, B, coef in self.parts:
+            xa_m = xa[:, lo:hi]
+            fused = getattr(m.base, "matmul_lora", None)
+            y = fused(x, xa_m, B, coef) if fused is not None else None
+            if y is None:
+                y = _add_lora(m.base.matmul(x), xa_m.reshape(*x.shape[:-1], hi - lo), B, coef)
+            bias: Optional[torch.Tensor] = getattr(m.base, "bias", None)
+            outs.append(y + bias.to(y.dtype) if bias is not None else y)
+        return outs
 
 
 class AdaptedLinear(nn.Module):

@@ -36,7 +36,11 @@ from torch import Tensor
 
 from juno_py.gguf import quants
 from juno_py.kernels import dequant as device_dequant
-from juno_py.models.model import KVCache, QuantEmbedding, Transformer, rope_cos_sin, rope_qk
+from juno_py.lora.adapters import SharedInputPlay
+from juno_py.models.model import KVCache, QuantEmbedding, Transformer, gated, rope_cos_sin, rope_qk
+
+# the linears of a block that read one input: their adapters' x·Aᵀ run as one product (`SharedInputPlay`)
+SHARED_INPUTS = {"qkv": ("wq", "wk", "wv"), "gate_up": ("wgate", "wup")}
 
 # decode steps run eagerly before the capture: Triton compiles (and autotunes) its kernels there, not in the graph
 WARMUP_STEPS = 2
@@ -98,6 +102,14 @@ class CudaGraphDecoder:
             rope_cos_sin(self.positions, getattr(model, f"_inv_freq{i}"), a.rope_attn_factor, model.act_dtype)
             for i in range(len(model._rope_keys))
         ]
+        # per block, the linears that read one input played with one x·Aᵀ (`SharedInputPlay`), where they fit
+        self.shared: dict[tuple[int, str], SharedInputPlay] = {}
+        for blk in model.blocks:
+            for group, names in SHARED_INPUTS.items():
+                mods = [blk.linears[n] for n in names if n in blk.linears]
+                play = SharedInputPlay.build(mods, model.act_dtype) if len(mods) == len(names) else None
+                if play is not None:
+                    self.shared[(blk.layer, group)] = play
 
     @staticmethod
     def unsupported(model: Transformer, cache: Optional[KVCache] = None) -> Optional[str]:
@@ -126,9 +138,11 @@ class CudaGraphDecoder:
     def _attention(self, blk: Any, x: Tensor, rope: tuple[Tensor, Tensor], valid: Tensor) -> Tensor:
         a = self.args
         lin = blk.linears
-        q = lin["wq"](x).to(blk.act_dtype).view(1, 1, a.n_head, a.head_dim)
-        k = lin["wk"](x).to(blk.act_dtype).view(1, 1, a.n_head_kv, a.head_dim)
-        v = lin["wv"](x).to(blk.act_dtype).view(1, 1, a.n_head_kv, a.head_dim_v)
+        shared = self.shared.get((blk.layer, "qkv"))
+        q, k, v = shared(x) if shared is not None else (lin["wq"](x), lin["wk"](x), lin["wv"](x))
+        q = q.to(blk.act_dtype).view(1, 1, a.n_head, a.head_dim)
+        k = k.to(blk.act_dtype).view(1, 1, a.n_head_kv, a.head_dim)
+        v = v.to(blk.act_dtype).view(1, 1, a.n_head_kv, a.head_dim_v)
         if blk.spec.qk_norm:
             q, k = blk.norms["attn_q_norm"](q), blk.norms["attn_k_norm"](k)
         q, k = rope_qk(q, k, rope, blk.spec.rope_style)
@@ -147,23 +161,36 @@ class CudaGraphDecoder:
         out: Tensor = lin["wo"](y.reshape(1, 1, a.n_head * a.head_dim_v))
         return out.to(blk.act_dtype)
 
+    def _feed_forward(self, blk: Any, x: Tensor) -> Tensor:
+        """The block's feed-forward (`Block.feed_forward`), its gate and up played with one x·Aᵀ where they fit."""
+        shared = self.shared.get((blk.layer, "gate_up"))
+        if shared is None:
+            out: Tensor = blk.feed_forward(x)
+            return out
+        gate, up = (y.to(blk.act_dtype) for y in shared(x))
+        y: Tensor = blk.linears["wdown"](gated(blk.act, gate, up))
+        return y.to(blk.act_dtype)
+
     def _forward(self) -> Tensor:
         """Logits `[vocab]` of the token whose embedding is in `x_in` at the position in `pos`; reads no host value."""
         model = self.model
         blocks: list[Any] = list(model.blocks)
         ropes = [(cos.index_select(1, self.pos), sin.index_select(1, self.pos)) for cos, sin in self.ropes]
-        # keys at or before the position, per sliding window (0: none): [1, 1, 1, max_len] masks
+        # keys at or before the position, per sliding window (0: none): [1, 1, 1, max_len] masks, additive (0 or
+        # -inf) in the activations' dtype, as SDPA turns a boolean mask into, made here once a step rather than by
+        # SDPA in every block (two launches a block)
         masks = {}
         for w in {blk.window for blk in blocks}:
             valid = self.key_index <= self.pos
             if w:
                 valid = valid & (self.key_index > self.pos - w)
-            masks[w] = valid.view(1, 1, 1, -1)
+            zero = torch.zeros((), device=self.device, dtype=model.act_dtype)
+            masks[w] = torch.where(valid, zero, float("-inf")).view(1, 1, 1, -1)
         x = self.x_in if self.table is None else self._embed()
         rope_of = model._rope_of_layer
         for blk in blocks:
             rope, valid = ropes[rope_of[blk.layer]], masks[blk.window]
-            x = blk.around(x, partial(self._attention, blk, rope=rope, valid=valid))
+            x = blk.around(x, partial(self._attention, blk, rope=rope, valid=valid), partial(self._feed_forward, blk))
         logits = model.project(model.norm(x)[0, -1])
         self.picked = torch.stack([torch.argmax(logits), torch.isfinite(logits).all().to(torch.long)])
         return logits

@@ -304,14 +304,17 @@ class Block(nn.Module):
     ) -> Tensor:
         return self.around(x, lambda h: self.attention(h, rope, mask, cache))
 
-    def around(self, x: Tensor, attend: Callable[[Tensor], Tensor]) -> Tensor:
-        """The block's norms, residuals and feed-forward around `attend` (normed input -> attention output): the
-        forward, and decoders that compute attention their own way (a static cache)."""
+    def around(
+        self, x: Tensor, attend: Callable[[Tensor], Tensor], feed_forward: Optional[Callable[[Tensor], Tensor]] = None
+    ) -> Tensor:
+        """The block's norms and residuals around `attend` (normed input -> attention output) and the feed-forward
+        (`feed_forward`, default the block's own): the forward, and decoders that compute attention (a static cache)
+        or play the feed-forward's adapters their own way."""
         h = attend(self.norms["attn_norm"](x))
         if self.spec.sandwich_norms:
             h = self.norms["post_attention_norm"](h)
         x = x + h
-        h = self.feed_forward(self.norms["ffn_norm"](x))
+        h = (feed_forward or self.feed_forward)(self.norms["ffn_norm"](x))
         if self.spec.sandwich_norms:
             h = self.norms["post_ffw_norm"](h)
         return x + h

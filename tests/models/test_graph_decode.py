@@ -52,6 +52,30 @@ def test_static_steps_play_several_loras_at_their_scales(tiny_gguf, tmp_path):
     assert (base - ref).abs().max().item() > 100 * (got - ref).abs().max().item()
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_one_lora_on_every_linear_plays_each_input_s_products_as_one(tiny_gguf, tmp_path, arch):
+    # qwen2: biases on q, k and v; gemma3: gelu, sandwich norms
+    knobs = {"config": WIDE} if arch == "qwen2" else {}
+    path = tiny_gguf(arch, GGMLType.Q4_K if arch == "qwen2" else GGMLType.Q8_0, **knobs)
+    trainee = load_model(path)
+    aset = attach(trainee, "all", rank=3, alpha=6.0, seed=4)
+    randomize(aset, seed=5)
+    model = load_model(path)
+    load_adapters(model, [str(aset.save(tmp_path / "one.bin"))])
+    with torch.no_grad():
+        cache = model.new_cache(batch=1, max_len=4)
+        prefill(model, torch.tensor([sample_ids(2, seed=1)]), cache)
+        decoder = CudaGraphDecoder.build(model, cache, graph=False)
+    assert decoder is not None
+    assert sorted(decoder.shared) == sorted((b, g) for b in range(model.args.n_layer) for g in ("qkv", "gate_up"))
+    assert decoder.shared[(0, "qkv")].A.shape[0] == 3 * 3
+    prompt, tokens = sample_ids(4, seed=11), sample_ids(6, seed=12)
+    got, ref = static_steps(model, prompt, tokens, graph=False), forward_steps(model, prompt, tokens)
+    assert_logits_close(got, ref)
+    base = forward_steps(load_model(path), prompt, tokens)
+    assert (base - ref).abs().max().item() > 100 * (got - ref).abs().max().item()
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_static_steps_play_dora(tiny_gguf, tmp_path, arch):
     knobs = {"metadata": {"gemma3.attention.sliding_window": 4}} if arch == "gemma3" else {"config": WIDE}
