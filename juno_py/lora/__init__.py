@@ -23,8 +23,12 @@ from juno_py.lora.adapters import (
     AdaptedLinear,
     AdapterConfig,
     AdapterSet,
+    ExpertAdapter,
+    ExpertStack,
     LoraAdapter,
     TensorFingerprints,
+    initial_A,
+    initial_magnitude,
     ref_tensor,
 )
 from juno_py.lora.format import (
@@ -127,7 +131,9 @@ def attach(
     `config` (or keyword overrides such as rank=, alpha=, mode=Mode.DORA) sets rank, alpha, scaling, init,
     dropout and mode. A is initialised from `seed`; B is zero, so the model's outputs are unchanged. `experts`
     (one of EXPERT_MODES) lays out the adapters of expert targets: one per expert, or one shared by the block's
-    experts (LoRA only: a DoRA magnitude belongs to one weight).
+    experts (LoRA only: a DoRA magnitude belongs to one weight). One adapter per expert is held as one `ExpertStack`
+    per projection and block, registered on the block's `MoEFeedForward`; its experts' A are drawn in the same order
+    as separate adapters' would be, so a seed gives the same values either way.
     """
     config = config or AdapterConfig()
     if overrides:
@@ -144,10 +150,17 @@ def attach(
     layer_set = set(layers) if layers is not None else None
     gen = torch.Generator().manual_seed(seed)
     modules: dict[str, AdaptedLinear] = {}
+    # per (layer, expert target): each expert's (index, frozen base, A, m), stacked once all are drawn
+    rows: dict[tuple[int, str], list[tuple[int, nn.Module, torch.Tensor, Optional[torch.Tensor]]]] = defaultdict(list)
     for ref in model.targets(names):
         if layer_set is not None and ref.layer not in layer_set:
             continue
         base = _base_of(ref.module)
+        if ref.expert is not None and not shared:
+            mag = base.row_norms_sq().sqrt().cpu() if config.mode == Mode.DORA else None
+            A = initial_A(base.in_features, config, gen)
+            rows[ref.layer, ref.target].append((ref.expert, base, A, initial_magnitude(config, base.out_features, mag)))
+            continue
         if ref.expert is None:
             key = f"{ref.layer}:{ref.target}"
         else:
@@ -167,12 +180,45 @@ def attach(
         wrapped = AdaptedLinear(base, [ad], name=key)
         model.set_linear(ref.layer, ref.target, wrapped, ref.expert)
         modules.setdefault(key, wrapped)
+    for (layer, target), experts_rows in rows.items():
+        _attach_stack(model, layer, target, config, experts_rows, modules)
     for p in model.parameters():
         p.requires_grad_(False)
     aset = AdapterSet(model, modules)
     for p in aset.parameters():
         p.requires_grad_(True)
     return aset
+
+
+def _attach_stack(
+    model,
+    layer: int,
+    target: str,
+    config: AdapterConfig,
+    experts_rows: list[tuple[int, nn.Module, torch.Tensor, Optional[torch.Tensor]]],
+    modules: dict[str, AdaptedLinear],
+) -> None:
+    """One adapter per expert of a projection as rows of one `ExpertStack`, registered on the block's experts; row i
+    is expert i, every expert of the block has one."""
+    experts_rows = sorted(experts_rows, key=lambda row: row[0])
+    moe = model.blocks[layer].moe
+    if [e for e, _, _, _ in experts_rows] != list(range(len(moe.experts[target]))):
+        raise ValueError(f"{layer}:{target}: one adapter per expert needs every expert of the block")
+    base0 = experts_rows[0][1]
+    d_out = base0.out_features
+    mags = [m for _, _, _, m in experts_rows]
+    stack = ExpertStack(
+        config,
+        torch.stack([A for _, _, A, _ in experts_rows]),
+        torch.zeros(len(experts_rows), d_out, config.rank),
+        None if mags[0] is None else torch.stack(cast(list[torch.Tensor], mags)),
+    ).to(_device_of(base0))
+    moe.adapter_stacks[target] = stack
+    for (e, base, _, _), ad in zip(experts_rows, stack.adapters()):
+        key = f"{layer}:{target}.{e}"
+        wrapped = AdaptedLinear(base, [ad], name=key)
+        model.set_linear(layer, target, wrapped, e)
+        modules[key] = wrapped
 
 
 def detach(model) -> None:
@@ -183,6 +229,7 @@ def detach(model) -> None:
                 blk.linears[name] = mod.base
         moe = getattr(blk, "moe", None)
         if moe is not None:
+            moe.adapter_stacks.clear()
             for mods in moe.experts.values():
                 for e, mod in enumerate(mods):
                     if isinstance(mod, AdaptedLinear):
@@ -326,6 +373,8 @@ __all__ = [
     "AdapterConfig",
     "AdaptedLinear",
     "LoraAdapter",
+    "ExpertStack",
+    "ExpertAdapter",
     "Mode",
     "Scaling",
     "Init",

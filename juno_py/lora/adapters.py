@@ -77,10 +77,33 @@ class AdapterConfig:
         return self.alpha / (math.sqrt(self.rank) if self.scaling == Scaling.RSLORA else self.rank)
 
 
-class LoraAdapter(nn.Module):
-    """Trainable tensors of one adapter on one linear: A `[r, d_in]`, B `[d_out, r]`, and DoRA's m `[d_out]`."""
+def initial_A(d_in: int, config: AdapterConfig, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """A fresh adapter's A `[r, d_in]` on the CPU: kaiming-uniform U(±1/√d_in) or the legacy N(0, 0.01²), drawn from
+    `generator`."""
+    a = torch.empty(config.rank, d_in)
+    if config.init == Init.KAIMING_UNIFORM:
+        bound = 1.0 / math.sqrt(d_in)
+        return a.uniform_(-bound, bound, generator=generator)
+    return a.normal_(0.0, 0.01, generator=generator)
 
-    magnitude: Optional[nn.Parameter]
+
+def initial_magnitude(config: AdapterConfig, d_out: int, magnitude: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A fresh DoRA adapter's m `[d_out]` (fp32, its own copy of the base's row norms `magnitude`); None for LoRA."""
+    if config.mode != Mode.DORA:
+        return None
+    if magnitude is None:
+        raise ValueError("a DoRA adapter needs its initial magnitude (the base's row norms)")
+    return magnitude.detach().to(torch.float32).clone().reshape(d_out)
+
+
+class LoraAdapter(nn.Module):
+    """Trainable tensors of one adapter on one linear: A `[r, d_in]`, B `[d_out, r]`, and DoRA's m `[d_out]`.
+
+    Typed as tensors, not parameters: an expert's adapter (`ExpertAdapter`) holds views of stacked parameters."""
+
+    lora_A: torch.Tensor
+    lora_B: torch.Tensor
+    magnitude: Optional[torch.Tensor]
 
     def __init__(
         self,
@@ -92,20 +115,10 @@ class LoraAdapter(nn.Module):
     ):
         super().__init__()
         self.config = config
-        r = config.rank
-        if config.init == Init.KAIMING_UNIFORM:
-            bound = 1.0 / math.sqrt(d_in)
-            a = torch.empty(r, d_in).uniform_(-bound, bound, generator=generator)
-        else:
-            a = torch.empty(r, d_in).normal_(0.0, 0.01, generator=generator)
-        self.lora_A = nn.Parameter(a)
-        self.lora_B = nn.Parameter(torch.zeros(d_out, r))
-        if config.mode == Mode.DORA:
-            if magnitude is None:
-                raise ValueError("a DoRA adapter needs its initial magnitude (the base's row norms)")
-            self.magnitude = nn.Parameter(magnitude.detach().to(torch.float32).clone().reshape(d_out))
-        else:
-            self.magnitude = None
+        self.lora_A = nn.Parameter(initial_A(d_in, config, generator))
+        self.lora_B = nn.Parameter(torch.zeros(d_out, config.rank))
+        mag = initial_magnitude(config, d_out, magnitude)
+        self.magnitude = None if mag is None else nn.Parameter(mag)
 
     @property
     def scale(self) -> float:
@@ -114,6 +127,12 @@ class LoraAdapter(nn.Module):
     @property
     def is_dora(self) -> bool:
         return self.config.mode == Mode.DORA
+
+    @property
+    def identity(self) -> tuple[int, ...]:
+        """What names this adapter's A and B for as long as they are the same tensors, whatever their values (a layer
+        keys what it keeps on it with their version counters: DoRA's norm, its running U): the tensors themselves."""
+        return id(self.lora_A), id(self.lora_B)
 
     def delta_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(drop(x)·Aᵀ, B): the unscaled B·A·drop(x) is the first times the second's transpose. Both in fp32 (float64
@@ -138,11 +157,13 @@ class LoraAdapter(nn.Module):
             return A, B
         if torch.is_grad_enabled() and (A.requires_grad or B.requires_grad):
             return A.to(dtype), B.to(dtype)
-        key = (dtype, A.device, id(A), id(B), A._version, B._version, torch.is_inference_mode_enabled())
+        # A and B themselves are held, not their ids: an expert's rows are views made anew when its stack changes,
+        # and a new view may take a freed one's id
+        key = (dtype, A.device, A._version, B._version, torch.is_inference_mode_enabled())
         kept = self.__dict__.get("_factors_kept")
-        if kept is None or kept[0] != key:
+        if kept is None or kept[0] != key or kept[3] is not A or kept[4] is not B:
             with torch.no_grad():
-                kept = (key, A.detach().to(dtype), B.detach().to(dtype))
+                kept = (key, A.detach().to(dtype), B.detach().to(dtype), A, B)
             self.__dict__["_factors_kept"] = kept
         return kept[1], kept[2]
 
@@ -152,12 +173,13 @@ class LoraAdapter(nn.Module):
         """The adapter as an adapter.bin entry; `values`: the whole tensors by parameter name ("lora_A", "lora_B",
         "magnitude") where the module holds only a shard of them (sharded training gathers them first)."""
         c = self.config
-        got = dict(self.named_parameters(), **(values or {}))
+        given = values or {}
 
         def array(name: str) -> Any:
-            return got[name].detach().cpu().numpy().copy()
+            t = given[name] if name in given else getattr(self, name)
+            return t.detach().cpu().numpy().copy()
 
-        mag = array("magnitude") if self.magnitude is not None else None
+        mag = array("magnitude") if c.mode == Mode.DORA else None
         return AdapterEntry(
             key,
             array("lora_A"),
@@ -179,6 +201,111 @@ class LoraAdapter(nn.Module):
             ad.lora_A.copy_(torch.from_numpy(e.A))
             ad.lora_B.copy_(torch.from_numpy(e.B))
         return ad
+
+
+class ExpertStack(nn.Module):
+    """The per-expert adapters of one expert projection of one block (`<layer>:<target>.<e>`, all of one config) as
+    three tensors: A `[E, r, d_in]`, B `[E, d_out, r]` and DoRA's m `[E, d_out]`, row e expert e's.
+
+    Held apart, a model of 48 layers and 128 experts has some 37,000 such tensors, and every training step pays for
+    each on the host: the grouped expert path stacks them for its grouped matmuls, backward accumulates a gradient
+    into each, and the gradient norm, clipping, the optimizer and zero_grad loop over them. Stacked, all of that sees
+    three tensors per projection and block, and the grouped path multiplies the stacks themselves
+    (`juno_py.models.moe`). Each expert's `ExpertAdapter` reads its row through `rows()`, so playback, the per-expert
+    loop, DoRA, merging and adapter.bin see one adapter per expert as before.
+
+    The stack is registered once in the model (`MoEFeedForward.adapter_stacks`), so the model's parameters, device
+    moves, DDP and FSDP see its tensors once; the expert adapters hold it outside their module tree."""
+
+    magnitude: Optional[nn.Parameter]
+
+    def __init__(
+        self, config: AdapterConfig, lora_A: torch.Tensor, lora_B: torch.Tensor, magnitude: Optional[torch.Tensor]
+    ):
+        super().__init__()
+        self.config = config
+        self.n_expert = int(lora_A.shape[0])
+        self.lora_A = nn.Parameter(lora_A)
+        self.lora_B = nn.Parameter(lora_B)
+        self.magnitude = None if magnitude is None else nn.Parameter(magnitude)
+        self._generation = 0
+        self._rows: Optional[tuple[tuple[Any, ...], _Rows]] = None
+
+    def rows(self) -> _Rows:
+        """Every expert's (A, B, m) as views of the stacked tensors, from one `unbind` per tensor, kept while the
+        tensors, their values (version counters, `weights_changed`) and the grad mode are those they were made under.
+
+        One `unbind` is one gradient node for all the experts: its backward stacks their gradients once. A view per
+        expert (`A[e]`) would be a node each, whose backward writes a whole zero stack with its row in it, E² work for
+        a backward through every expert. Made afresh when the values changed in place: a view kept across such a
+        change would replay itself as an as_strided view, with that same whole-stack backward."""
+        tensors = [t for t in (self.lora_A, self.lora_B, self.magnitude) if t is not None]
+        key = (
+            self._generation,
+            torch.is_grad_enabled(),
+            torch.is_inference_mode_enabled(),
+            *((id(t), t.data_ptr(), t._version, t.requires_grad) for t in tensors),
+        )
+        kept = self._rows
+        if kept is None or kept[0] != key:
+            m = self.magnitude
+            kept = (key, (self.lora_A.unbind(0), self.lora_B.unbind(0), None if m is None else m.unbind(0)))
+            self._rows = kept
+        return kept[1]
+
+    def weights_changed(self) -> None:
+        """The values changed where the version counters may not show it (torch's fused AdamW): the experts' views
+        are made afresh, so what their layers keep keyed on a view (the playback casts, DoRA's norm) is recomputed."""
+        self._generation += 1
+        self._rows = None
+
+    def adapters(self) -> list[ExpertAdapter]:
+        """One adapter per expert, each viewing its row."""
+        return [ExpertAdapter(self, e) for e in range(self.n_expert)]
+
+    def extra_repr(self) -> str:
+        kind = "dora" if self.config.mode == Mode.DORA else "lora"
+        return f"{self.n_expert} experts, {kind}(r={self.config.rank})"
+
+
+# per expert: A, B and (DoRA) m
+_Rows = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], Optional[tuple[torch.Tensor, ...]]]
+
+
+class ExpertAdapter(LoraAdapter):
+    """Expert `index`'s adapter in an `ExpertStack`: A, B and m are its rows of the stack's tensors (`rows()`), so
+    it trains, plays and saves like a LoraAdapter of its own, while the optimizer sees only the stack. It has no
+    parameters of its own."""
+
+    stack: ExpertStack
+
+    def __init__(self, stack: ExpertStack, index: int):
+        nn.Module.__init__(self)
+        self.config = stack.config
+        self.__dict__["stack"] = stack  # not a submodule: the stack's tensors are registered once, where it lives
+        self.index = index
+
+    @property
+    def lora_A(self) -> torch.Tensor:  # type: ignore[override]  # a read-only view
+        return self.stack.rows()[0][self.index]
+
+    @property
+    def lora_B(self) -> torch.Tensor:  # type: ignore[override]  # a read-only view
+        return self.stack.rows()[1][self.index]
+
+    @property
+    def magnitude(self) -> Optional[torch.Tensor]:  # type: ignore[override]  # a read-only view
+        m = self.stack.rows()[2]
+        return None if m is None else m[self.index]
+
+    @property
+    def identity(self) -> tuple[int, ...]:
+        """The stack's tensors and the row, not the row's views, which are made anew whenever the stack changes or
+        the grad mode does (`ExpertStack.rows`)."""
+        return id(self.stack.lora_A), id(self.stack.lora_B), self.index
+
+    def extra_repr(self) -> str:
+        return f"expert {self.index} of a stack"
 
 
 def _add_lora(y: torch.Tensor, xa: torch.Tensor, B: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -304,7 +431,7 @@ class AdaptedLinear(nn.Module):
 
     def _norm_key(self, dtype: torch.dtype) -> tuple[Any, ...]:
         ad = self._dora()
-        return ad.lora_A._version, ad.lora_B._version, id(ad.lora_A), id(ad.lora_B), dtype
+        return ad.lora_A._version, ad.lora_B._version, ad.identity, dtype
 
     def norm_is_cached(self, dtype: torch.dtype = torch.float32) -> bool:
         """Whether `dora_norm(dtype)` would return the cached norm (A and B unchanged since it was computed)."""
@@ -356,7 +483,7 @@ class AdaptedLinear(nn.Module):
         self._running_u = None
 
     def _running_key(self, A: torch.Tensor) -> tuple[Any, ...]:
-        return id(self._dora().lora_A), tuple(A.shape), A.device
+        return self._dora().identity, tuple(A.shape), A.device
 
     def dora_norm(
         self,
@@ -445,35 +572,53 @@ class AdaptedLinear(nn.Module):
 class AdapterSet(Trainable):
     """The adapters attached to one model, keyed '<layer>:<target>' in adapter.bin order: the `Trainable` the
     training loop trains (`juno_py.lora.attach` makes one). An adapter played on every expert of a block
-    ('<layer>:<target>.*') is one LoraAdapter inside one AdaptedLinear per expert; `modules` holds the first."""
+    ('<layer>:<target>.*') is one LoraAdapter inside one AdaptedLinear per expert; `modules` holds the first. One
+    adapter per expert ('<layer>:<target>.<e>') is an `ExpertAdapter` of the projection's `ExpertStack`: the
+    parameters are the stack's, named '<layer>:<target>.lora_A' (and so on), one set for all the experts."""
 
     state_format = STATE_FORMAT
 
     def __init__(self, model: Any, modules: dict[str, AdaptedLinear]):
         self.model = model
         self.modules = dict(sorted(modules.items(), key=lambda kv: sort_key(kv[0])))
+        self._adapters = {k: cast(LoraAdapter, m.adapters[0]) for k, m in self.modules.items()}
+        # what holds the parameters, by the prefix of their names, in adapter.bin order: an adapter, or a stack (at
+        # its first expert's place)
+        self._owners: dict[str, Union[LoraAdapter, ExpertStack]] = {}
+        for key, ad in self._adapters.items():
+            if isinstance(ad, ExpertAdapter):
+                self._owners.setdefault(key.rsplit(".", 1)[0], ad.stack)
+            else:
+                self._owners[key] = ad
+        self._stacks = [o for o in self._owners.values() if isinstance(o, ExpertStack)]
+        self._dora_layers = [m for m in self.modules.values() if m.dora is not None]
+        # the layers that keep something keyed on their adapters' tensors that a step makes stale: a stacked LoRA
+        # expert keeps only casts keyed on its views, which its stack's `weights_changed` makes anew
+        self._keeping = [m for m in self.modules.values() if m.dora is not None or not _stacked(m)]
 
     @property
     def adapters(self) -> dict[str, LoraAdapter]:
-        return {k: cast(LoraAdapter, m.adapters[0]) for k, m in self.modules.items()}
+        """Every adapter by key (the experts' `ExpertAdapter`s too). The set's own dict: read it, do not change it."""
+        return self._adapters
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        for ad in self.adapters.values():
-            yield from ad.parameters()
+        for owner in self._owners.values():
+            yield from owner.parameters()
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        for key, ad in self.adapters.items():
-            for name, p in ad.named_parameters():
-                yield f"{key}.{name}", p
+        for prefix, owner in self._owners.items():
+            for name, p in owner.named_parameters():
+                yield f"{prefix}.{name}", p
 
     def groups(self) -> dict[str, list[nn.Parameter]]:
         """A, B and magnitude parameters apart: weight decay applies to A only; LoRA+ scales B's rate."""
         groups: dict[str, list[nn.Parameter]] = {"A": [], "B": [], "magnitude": []}
-        for ad in self.adapters.values():
-            groups["A"].append(ad.lora_A)
-            groups["B"].append(ad.lora_B)
-            if ad.magnitude is not None:
-                groups["magnitude"].append(ad.magnitude)
+        for owner in self._owners.values():
+            params = dict(owner.named_parameters())
+            groups["A"].append(params["lora_A"])
+            groups["B"].append(params["lora_B"])
+            if "magnitude" in params:
+                groups["magnitude"].append(params["magnitude"])
         return groups
 
     def param_groups(self, lr: float, weight_decay: float, plus_ratio: float = 1.0) -> list[dict[str, Any]]:
@@ -493,12 +638,19 @@ class AdapterSet(Trainable):
 
     def entries(self, values: Optional[dict[str, torch.Tensor]] = None) -> list[AdapterEntry]:
         """The adapter.bin entries; `values`: whole tensors by `named_parameters` name, in place of the modules' own
-        (which sharded training holds in parts)."""
+        (which sharded training holds in parts). A stacked expert's entry is its row of the stack."""
         fps = TensorFingerprints(self.model)
+        given: dict[str, dict[str, torch.Tensor]] = {}
+        for n, v in (values or {}).items():
+            prefix, name = n.rsplit(".", 1)
+            given.setdefault(prefix, {})[name] = v
         out = []
-        for key in self.modules:
-            own = {n.rsplit(".", 1)[1]: v for n, v in (values or {}).items() if n.rsplit(".", 1)[0] == key}
-            out.append(self.adapters[key].to_entry(key, fps.of(ref_tensor(self.model, key)), own or None))
+        for key, ad in self._adapters.items():
+            if isinstance(ad, ExpertAdapter):
+                own = {n: v[ad.index] for n, v in given.get(key.rsplit(".", 1)[0], {}).items()}
+            else:
+                own = given.get(key, {})
+            out.append(ad.to_entry(key, fps.of(ref_tensor(self.model, key)), own or None))
         return out
 
     def save(self, path: Union[str, Path], values: Optional[dict[str, torch.Tensor]] = None) -> Path:
@@ -512,9 +664,13 @@ class AdapterSet(Trainable):
         """Drop every cached DoRA norm (and g, and the playback casts of A and B: `AdaptedLinear.weights_changed`):
         A or B changed in a way their version counters may not show. A DoRA layer caches ‖W + sBA‖ keyed by A's and
         B's `_version`, which in-place ops bump but torch's fused AdamW (the GPU optimizer) does not: without this
-        call after such a step, every later step would reuse the first norm, and a validation pass the first casts."""
-        for m in self.modules.values():
+        call after such a step, every later step would reuse the first norm, and a validation pass the first casts.
+        The experts' stacks make their views anew instead (`ExpertStack.weights_changed`): one call per stack, not
+        one per expert."""
+        for m in self._keeping:
             m.weights_changed()
+        for s in self._stacks:
+            s.weights_changed()
 
     def train(self, mode: bool = True) -> AdapterSet:
         for ad in self.adapters.values():
@@ -525,13 +681,10 @@ class AdapterSet(Trainable):
         return self.train(False)
 
     # ---- the training loop's hooks ----------------------------------------------------------------------------
-    def _dora_modules(self) -> list[AdaptedLinear]:
-        return [m for m in self.modules.values() if m.dora is not None]
-
     def start_run(self) -> None:
         """A may hold other values than a DoRA layer's running U was moved to (a resume, an earlier run in this
         process): the first step computes U afresh."""
-        for m in self.modules.values():
+        for m in self._dora_layers:
             m.reset_running_u()
 
     def before_step(self) -> Optional[StepNote]:
@@ -539,7 +692,7 @@ class AdapterSet(Trainable):
         then reuses them). Elsewhere each stale norm is recomputed by the step's own forward (inside a CUDA graph,
         or eagerly), from the tiles it decodes for its base product anyway (`matmul_with_exact`): not twice. The
         note says how many and how long (`in_step`: inside the step's forward)."""
-        dora = self._dora_modules()
+        dora = self._dora_layers
         if not dora:
             return None
         if self.model.embed.device.type != "cpu" or getattr(self.model, "sharded", False):
@@ -556,7 +709,7 @@ class AdapterSet(Trainable):
         self.weights_changed()
 
     def graph_blocker(self) -> Optional[str]:
-        if any(cast(LoraAdapter, a).config.dropout > 0 for m in self.modules.values() for a in m.adapters):
+        if any(owner.config.dropout > 0 for owner in self._owners.values()):
             return "adapter dropout (its random masks would be fixed at capture)"
         return None
 
@@ -567,7 +720,12 @@ class AdapterSet(Trainable):
 
     def derived_tensors(self) -> list[torch.Tensor]:
         """DoRA's cached norms."""
-        return [m._g_cache[1] for m in self._dora_modules() if m._g_cache is not None]
+        return [m._g_cache[1] for m in self._dora_layers if m._g_cache is not None]
+
+
+def _stacked(module: AdaptedLinear) -> bool:
+    """Whether a layer's adapters are all rows of expert stacks."""
+    return all(isinstance(a, ExpertAdapter) for a in module.adapters)
 
 
 def ref_tensor(model: Any, key: str) -> str:

@@ -17,17 +17,20 @@ are sorted by expert, and then one of two paths runs:
   projection ONE grouped matmul over all experts. The projection's whole 3-D weight `[n_expert, n_out, n_in]` is
   decoded in bf16 (one Triton launch over the experts' bytes, which are kept as views of one buffer per projection)
   and freed after the product; backward decodes it again for the input gradient instead of keeping it
-  (`GroupedFrozenMatmul`). Per-expert LoRA factors are stacked to A `[E, r, n_in]`, B `[E, n_out, r]` and applied
-  as two grouped matmuls (their gradients through autograd of `_grouped_mm`); a LoRA shared by every expert is a
-  plain matmul over all rows; biases are gathered per row. No host sync: the group ends are a device tensor.
+  (`GroupedFrozenMatmul`). Per-expert LoRA factors, A `[E, r, n_in]` and B `[E, n_out, r]`, are applied as two
+  grouped matmuls (their gradients through autograd of `_grouped_mm`): trained adapters are held stacked so
+  (`adapter_stacks`, `juno_py.lora.ExpertStack`) and multiplied as they are, adapters loaded for playback are stacked
+  per call; a LoRA shared by every expert is a plain matmul over all rows; biases are gathered per row. No host
+  sync: the group ends are a device tensor.
   DoRA on experts, several adapters of different ranks or weights on one projection, float64 and devices without
   grouped matmuls take the loop.
 - loop (the reference): per expert an index_select, its gate/up/down linears (with their adapters) and an
   index_add_; one host sync per block for the group sizes. Each chosen expert's weights are decoded once for all
   of its tokens (and once more in backward), experts no token chose are not touched.
 
-An expert no token chose in a step gets no gradient on the loop and a zero gradient on the grouped path (its
-factors are stacked with the others); AdamW then moves it by its moments and weight decay.
+An expert no token chose in a step gets a zero gradient where its adapter is a row of a stack (training, either
+path) and none where it is a tensor of its own (the loop); AdamW moves a zero-gradient row by its moments and
+weight decay.
 """
 
 from __future__ import annotations
@@ -139,13 +142,18 @@ class _ZeroIdleGrad(torch.autograd.Function):
 
 class _Slot:
     """One adapter position of a projection on the grouped path: the same adapter on every expert (`shared`) or one
-    per expert with the same rank, `coef` (playback weight times the adapter's scale) and dropout."""
+    per expert with the same rank, `coef` (playback weight times the adapter's scale) and dropout. `stack`: the
+    adapters' `ExpertStack` where expert e's adapter is its row e (its tensors are the stacked factors)."""
 
     def __init__(self, adapters: list[Any], coef: float):
         self.adapters = adapters
         self.shared = all(a is adapters[0] for a in adapters)
         self.coef = coef
         self.dropout = float(adapters[0].config.dropout)
+        stack = getattr(adapters[0], "stack", None)
+        rows = stack is not None and stack.n_expert == len(adapters)
+        rows = rows and all(getattr(a, "stack", None) is stack and a.index == e for e, a in enumerate(adapters))
+        self.stack = stack if rows else None
 
 
 class _GroupedProjection:
@@ -176,8 +184,11 @@ class _GroupedProjection:
                 delta = (xin @ A.T) @ B.T
             else:
                 # [E, r, n_in] and [E, n_out, r]
-                A = torch.stack([a.lora_A for a in slot.adapters]).to(dt)
-                B = torch.stack([a.lora_B for a in slot.adapters]).to(dt)
+                if slot.stack is not None:
+                    A, B = slot.stack.lora_A.to(dt), slot.stack.lora_B.to(dt)
+                else:
+                    A = torch.stack([a.lora_A for a in slot.adapters]).to(dt)
+                    B = torch.stack([a.lora_B for a in slot.adapters]).to(dt)
                 A = _ZeroIdleGrad.apply(A, present)  # type: ignore[no-untyped-call]
                 B = _ZeroIdleGrad.apply(B, present)  # type: ignore[no-untyped-call]
                 pad = -A.shape[1] % GROUPED_ALIGN  # zero ranks: the [M, r] product's rows must be 16-byte aligned
@@ -266,6 +277,9 @@ class MoEFeedForward(nn.Module):
         self.n_expert, self.k, self.routing = args.n_expert, args.n_expert_used, routing
         self.experts = nn.ModuleDict({t: nn.ModuleList(experts[t]) for t in EXPERT_TARGETS})
         self.gated = gated
+        # the trainable tensors of the experts' adapters where they are held stacked (`juno_py.lora.ExpertStack`, by
+        # target): registered here, once, not in each expert's adapter, which views its row
+        self.adapter_stacks = nn.ModuleDict()
         # tokens routed to each expert since the load was last taken (detached, on the model's device)
         self.load: Optional[Tensor] = None
         self.expert_path = "auto"
