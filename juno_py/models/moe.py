@@ -235,12 +235,37 @@ def _base(module: nn.Module) -> nn.Module:
     return getattr(module, "base", module) if hasattr(module, "adapters") else module
 
 
-def _modules_key(modules: list[nn.Module]) -> tuple[Any, ...]:
-    """What a projection's grouped view depends on: the expert modules, and where the first and last expert's bytes
-    are (a device move goes through `MoEFeedForward._apply`, which drops the views; this catches a move of the
-    experts alone). Cheap: it is checked every forward."""
-    ends = [getattr(_base(m), "raw", None) for m in (modules[0], modules[-1])]
-    return (*map(id, modules), *(r.data_ptr() if isinstance(r, Tensor) else 0 for r in ends))
+class ExpertList(nn.ModuleList):
+    """One projection's expert modules, counting the changes of which module is where (`version`): a projection's
+    grouped view is checked against the count every forward, not against each of (say) 128 experts."""
+
+    version = 0
+
+    def __setitem__(self, idx: Any, module: nn.Module) -> None:
+        super().__setitem__(idx, module)
+        self.version += 1
+
+    def __delitem__(self, idx: Any) -> None:
+        super().__delitem__(idx)
+        self.version += 1
+
+    def append(self, module: nn.Module) -> ExpertList:
+        super().append(module)
+        self.version += 1
+        return self
+
+    def insert(self, index: int, module: nn.Module) -> None:
+        super().insert(index, module)
+        self.version += 1
+
+
+def _modules_key(modules: ExpertList) -> tuple[Any, ...]:
+    """What a projection's grouped view depends on: which expert module is where (the list itself, held so that its
+    id is not reused, and its count of changes), and where the first and last expert's bytes are (a device move goes
+    through `MoEFeedForward._apply`, which drops the views; this catches a move of the experts alone). Cheap: it is
+    checked every forward."""
+    ends = [getattr(_base(m), "raw", None) for m in (modules[0], modules[-1])] if len(modules) else []
+    return (modules, modules.version, *(r.data_ptr() if isinstance(r, Tensor) else 0 for r in ends))
 
 
 def _whole_bytes(bases: list[FrozenQuantLinear]) -> Tensor:
@@ -275,7 +300,7 @@ class MoEFeedForward(nn.Module):
     ):
         super().__init__()
         self.n_expert, self.k, self.routing = args.n_expert, args.n_expert_used, routing
-        self.experts = nn.ModuleDict({t: nn.ModuleList(experts[t]) for t in EXPERT_TARGETS})
+        self.experts = nn.ModuleDict({t: ExpertList(experts[t]) for t in EXPERT_TARGETS})
         self.gated = gated
         # the trainable tensors of the experts' adapters where they are held stacked (`juno_py.lora.ExpertStack`, by
         # target): registered here, once, not in each expert's adapter, which views its row
@@ -302,11 +327,12 @@ class MoEFeedForward(nn.Module):
 
     def _projection(self, target: str) -> Optional[_GroupedProjection]:
         """The grouped path's view of a projection, or None where its experts need the loop."""
-        modules = self._modules_of(target)
-        key = _modules_key(modules)
+        listed = cast(ExpertList, self.experts[target])
+        key = _modules_key(listed)
         kept = self._grouped.get(target)
         if kept is not None and kept[0] == key:
             return kept[1]
+        modules = list(listed)
         plan: Optional[_GroupedProjection] = None
         found = _adapter_slots(modules)
         if found is not None:
@@ -334,7 +360,7 @@ class MoEFeedForward(nn.Module):
                 biases = [b.bias for b in bases if b.bias is not None]
                 bias = torch.stack(biases) if len(biases) == len(bases) else None
                 plan = _GroupedProjection(whole, len(bases), bias, slots)
-            key = _modules_key(modules)  # the bytes may have moved into one buffer
+            key = _modules_key(listed)  # the bytes may have moved into one buffer
         self._grouped[target] = (key, plan)
         return plan
 
@@ -456,7 +482,12 @@ def load_summary(load: dict[int, Tensor]) -> dict[str, Any]:
     the mean of the blocks' imbalances and the number of (block, expert) pairs no token chose."""
     if not load:
         return {}
-    counts = {layer: [int(c) for c in v.tolist()] for layer, v in sorted(load.items())}
+    layers = sorted(load)
+    loads = [load[layer] for layer in layers]
+    # one read from the device for all the blocks, not one per block
+    same = all(v.shape == loads[0].shape and v.device == loads[0].device for v in loads)
+    rows = torch.stack(loads).tolist() if same else [v.tolist() for v in loads]
+    counts = {layer: [int(c) for c in row] for layer, row in zip(layers, rows)}
     imbalance = []
     for c in counts.values():
         total = sum(c)

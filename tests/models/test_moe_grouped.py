@@ -134,3 +134,36 @@ def test_idle_experts_get_a_zero_gradient_whatever_the_kernel_left():
     out.backward(g)
     assert torch.equal(t.grad[0], g[0]) and torch.equal(t.grad[2], g[2])
     assert torch.equal(t.grad[1], torch.zeros(2, 4))
+
+
+def test_grouped_view_follows_the_expert_modules(tiny_gguf):
+    """The grouped view is kept while no expert module is replaced (a count on the experts' list, not each expert's
+    identity, is checked every forward), rebuilt when one is: detach, attach, a single expert put back."""
+    from juno_py.lora import detach
+
+    model, _ = _trained(tiny_gguf("qwen3moe", GGMLType.Q8_0), "grouped", "per-expert", 8)
+    moe = model.blocks[0].moe
+    plan = moe._projection("wup_exps")
+    assert plan is not None and moe._projection("wup_exps") is plan
+    # a trained per-expert slot multiplies its stack, not a stack of the experts' views
+    (slot,) = plan.slots
+    assert slot.stack is moe.adapter_stacks["wup_exps"]
+    detach(model)
+    bare = moe._projection("wup_exps")
+    assert bare is not plan and bare is not None and bare.slots == []
+    attach(model, "experts", rank=4, alpha=8, seed=0)
+    again = moe._projection("wup_exps")
+    assert again is not bare and again is not None and again.slots[0].stack is moe.adapter_stacks["wup_exps"]
+    model.set_linear(0, "wup_exps", moe.experts["wup_exps"][3].base, 3)  # one expert without its adapter
+    assert moe._projection("wup_exps") is None  # the experts no longer agree: the loop runs
+
+
+def test_load_summary_reads_every_block_at_once(monkeypatch):
+    loads = {0: torch.tensor([3, 0, 1, 4]), 2: torch.tensor([2, 2, 2, 2])}
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or real(t))
+    got = moe_mod.load_summary(loads)
+    assert len(reads) == 1
+    assert got["counts"] == {0: [3, 0, 1, 4], 2: [2, 2, 2, 2]}
+    assert got["idle_experts"] == 1 and got["imbalance_max"] == 2.0 and got["imbalance_mean"] == 1.5
