@@ -3,6 +3,9 @@ gradients, optimizer steps and adapter.bin bytes as separate tensors per expert;
 grow with the experts; expert views that follow the stack's values, dtype and loaded state, one gradient node per
 stack."""
 
+import json
+
+import numpy as np
 import pytest
 import torch
 
@@ -19,11 +22,16 @@ from juno_py.lora import (
     load_adapters,
     model_targets,
     parse_targets,
+    read_adapter,
 )
 from juno_py.lora.adapters import AdapterConfig
 from juno_py.lora.format import encode_adapter, parse_entry_key
+from juno_py.metrics import MetricsRecorder
 from juno_py.models import load_model
 from juno_py.models.layout import EXPERT_TARGETS
+from juno_py.testing.records import write_jsonl
+from juno_py.train.data import load_dataset
+from juno_py.train.loop import TrainConfig, train
 from juno_py.train.optim import build_optimizer
 
 
@@ -218,3 +226,35 @@ def test_expert_views_follow_the_stack(tiny_gguf):
     # the stacked tensors, not views of them, are what the set trains
     assert any(p is stack.lora_A for p in aset.parameters())
     assert "1:wup_exps.lora_A" in dict(aset.named_parameters())
+
+
+@pytest.mark.parametrize("expert_path", ["loop", "grouped"])
+def test_a_training_run_gives_the_losses_of_separate_tensors(tiny_gguf, tmp_path, expert_path):
+    """The training loop (`train`) over stacked experts and over the same adapters held apart: the same losses and
+    gradient norms step by step, the same adapter.bin at the end."""
+    if expert_path == "grouped" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch has no _grouped_mm")
+    path = _path(tiny_gguf)
+    facts = [{"Q": f"What is fact {i}?", "A": f"It is number {i * 7}."} for i in range(6)]
+    data = write_jsonl(tmp_path / "facts.jsonl", facts)
+    runs = []
+    for held in ("stacked", "separate"):
+        model, aset = _attached(path, "all,router", expert_path=expert_path)
+        if held == "separate":
+            aset = _unstacked(model, aset)
+        examples = load_dataset([data], model.tokenizer, 128)[0]
+        events = tmp_path / f"{held}.jsonl"
+        cfg = TrainConfig(lr=1e-2, batch_size=6, max_steps=4, epochs=None, seed=2, lora_path=tmp_path / f"{held}.bin")
+        rec = MetricsRecorder(events_out=events)
+        train(model, aset, examples, cfg, recorder=rec, progress=False, log=lambda s: None)
+        rec.close()
+        steps = [json.loads(line) for line in events.read_text().splitlines()]
+        runs.append([(e["loss"], e["grad_norm"]) for e in steps if e["kind"] == "train_step"])
+    assert len(runs[0]) == 4
+    for (loss, norm), (want_loss, want_norm) in zip(*runs):
+        assert loss == pytest.approx(want_loss, rel=1e-6) and norm == pytest.approx(want_norm, rel=1e-5)
+    stacked, separate = (read_adapter(tmp_path / f"{h}.bin")[1] for h in ("stacked", "separate"))
+    assert [e.key for e in stacked] == [e.key for e in separate]
+    for got, want in zip(stacked, separate):
+        np.testing.assert_allclose(got.A, want.A, rtol=1e-5, atol=1e-7, err_msg=got.key)
+        np.testing.assert_allclose(got.B, want.B, rtol=1e-5, atol=1e-7, err_msg=got.key)
