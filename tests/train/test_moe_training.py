@@ -4,8 +4,10 @@ plays back to the loss the run ended with."""
 
 import json
 import math
+import sys
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from juno_py.cli.main import cli
@@ -15,6 +17,7 @@ from juno_py.testing.records import write_jsonl
 from juno_py.testing.tiny_models import write_tiny_gguf
 from juno_py.train.data import load_dataset
 from juno_py.train.steps import evaluate
+from tests.train.test_distributed import assert_same_weights, run
 
 FACTS = [
     {"Q": "What is the capital of Velmora?", "A": "Quenhaven."},
@@ -76,3 +79,27 @@ def test_tiny_gpt_oss_trains_attention_and_experts(tmp_path, mode):
     assert losses[-1] < 0.8 * losses[0], losses
     keys = [e.key for e in read_adapter(out)[1]]
     assert "0:wq" in keys and any(k.startswith("2:wdown_exps.") for k in keys)
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["ddp", "fsdp"])
+def test_per_expert_adapters_train_on_two_processes_like_one(moe_path, tmp_path, shard):
+    """Two processes, each with tokens of its own rows and so other idle experts: every rank still has a gradient
+    for every trainable tensor (an expert's is its row of its projection's stack), so the all-reduce (DDP) or
+    reduce-scatter (FSDP2) is the same on both, and the adapter is the one-process run's."""
+    data = write_jsonl(tmp_path / "facts.jsonl", FACTS)
+    args = ["--model-path", moe_path, "--data", data, "--max-steps", 3, "--batch-size", 4, "--lora-rank", 4]
+    args += ["--lora-lr", 1e-2, "--lora-targets", "all,router", "--compute-dtype", "fp32", "--no-progress"]
+    two = tmp_path / "two.bin"
+    cmd = [sys.executable, "-m", "juno_py", "lora", "--nproc", "2", *(["--shard"] if shard else [])]
+    r = run([*cmd, *map(str, args), "--lora-path", str(two)])
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stderr.count("trained 3 steps") == 1
+    one = tmp_path / "one.bin"
+    r1 = CliRunner().invoke(cli, ["lora", *map(str, args), "--lora-path", str(one)], catch_exceptions=False)
+    assert r1.exit_code == 0, r1.stderr
+    expected = {e.key: e for e in read_adapter(one)[1]}
+    got = read_adapter(two)[1]
+    assert [e.key for e in got] == list(expected) and "1:wdown_exps.7" in expected
+    for e in got:
+        assert_same_weights(torch.from_numpy(e.A), torch.from_numpy(expected[e.key].A), f"{e.key}.A")
+        assert_same_weights(torch.from_numpy(e.B), torch.from_numpy(expected[e.key].B), f"{e.key}.B")
