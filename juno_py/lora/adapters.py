@@ -259,6 +259,11 @@ class ExpertStack(nn.Module):
         self._generation += 1
         self._rows = None
 
+    def _apply(self, fn: Any, recurse: bool = True) -> ExpertStack:
+        # a device or dtype move: the kept views would hold the tensors it replaces
+        self._rows = None
+        return cast(ExpertStack, super()._apply(fn, recurse))  # type: ignore[no-untyped-call]  # torch leaves _apply unannotated
+
     def adapters(self) -> list[ExpertAdapter]:
         """One adapter per expert, each viewing its row."""
         return [ExpertAdapter(self, e) for e in range(self.n_expert)]

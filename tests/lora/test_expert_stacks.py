@@ -220,6 +220,9 @@ def test_expert_views_follow_the_stack(tiny_gguf):
     # a swap of the data (a device or dtype move), and a loaded state
     stack.lora_A.data = stack.lora_A.data.double()
     assert ads[0].lora_A.dtype == torch.float64 and torch.equal(ads[3].lora_A, stack.lora_A[3])
+    rows = ads[0].lora_B
+    model.blocks[1].moe.to(torch.float64)  # a module move lets go of the views it replaces
+    assert stack._rows is None and rows.dtype == torch.float32 and ads[0].lora_B.dtype == torch.float64
     state = {k: torch.full_like(v, 0.5) for k, v in model.blocks[1].moe.adapter_stacks.state_dict().items()}
     model.blocks[1].moe.adapter_stacks.load_state_dict(state)
     assert all(bool((ad.lora_A == 0.5).all()) for ad in ads)
