@@ -212,7 +212,7 @@ class ExpertStack(nn.Module):
     into each, and the gradient norm, clipping, the optimizer and zero_grad loop over them. Stacked, all of that sees
     three tensors per projection and block, and the grouped path multiplies the stacks themselves
     (`juno_py.models.moe`). Each expert's `ExpertAdapter` reads its row through `rows()`, so playback, the per-expert
-    loop, DoRA, merging and adapter.bin see one adapter per expert as before.
+    loop, DoRA, merging and adapter.bin see one adapter per expert.
 
     The stack is registered once in the model (`MoEFeedForward.adapter_stacks`), so the model's parameters, device
     moves, DDP and FSDP see its tensors once; the expert adapters hold it outside their module tree."""
