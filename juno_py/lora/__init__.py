@@ -15,6 +15,7 @@ import warnings
 from collections import defaultdict
 from typing import Iterable, Optional, Sequence, Union, cast
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -221,6 +222,51 @@ def _attach_stack(
         modules[key] = wrapped
 
 
+def _stacked_entries(
+    model, entries: Sequence[AdapterEntry], device: torch.device, stacks: list[tuple[int, str, ExpertStack]]
+) -> dict[str, LoraAdapter]:
+    """The adapters of a file's per-expert entries of one projection that cover every expert of the block with one
+    shape and configuration: the rows of one `ExpertStack` (appended to `stacks` as (layer, target, stack)), held as
+    in training so that the grouped expert path multiplies it as it is, by entry key. Other entries are not here:
+    each gets a LoraAdapter of its own."""
+    groups: dict[tuple[int, str], dict[int, AdapterEntry]] = defaultdict(dict)
+    for e in entries:
+        layer, target, expert = parse_entry_key(e.key)
+        if expert is not None:
+            groups[layer, target][expert] = e
+    out: dict[str, LoraAdapter] = {}
+    for (layer, target), by_expert in groups.items():
+        if sorted(by_expert) != list(range(model.args.n_expert)):
+            continue
+        rows = [by_expert[i] for i in range(model.args.n_expert)]
+        if len({(e.in_dim, e.out_dim, e.rank, e.alpha, e.scaling, e.init, e.mode) for e in rows}) != 1:
+            continue
+        e0 = rows[0]
+        config = AdapterConfig(rank=e0.rank, alpha=e0.alpha, mode=e0.mode, scaling=e0.scaling, init=e0.init)
+        mags = [e.magnitude for e in rows if e.magnitude is not None]
+        stack = ExpertStack(
+            config,
+            torch.from_numpy(np.stack([e.A for e in rows]).astype(np.float32)),
+            torch.from_numpy(np.stack([e.B for e in rows]).astype(np.float32)),
+            torch.from_numpy(np.stack(mags).astype(np.float32)) if len(mags) == len(rows) else None,
+        ).to(device)
+        for p in stack.parameters():
+            p.requires_grad_(False)
+        stacks.append((layer, target, stack))
+        out.update((e.key, ad) for e, ad in zip(rows, stack.adapters()))
+    return out
+
+
+def _register_stack(model, layer: int, target: str, stack: ExpertStack) -> None:
+    """Register a played-back stack once in the model, on its block's experts, under its target's name (another
+    file's stack of the same target under `<target>_<n>`)."""
+    registered = model.blocks[layer].moe.adapter_stacks
+    name, n = target, 1
+    while name in registered:
+        name, n = f"{target}_{n}", n + 1
+    registered[name] = stack
+
+
 def detach(model) -> None:
     """Remove every adapter, restoring the frozen base linears."""
     for blk in model.blocks:
@@ -316,7 +362,9 @@ def warn_mismatches(model, mismatches: list) -> None:
 def load_adapters(
     model, specs: Sequence[Union[str, tuple[str, float]]], force: bool = False
 ) -> dict[str, AdaptedLinear]:
-    """Play adapter files back on `model`: LoRAs summed with their scales; a DoRA adapter alone at scale 1."""
+    """Play adapter files back on `model`: LoRAs summed with their scales; a DoRA adapter alone at scale 1. A file's
+    per-expert entries that cover every expert of a projection are loaded into one `ExpertStack`, as training holds
+    them."""
     parsed = [parse_adapter_spec(s) if isinstance(s, str) else (str(s[0]), float(s[1])) for s in specs]
     files = []
     for path, scale in parsed:
@@ -333,10 +381,12 @@ def load_adapters(
     # by where each adapter plays: (layer, target, expert or None); an every-expert entry plays on each expert
     grouped: dict[tuple[int, str, Optional[int]], list[tuple[LoraAdapter, float]]] = defaultdict(list)
     mismatches: list = []
+    stacks: list[tuple[int, str, ExpertStack]] = []
     for path, scale, entries in files:
-        for e in entries:
-            base = check_entry_fits(model, e, path, fps, force, mismatches)
-            ad = LoraAdapter.from_entry(e).to(_device_of(base))
+        bases = [check_entry_fits(model, e, path, fps, force, mismatches) for e in entries]
+        rows = _stacked_entries(model, entries, _device_of(bases[0]) if bases else torch.device("cpu"), stacks)
+        for e, base in zip(entries, bases):
+            ad = rows[e.key] if e.key in rows else LoraAdapter.from_entry(e).to(_device_of(base))
             layer, target, expert = parse_entry_key(e.key)
             if target not in EXPERT_TARGETS:
                 places: list[Optional[int]] = [None]
@@ -346,6 +396,8 @@ def load_adapters(
                 grouped[layer, target, place].append((ad, scale))
     warn_mismatches(model, mismatches)
     detach(model)
+    for layer, target, stack in stacks:
+        _register_stack(model, layer, target, stack)
     out = {}
     for (layer, target, expert), items in sorted(
         grouped.items(), key=lambda kv: (kv[0][0], ALL_TARGETS.index(kv[0][1]), -1 if kv[0][2] is None else kv[0][2])

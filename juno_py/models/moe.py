@@ -18,10 +18,11 @@ are sorted by expert, and then one of two paths runs:
   decoded in bf16 (one Triton launch over the experts' bytes, which are kept as views of one buffer per projection)
   and freed after the product; backward decodes it again for the input gradient instead of keeping it
   (`GroupedFrozenMatmul`). Per-expert LoRA factors, A `[E, r, n_in]` and B `[E, n_out, r]`, are applied as two
-  grouped matmuls (their gradients through autograd of `_grouped_mm`): adapters attached for training are held in
-  that form (`adapter_stacks`, `juno_py.lora.ExpertStack`) and multiplied as they are, adapters loaded for playback
-  are stacked per call; a LoRA shared by every expert is a plain matmul over all rows; biases are gathered per row.
-  No host sync: the group ends are a device tensor.
+  grouped matmuls (their gradients through autograd of `_grouped_mm`): adapters attached for training, and a
+  played-back file's entries that cover every expert, are held in that form (`adapter_stacks`,
+  `juno_py.lora.ExpertStack`) and multiplied as they are; other per-expert adapters are stacked per call; a LoRA
+  shared by every expert is a plain matmul over all rows; biases are gathered per row. No host sync: the group ends
+  are a device tensor.
   DoRA on experts, several adapters of different ranks or weights on one projection, float64 and devices without
   grouped matmuls take the loop.
 - loop (the reference): per expert an index_select, its gate/up/down linears (with their adapters) and an

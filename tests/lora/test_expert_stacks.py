@@ -23,6 +23,7 @@ from juno_py.lora import (
     model_targets,
     parse_targets,
     read_adapter,
+    write_adapter,
 )
 from juno_py.lora.adapters import AdapterConfig
 from juno_py.lora.format import encode_adapter, parse_entry_key
@@ -261,3 +262,48 @@ def test_a_training_run_gives_the_losses_of_separate_tensors(tiny_gguf, tmp_path
     for got, want in zip(stacked, separate):
         np.testing.assert_allclose(got.A, want.A, rtol=1e-5, atol=1e-7, err_msg=got.key)
         np.testing.assert_allclose(got.B, want.B, rtol=1e-5, atol=1e-7, err_msg=got.key)
+
+
+def test_playback_holds_a_files_experts_as_stacks(tiny_gguf, tmp_path):
+    """A file's per-expert entries of a projection that cover every expert play back as the rows of one stack (no
+    gradient), which the grouped path multiplies as it is; a projection missing an expert's entry plays tensors of
+    its own; two files give two stacks of a target."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch has no _grouped_mm")
+    path = _path(tiny_gguf)
+    model, aset = _attached(path, "all,router")
+    file = aset.save(tmp_path / "a.bin")
+    ids = torch.randint(3, 200, (2, 11), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = model.logits(ids)
+    for expert_path in ("loop", "grouped"):
+        played = load_model(path)
+        load_adapters(played, [str(file)])
+        for blk in played.blocks:
+            blk.moe.expert_path = expert_path
+        moe = played.blocks[1].moe
+        assert set(moe.adapter_stacks) == set(EXPERT_TARGETS)
+        assert isinstance(moe.experts["wup_exps"][2].adapters[0], ExpertAdapter)
+        assert not any(p.requires_grad for p in played.parameters())
+        with torch.no_grad():
+            torch.testing.assert_close(played.logits(ids), want, rtol=1e-5, atol=1e-5)
+        if expert_path == "grouped":
+            assert moe._projection("wup_exps").slots[0].stack is moe.adapter_stacks["wup_exps"]
+    _, entries = read_adapter(file)
+    write_adapter(tmp_path / "partial.bin", [e for e in entries if e.key != "1:wup_exps.3"])
+    played = load_model(path)
+    load_adapters(played, [str(tmp_path / "partial.bin")])
+    moe = played.blocks[1].moe
+    assert set(moe.adapter_stacks) == {"wgate_exps", "wdown_exps"}
+    assert type(moe.experts["wup_exps"][0].adapters[0]) is LoraAdapter
+    assert not isinstance(moe.experts["wup_exps"][3], AdaptedLinear)
+    both = []
+    for expert_path in ("loop", "grouped"):
+        played = load_model(path)
+        load_adapters(played, [str(file), f"{file}:0.5"])
+        assert {"wup_exps", "wup_exps_1"} <= set(played.blocks[0].moe.adapter_stacks)
+        for blk in played.blocks:
+            blk.moe.expert_path = expert_path
+        with torch.no_grad():
+            both.append(played.logits(ids))
+    torch.testing.assert_close(both[1], both[0], rtol=1e-5, atol=1e-5)
