@@ -407,18 +407,18 @@ def dequantize_split_tile(
 # the types with the dedicated GEMV (`matvec_triton`), and its configuration per type: (rows a program BR, blocks
 # of each row a step KB, warps, split-K). `benchmarks/gemv_gpu.py --sweep` times the candidates on the GPU
 # and prints the best as a JUNO_PY_GEMV value; that variable (`TYPE=BR,KB,WARPS,SPLIT;...`) overrides this table.
-# Q4_1 and Q8_0: the sweep's winners on the H200; Q4_K and Q6_K: the best decode step of the Llama-3-8B-shaped
-# Q4_K_M model (`benchmarks/decode_gpu.py`, JUNO_PY_GEMV over the sweep's leaders) on the H100, where the sweep's
-# total, each shape counted once, misweighs a model's products (ffn_down's 4096x14336 comes 32 times a token, the
-# output once); Q4_0 and Q5_K (not swept): configs whose sm_90 compile (`benchmarks/gemv_compile.py`) exchanges no
-# step values through shared memory
+# Q8_0: the sweep's winner on the H200; Q4_K and Q6_K: the best decode step of the Llama-3-8B-shaped Q4_K_M model,
+# Q4_1 of the SmolLM2-135M-shaped Q4_1 model (`benchmarks/decode_gpu.py`, JUNO_PY_GEMV over the sweep's leaders) on
+# the H100, where the sweep's total, each shape counted once, misweighs a model's products (ffn_down's 4096x14336
+# comes 32 times a token, the output once); Q4_0 and Q5_K (not swept): configs whose sm_90 compile
+# (`benchmarks/gemv_compile.py`) exchanges no step values through shared memory
 GEMV_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
 # the GEMV types whose split-K gives the same bits every launch on the H200; Q4_0 and Q4_1 did not (within the fp32
 # bound, but not repeatable), so they always run unsplit
 SPLIT_K_TYPES = frozenset({GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
 MATVEC_CONFIG: dict[int, tuple[int, int, int, int]] = {
     GGMLType.Q4_0: (4, 8, 4, 1),
-    GGMLType.Q4_1: (4, 16, 8, 1),
+    GGMLType.Q4_1: (1, 32, 4, 1),
     GGMLType.Q8_0: (4, 8, 2, 1),
     GGMLType.Q4_K: (8, 1, 2, 4),
     GGMLType.Q5_K: (4, 2, 4, 1),
