@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--compute-dtype", default="auto", choices=["auto", "fp32", "bf16"])
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--threads", type=int, default=0, help="threads (0: the idle CPUs, as the commands choose them)")
     ap.add_argument("--model", type=Path, help="reuse this synthetic model instead of writing one")
     ap.add_argument("--keep", action="store_true", help="keep the written model (its path is printed)")
     ap.add_argument("--decode-tokens", type=int, default=16, help="greedy tokens decoded with the adapter (0: none)")
@@ -37,6 +37,7 @@ def main() -> None:
 
     import torch
 
+    from juno_py import threads
     from juno_py.lora import attach
     from juno_py.metrics import MetricsRecorder, peak_rss_bytes
     from juno_py.models import load_model
@@ -44,8 +45,8 @@ def main() -> None:
     from juno_py.train.data import Example
     from juno_py.train.loop import TrainConfig, train
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    # as the commands choose them: torch's and the native products' threads, from the idle CPUs unless given
+    threads.setup(args.threads or None)
     folder = Path(tempfile.mkdtemp(prefix="juno-7b-"))
     path = args.model
     if path is None:
@@ -110,7 +111,7 @@ def main() -> None:
         f"Peak RSS {peak:.2f} GiB (ru_maxrss, memory-mapped GGUF pages included; target < 12 GiB).",
         f"Synthetic Llama-7B shape (32 layers, 4096 hidden, 11008 MLP, vocab 32000), Q4_K (Q6_K output), "
         f"{size_gib:.1f} GiB file; LoRA r=8 on q,v; {args.batch} x {args.seq} tokens per step; activation "
-        f"checkpointing; compute {str(compute).removeprefix('torch.')}; {torch.get_num_threads()} torch threads.",
+        f"checkpointing; compute {str(compute).removeprefix('torch.')}; {torch.get_num_threads()} threads.",
     ]
     if decode_tok_s is not None:
         notes.insert(
