@@ -7,6 +7,7 @@ from torch import nn
 from juno_py.gguf import GGMLType
 from juno_py.lora import Mode, attach
 from juno_py.models import load_model
+from tests.lora.gradient_checks import directional_error, summed_loss
 
 CASES = [("llama", "all"), ("qwen2", "all"), ("qwen3", "all"), ("phi3", "qv"), ("phi3", "all"), ("gemma3", "all")]
 
@@ -25,8 +26,7 @@ def _random_adapters(aset, seed=0):
                 ad.magnitude.mul_(1 + 0.2 * torch.randn(ad.magnitude.shape, generator=g))
 
 
-def _loss(model, tokens, targets):
-    return model.loss(tokens, targets, reduction="sum", chunk=7)
+_loss = summed_loss
 
 
 @pytest.mark.parametrize("mode", [Mode.LORA, Mode.DORA])
@@ -53,15 +53,7 @@ def test_finite_difference_gradients_float64(tiny_gguf, arch, targets, mode, mon
     with torch.no_grad():
         for key, ad in aset.adapters.items():
             for name, p in ad.named_parameters():
-                v = torch.randn(p.shape, generator=g, dtype=torch.float64)
-                analytic = float((p.grad * v).sum())
-                p.add_(h * v)
-                up = float(_loss(model, tokens, targets_))
-                p.sub_(2 * h * v)
-                down = float(_loss(model, tokens, targets_))
-                p.add_(h * v)
-                numeric = (up - down) / (2 * h)
-                rel = abs(numeric - analytic) / max(abs(analytic), 1e-8)
+                rel, numeric, analytic = directional_error(p, lambda: _loss(model, tokens, targets_), g, h)
                 worst = max(worst, rel)
                 assert rel <= 1e-4, (key, name, numeric, analytic)
     assert worst < 1e-4

@@ -10,6 +10,7 @@ from juno_py.lora import AdapterEntry, Mode, attach, detach, load_adapters, read
 from juno_py.lora.format import parse_entry_key, sort_key
 from juno_py.models import load_model
 from juno_py.testing.tiny_models import sample_ids
+from tests.lora.gradient_checks import directional_error, summed_loss
 
 
 def _model(tiny_gguf, arch="qwen3moe", qtype=GGMLType.Q8_0):
@@ -76,8 +77,7 @@ def test_attach_per_expert_shared_and_router(tiny_gguf):
         attach(dense, "wq,wup_exps")
 
 
-def _loss(model, tokens, targets):
-    return model.loss(tokens, targets, reduction="sum", chunk=7)
+_loss = summed_loss
 
 
 FD_CASES = [
@@ -114,15 +114,7 @@ def test_finite_difference_gradients_float64(tiny_gguf, arch, targets, experts, 
         # one adapter per expert trains as one stack per projection: an expert no token chose has a zero row
         for name, p in aset.named_parameters():
             layer, where = name.rsplit(".", 1)[0].split(":")
-            v = torch.randn(p.shape, generator=g, dtype=torch.float64)
-            analytic = float((p.grad * v).sum())
-            p.add_(h * v)
-            up = float(_loss(model, tokens, targets_))
-            p.sub_(2 * h * v)
-            down = float(_loss(model, tokens, targets_))
-            p.add_(h * v)
-            numeric = (up - down) / (2 * h)
-            rel = abs(numeric - analytic) / max(abs(analytic), 1e-8)
+            rel, numeric, analytic = directional_error(p, lambda: _loss(model, tokens, targets_), g, h)
             assert rel <= 1e-4, (name, numeric, analytic)
             checked.add((int(layer), where.split(".")[0]))
     # every target of every block had its gradients checked
