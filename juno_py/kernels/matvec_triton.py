@@ -14,8 +14,8 @@ the K-quants' 6-bit sub-block scales are decoded once per block or sub-block (`[
 Each value is `code · scale (+ bias)` with the torch codec's fp32 operations (the product exact, so a fused
 multiply-add changes nothing; the code made a float without an integer-to-float conversion when MAGIC), rounded to
 bf16 when ROUND_BF16 (as the tile path multiplies it: the hardware's conversion when HW_ROUND, else integer
-operations, which the interpreter needs), times x, accumulated in fp32 per token in a tensor of the step's shape, and reduced once at the end. Every
-token's product comes from one read of the weight bytes. bf16 x (playback's) is read as words of the I values one
+operations, which the interpreter needs), times x, accumulated in fp32 per token in a tensor of the step's shape,
+and reduced once at the end. Every token's product comes from one read of the weight bytes. bf16 x (playback's) is read as words of the I values one
 weight word multiplies (int64 for 4, int32 for 2) and taken apart with integer operations, so that x arrives in
 the weight words' layout: read element by element, Triton gave x its own layout and exchanged every step's values
 through shared memory (`benchmarks/gemv_compile.py` shows the conversions and the shared memory of a build). Other

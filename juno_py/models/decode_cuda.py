@@ -37,7 +37,7 @@ from torch import Tensor
 from juno_py.gguf import quants
 from juno_py.kernels import dequant as device_dequant
 from juno_py.lora.adapters import SharedInputPlay
-from juno_py.models.model import KVCache, QuantEmbedding, Transformer, gated, rope_cos_sin, rope_qk
+from juno_py.models.model import KVCache, QuantEmbedding, Transformer, rope_cos_sin, rope_qk
 
 # the linears of a block that read one input: their adapters' x·Aᵀ run as one product (`SharedInputPlay`)
 SHARED_INPUTS = {"qkv": ("wq", "wk", "wv"), "gate_up": ("wgate", "wup")}
@@ -96,6 +96,7 @@ class CudaGraphDecoder:
         self.graph_picked: Optional[Tensor] = None
         self.table = _embedding_table(model)
         self.key_index = torch.arange(cache.max_len, device=device)
+        self.mask_zero = torch.zeros((), device=device, dtype=model.act_dtype)  # the additive masks' kept keys
         self.positions = torch.arange(cache.max_len, device=device).unsqueeze(0)
         # cos and sin [1, max_len, 1, rope_dim / 2] per RoPE table, in the activations' dtype as the forward has them
         self.ropes = [
@@ -167,9 +168,9 @@ class CudaGraphDecoder:
         if shared is None:
             out: Tensor = blk.feed_forward(x)
             return out
-        gate, up = (y.to(blk.act_dtype) for y in shared(x))
-        y: Tensor = blk.linears["wdown"](gated(blk.act, gate, up))
-        return y.to(blk.act_dtype)
+        gate, up = shared(x)
+        y: Tensor = blk.gated_down(gate, up)
+        return y
 
     def _forward(self) -> Tensor:
         """Logits `[vocab]` of the token whose embedding is in `x_in` at the position in `pos`; reads no host value."""
@@ -184,8 +185,7 @@ class CudaGraphDecoder:
             valid = self.key_index <= self.pos
             if w:
                 valid = valid & (self.key_index > self.pos - w)
-            zero = torch.zeros((), device=self.device, dtype=model.act_dtype)
-            masks[w] = torch.where(valid, zero, float("-inf")).view(1, 1, 1, -1)
+            masks[w] = torch.where(valid, self.mask_zero, float("-inf")).view(1, 1, 1, -1)
         x = self.x_in if self.table is None else self._embed()
         rope_of = model._rope_of_layer
         for blk in blocks:

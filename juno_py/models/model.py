@@ -339,8 +339,12 @@ class Block(nn.Module):
     def feed_forward(self, x: Tensor) -> Tensor:
         if self.moe is not None:
             return self.moe(x, self.linears["wrouter"])
-        gate, up = self.linears["wgate"](x).to(self.act_dtype), self.linears["wup"](x).to(self.act_dtype)
-        return self.linears["wdown"](gated(self.act, gate, up)).to(self.act_dtype)
+        return self.gated_down(self.linears["wgate"](x), self.linears["wup"](x))
+
+    def gated_down(self, gate: Tensor, up: Tensor) -> Tensor:
+        """The dense feed-forward after its gate and up products: down(act(gate) · up), in the activations' dtype."""
+        h = gated(self.act, gate.to(self.act_dtype), up.to(self.act_dtype))
+        return self.linears["wdown"](h).to(self.act_dtype)
 
 
 @dataclass(frozen=True)
