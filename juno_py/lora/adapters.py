@@ -326,7 +326,7 @@ class SharedInputPlay:
     """Playback of linears that read one input (a block's q, k and v; its gate and up), each an AdaptedLinear with
     one LoRA: their x·Aᵀ as ONE product over the A's concatenated once, here, then each base's product with its
     slice (inside the base's own kernel where it has one, `matmul_lora`). A decode step on a GPU is bound by its
-    launches: this is one launch where each linear had its own. `build` returns None where the linears do not all
+    launches: this is one launch instead of one per linear. `build` returns None where the linears do not all
     fit (DoRA, several or no adapters, dropout in training); the caller then calls each linear. The concatenated A
     is a copy: build again after the adapters change."""
 
