@@ -408,9 +408,7 @@ def train(
             clipped = cfg.max_grad_norm > 0 and norm > cfg.max_grad_norm
             if clipped:
                 scale = cfg.max_grad_norm / (norm + 1e-6)
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.mul_(scale)
+                _scale_all([p.grad for p in params if p.grad is not None], scale)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             trainable.after_optimizer_step()
@@ -536,20 +534,42 @@ def _peak_gpu_bytes(params) -> Optional[int]:
 def _bounded(params, world: distributed.World = distributed.SINGLE, sharded=None) -> bool:
     """Whether every weight is at most MAX_WEIGHT in magnitude (one read from the device; sharded: every rank's
     parts, the ranks agreeing)."""
-    parts = [local_part(p).detach() for p in params]
-    peaks = [torch.linalg.vector_norm(t, ord=math.inf) for t in parts if t.numel()]  # a rank's part may be empty
+    parts = [t for t in (local_part(p).detach() for p in params) if t.numel()]  # a rank's part may be empty
+    if _plain(parts):
+        peaks = list(torch._foreach_norm(parts, math.inf)) if parts else []  # one launch, not one per parameter
+    else:
+        peaks = [torch.linalg.vector_norm(t, ord=math.inf) for t in parts]
     ok = bool(torch.stack(peaks).max() <= MAX_WEIGHT) if peaks else True
     if sharded is not None:
         ok = world.max(0 if ok else 1) == 0
     return ok
 
 
+def _plain(tensors: list[torch.Tensor]) -> bool:
+    """Whether these are plain tensors, which torch's multi-tensor (`_foreach_`) ops take in one launch; a sharded
+    run's parameters and gradients are DTensors, which have no sharding rule for some of them."""
+    return all(type(t) is torch.Tensor for t in tensors)
+
+
+def _scale_all(tensors: list[torch.Tensor], scale: float) -> None:
+    """Multiply every tensor by `scale` in place: one multi-tensor launch for plain tensors."""
+    if _plain(tensors):
+        torch._foreach_mul_(tensors, scale)
+        return
+    for t in tensors:
+        t.mul_(scale)
+
+
 def _remember(good, step: int, loss: float, params) -> tuple[int, float, list[torch.Tensor]]:
     """Copy the weights into the buffers of the last good weights (allocated once)."""
     buffers = good[2] if good is not None else [torch.empty_like(p) for p in params]
+    sources = [p.detach() for p in params]
     with torch.no_grad():
-        for b, p in zip(buffers, params):
-            b.copy_(p)
+        if _plain(sources):
+            torch._foreach_copy_(buffers, sources)  # one launch, not one per parameter
+        else:
+            for b, p in zip(buffers, sources):
+                b.copy_(p)
     return step, loss, buffers
 
 

@@ -25,15 +25,17 @@ EPS = 1e-8
 
 
 def grad_norm(params: Sequence[torch.Tensor]) -> float:
-    """Global L2 norm of the gradients (fp64 accumulation). On a GPU the squares are summed there and read once:
-    one read per parameter would wait for the device hundreds of times a step."""
+    """Global L2 norm of the gradients. On the CPU each gradient's norm accumulates in fp64. On a GPU every norm
+    comes from one multi-tensor launch (`torch._foreach_norm`), summed there and read once: a reduction launch per
+    parameter took 15 ms of an 8B-shaped LoRA step's 290 (448 adapter tensors), and one read per parameter would
+    wait for the device hundreds of times a step."""
     grads = [p.grad for p in params if p.grad is not None]
+    if grads and grads[0].device.type != "cpu":
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
+        return math.sqrt(float(torch.stack(norms).square().sum()))
     # vector_norm accumulates in fp64 without an fp64 copy of the gradient (5x faster on the CPU than
     # g.double().square().sum(): it matters for full training's 106M-value gradients)
-    norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]
-    if grads and grads[0].device.type != "cpu":
-        return math.sqrt(float(torch.stack(norms).square().sum()))
-    return math.sqrt(sum(float(n) ** 2 for n in norms))
+    return math.sqrt(sum(float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2 for g in grads))
 
 
 class TrainOptimizer:
