@@ -18,8 +18,8 @@ labels, backward, clip, step): with bf16 weights; with Liger's kernels (RMSNorm,
 cross-entropy) patched in; QLoRA (every decoder linear a bitsandbytes NF4 `Linear4bit`, bf16 compute); and QLoRA
 with Liger. Configurations: LoRA on q,v at rank 8 (alpha 16), LoRA on all linears at rank 16 (alpha 32), DoRA on
 all linears at rank 64 (alpha 128); 8 x 512 tokens a step. A step time is the median of `--steps` steps after
-`--warmup`; peak memory is torch's max_memory_allocated from the built model on (weights included, the
-construction of a peer's model not). Roofline: the step's counted matrix FLOPs (`step_flops`) per second over the
+`--warmup`; peak memory is torch's max_memory_allocated from the built model to the last measured step (weights
+included; the construction of a peer's model and the profiled steps after the measured ones not). Roofline: the step's counted matrix FLOPs (`step_flops`) per second over the
 bf16 GEMM rate cuBLAS reaches on the same model's product shapes, measured in the same run (`gemm_rate`).
 "Busy" is the share of one profiled step's wall time that the GPU spent in kernels: well under 100 % means the
 step is bound by kernel launches and Python, not by the GPU (small models).
@@ -360,6 +360,8 @@ def run_juno(
         trainable=adapters.n_parameters(),
         last_step_ms={k: round(v, 1) for k, v in steps[-1].values.items() if k.endswith("_ms")},
     )
+    # the peak of the measured steps: a profiled step below runs through train() again and captures its own graph
+    row.update(_peak_so_far(dev))
     if args.profile and dev.startswith("cuda"):
         one = [Example(r.tolist(), [True] * seq) for r in rows[:batch]]
         tc1 = TrainConfig(
@@ -446,12 +448,18 @@ def run_peft(meta, tensors_spec, cfg: dict, args, nf4: bool = False, liger: bool
         build_s=build_s,
         trainable=sum(p.numel() for p in params),
     )
+    row.update(_peak_so_far(dev))
     if args.profile and dev.startswith("cuda"):
         row["busy"] = busy_fraction(step)
     if args.kernels and dev.startswith("cuda"):
         kernel_table(step, f"PEFT {cfg['mode']} {cfg['targets']} r{cfg['rank']}")
     model = base = opt = params = None  # freed
     return row
+
+
+def _peak_so_far(dev: str) -> dict:
+    """The allocator's peak of the measured steps, for `measured`, read before any profiled step adds its own."""
+    return {"peak_abs_bytes": torch.cuda.max_memory_allocated()} if dev.startswith("cuda") else {}
 
 
 def measured(fn, *a, **kw) -> dict:
@@ -463,7 +471,9 @@ def measured(fn, *a, **kw) -> dict:
     start = torch.cuda.memory_allocated() if cuda else 0
     try:
         row = fn(*a, **kw)
-        row["peak_gib"] = (torch.cuda.max_memory_allocated() - start) / GIB if cuda else float("nan")
+        peak = row.pop("peak_abs_bytes", None) if cuda else None
+        peak = torch.cuda.max_memory_allocated() if cuda and peak is None else peak
+        row["peak_gib"] = (peak - start) / GIB if cuda else float("nan")
     except Exception as e:  # keep going: one failing configuration should not cost the others
         traceback.print_exc()
         row = dict(error=f"{type(e).__name__}: {e}"[:300])
@@ -737,8 +747,8 @@ def main() -> None:
             compare_rows(rows, args),
             [
                 f"{args.batch} x {args.seq} tokens a step, median of {args.steps} steps after {args.warmup}. Peak: "
-                "torch's max_memory_allocated over the configuration's life, weights included. Busy: GPU kernel time "
-                "over the wall time of one profiled step."
+                "torch's max_memory_allocated from the built model through the measured steps, weights included. Busy: "
+                "GPU kernel time over the wall time of one profiled step, run after the measured ones."
             ],
             env=env,
         )
