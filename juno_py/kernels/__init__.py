@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from juno_py.kernels.reference import cross_entropy_grad_eager
+from juno_py.kernels.reference import cross_entropy_grad_eager, online_tile_eager
 
 _MODES = ("auto", "eager", "fused")
 
@@ -167,7 +167,26 @@ def cross_entropy_grad_(
     return losses.sum(), grad
 
 
+def online_tile_(
+    z: torch.Tensor,
+    targets: torch.Tensor,
+    start: int,
+    state: tuple[torch.Tensor, ...],
+    ignore_index: int = -100,
+    cap: float = 0.0,
+) -> None:
+    """One vocabulary tile of the tiled loss head (`reference.online_tile_eager` states the arithmetic): z `[n, R]`
+    overwritten with the gradient product's factors, the rows' running state updated in place. The fused kernel
+    where `cross_entropy_path(z)` is FUSED and the state is fp32, the eager reference elsewhere. Nothing waits for
+    the device: CUDA graphs capture it."""
+    if cross_entropy_path(z) == EAGER or state[0].dtype != torch.float32:
+        return online_tile_eager(z, targets, start, state, ignore_index, cap)
+    fused = importlib.import_module("juno_py.kernels.cross_entropy_triton")
+    fused.online_tile(z, targets, start, state, ignore_index, cap)
+
+
 __all__ = [
+    "online_tile_",
     "cross_entropy_grad_",
     "cross_entropy_path",
     "cross_entropy_grad_eager",

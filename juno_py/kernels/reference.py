@@ -82,3 +82,54 @@ def cross_entropy_grad_eager(
     if work.dtype == z.dtype:
         return loss, work
     return loss, z.copy_(work) if in_place else work.to(z.dtype)
+
+
+# the running maximum's start: the lowest finite fp32 value (not -inf, so exp(start − start) = 1 and no NaN arises
+# on a row that has seen nothing yet)
+LOWEST = -3.4028234663852886e38
+
+
+def online_tile_eager(
+    z: torch.Tensor,
+    targets: torch.Tensor,
+    start: int,
+    state: tuple[torch.Tensor, ...],
+    ignore_index: int = -100,
+    cap: float = 0.0,
+) -> None:
+    """One tile of a vocabulary-tiled cross-entropy: logits z `[n, R]` of vocabulary rows `[start, start + R)` fold
+    into each row's running state, and z is overwritten with what the gradient's product needs.
+
+    state: (m, s, other, z_t, d_t, scale), each `[n]` in fp32 (fp64 for fp64 z), started as (LOWEST, 0, 0, 0, 1, 1).
+    With c = cap·tanh(z/cap) (c = z without a cap) and m' = max(m, max c): s ← s·e^(m−m') + Σ_j e^(c_j−m'),
+    other the same sum without the target's term, scale = e^(m−m'), m ← m'; z_t and d_t take the target's c and
+    dc/dz where the target falls in this tile. z becomes e^(c_j−m')·dc_j/dz_j with 0 at the target's column and on
+    ignored rows. After the last tile: loss = m + log s − z_t, and ∂loss/∂x = acc/s − (other/s)·d_t·W[t] where acc
+    is Σ over tiles of z·W_tile, rescaled by each tile's `scale` before the tile's product is added."""
+    m, s, other, zt, dt, scale = state
+    acc = m.dtype
+    c = z.to(acc)
+    d = None
+    if cap > 0:  # tanh and its slope 1 − tanh² from e = exp(−2|u|), the slope free of cancellation near ±1
+        u = c / cap
+        e2 = torch.exp(-2 * u.abs())
+        c, d = torch.copysign((1 - e2) / (1 + e2), u) * cap, 4 * e2 / (1 + e2).square()
+    n, R = z.shape
+    valid = targets != ignore_index
+    inside = valid & (targets >= start) & (targets < start + R)
+    col = torch.where(inside, targets - start, 0).unsqueeze(1)
+    m_new = torch.maximum(m, torch.where(valid, c.amax(dim=1) if R else m, m))
+    e = torch.where(valid.unsqueeze(1), torch.exp(c - m_new.unsqueeze(1)), 0)
+    e_t = torch.where(inside, e.gather(1, col).squeeze(1), 0)
+    e.scatter_(1, col, torch.where(inside.unsqueeze(1), 0, e.gather(1, col)))
+    summed = e.sum(dim=1)
+    sc = torch.exp(m - m_new)
+    s.mul_(sc).add_(summed + e_t)
+    other.mul_(sc).add_(summed)
+    m.copy_(m_new)
+    scale.copy_(sc)
+    zt.copy_(torch.where(inside, c.gather(1, col).squeeze(1), zt))
+    if d is not None:
+        dt.copy_(torch.where(inside, d.gather(1, col).squeeze(1), dt))
+        e.mul_(d)
+    z.copy_(e)

@@ -6,6 +6,9 @@ size of the hidden states; backward only scales it. The gradient with respect to
 the one-hot target) is formed in place in the logits' own buffer, so a chunk costs one `[chunk, vocab]` buffer
 where log_softmax and its backward would hold three or four. The projection must hold no trainable parameters (the
 output layer and final norm are frozen): their gradients would not be computed.
+
+Two heads go further and never hold a chunk's logits over the whole vocabulary: `LinearHead` (a quantized W
+streamed on the CPU) and `TiledHead` (W's bytes on a GPU), both an online softmax over blocks of W's rows.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from juno_py.kernels import cross_entropy_grad_
-from juno_py.kernels.gemm import mm_out
+from juno_py.kernels import cross_entropy_grad_, online_tile_
+from juno_py.kernels.gemm import addmm_out_, mm_out
+from juno_py.kernels.reference import LOWEST
 
 
 def _mm(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
@@ -77,6 +81,10 @@ class LinearHead:
     @property
     def block_rows(self) -> int:
         return self.layer.chunk_rows
+
+    def chunk(self, x: Tensor, t: Tensor, ignore_index: int, want_grad: bool) -> tuple[Tensor, Optional[Tensor]]:
+        """The summed cross-entropy of one chunk and its gradient (`_head_chunk`)."""
+        return _head_chunk(self, x, t, ignore_index, want_grad)
 
     def blocks(self, dtype: torch.dtype):
         """`(start, stop, W[start:stop] in dtype, bias slice or None)`, at most `block_rows` rows each."""
@@ -151,17 +159,97 @@ def _head_chunk(
     return loss, grad.to(x.dtype)
 
 
+# TiledHead: bytes of one tile's logits (positions × rows of W), and positions a chunk at most. 64 MiB keeps a
+# Gemma-3-270M step's loss (262144-token vocabulary, 8 × 512 tokens) at 89 MiB above the forward's activations,
+# where the whole decoded W and a [chunk, vocab] buffer took 870, in the same time (tiles of 8192 rows at 4096
+# positions: 6.9 ms for the loss and its gradient either way, H100).
+HEAD_TILE_BYTES = 64 << 20
+HEAD_CHUNK_POSITIONS = 4096
+# a tile has at least this many rows per column of W: each tile rescales the [positions, D] fp32 accumulator once,
+# which stays a small share of the tile's own traffic (Llama-3-8B's D = 4096: tiles of 16384 rows)
+HEAD_ROWS_PER_COLUMN = 4
+
+
+class TiledHead:
+    """The output projection of a model on a GPU (`ResidentQuantLinear`, W's bytes there), for the chunked loss as
+    an online softmax over tiles of W's rows: each tile is decoded (or sliced from a resident cache), meets the
+    chunk's hidden states in one product, and folds into each position's running maximum and sums
+    (`kernels.online_tile_`); the gradient's product with the same tile follows at once. A chunk holds one tile of
+    logits and one tile of W instead of `[chunk, vocab]` logits and the whole decoded W, for the same products.
+    `cap`: the final logit soft cap (0: none)."""
+
+    def __init__(self, layer, cap: float = 0.0, tile_bytes: int = HEAD_TILE_BYTES):
+        self.layer, self.cap, self.tile_bytes = layer, float(cap), int(tile_bytes)
+
+    def tile_rows(self, positions: int, element_size: int) -> int:
+        """Rows of W a tile: as many as keep `positions` logits a row within `tile_bytes`, and at least
+        HEAD_ROWS_PER_COLUMN per column of W; a multiple of 64 (at least 64, at most the vocabulary)."""
+        rows = max(self.tile_bytes // max(1, positions * element_size), HEAD_ROWS_PER_COLUMN * self.layer.in_features)
+        return max(1, min(self.layer.out_features, max(64, rows // 64 * 64)))
+
+    def chunk(self, x: Tensor, t: Tensor, ignore_index: int, want_grad: bool) -> tuple[Tensor, Optional[Tensor]]:
+        """The summed cross-entropy of one chunk of positions `x` `[n, D]` and, `want_grad`, its gradient with
+        respect to x. With m, s, other, z_t, d_t the rows' state after every tile (`reference.online_tile_eager`):
+        loss = m + log s − z_t on each supervised row, and ∂loss/∂x = acc/s − (other/s)·d_t·W[t], where acc sums the
+        tiles' products of exp(c − m)·dc/dz (the target's column zeroed) with W, each rescaled as m grows: the
+        softmax minus the one-hot target through the projection, the target's part formed from the sum of the
+        other terms (1 − p_t = other/s) rather than from 1 − p_t. Nothing waits for the device."""
+        layer = self.layer
+        op = layer.weight_cache.dtype if layer.weight_cache is not None else layer.compute_dtype
+        z_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+        xc = x.detach().to(op)
+        n, dev = x.shape[0], x.device
+        state = (
+            torch.full((n,), LOWEST, dtype=torch.float32, device=dev),  # running maximum
+            torch.zeros(n, dtype=torch.float32, device=dev),  # Σ exp(c − m)
+            torch.zeros(n, dtype=torch.float32, device=dev),  # the same without the target's term
+            torch.zeros(n, dtype=torch.float32, device=dev),  # the target's c
+            torch.ones(n, dtype=torch.float32, device=dev),  # the target's dc/dz
+            torch.ones(n, dtype=torch.float32, device=dev),  # the last tile's rescaling
+        )
+        acc = torch.zeros(n, layer.in_features, dtype=torch.float32, device=dev) if want_grad else None
+        bias = layer.bias
+        step = self.tile_rows(n, torch.empty((), dtype=z_dtype).element_size())
+        for a in range(0, layer.out_features, step):
+            b = min(a + step, layer.out_features)
+            w = layer.weight_cache[a:b] if layer.weight_cache is not None else layer.dequantize_rows(a, b, op)
+            z = mm_out(xc, w.t(), z_dtype)
+            if bias is not None:
+                z += bias[a:b].to(z_dtype)
+            online_tile_(z, t, a, state, ignore_index, self.cap)
+            if acc is not None:
+                acc.mul_(state[5].unsqueeze(1))
+                addmm_out_(acc, z.to(w.dtype), w)
+            del z, w
+        m, s, other, zt, dt, _ = state
+        valid = t != ignore_index
+        vocab = layer.out_features
+        outside = valid & ((t < 0) | (t >= vocab))  # a target no tile holds: NaN, as the fused kernel gives
+        loss = torch.where(valid, torch.where(outside, math.nan, m + s.log() - zt), 0).sum()
+        if acc is None:
+            return loss, None
+        rows = layer.dequantize_gather(torch.where(valid, t, 0).clamp(0, vocab - 1), op).float()
+        grad = acc.div_(s.unsqueeze(1)).sub_(rows.mul_((other / s * dt).unsqueeze(1)))
+        return loss, torch.where(valid.unsqueeze(1), grad, 0).to(x.dtype)
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, hidden: Tensor, targets: Tensor, project, chunk: int, ignore_index: int, head: Optional[LinearHead] = None
+        ctx,
+        hidden: Tensor,
+        targets: Tensor,
+        project,
+        chunk: int,
+        ignore_index: int,
+        head: Optional[LinearHead | TiledHead] = None,
     ) -> Tensor:
         total = torch.zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
         grad = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         for i in range(0, hidden.shape[0], chunk):
             h, t = hidden[i : i + chunk], targets[i : i + chunk]
             if head is not None:
-                loss, g = _head_chunk(head, h, t, ignore_index, grad is not None)
+                loss, g = head.chunk(h, t, ignore_index, grad is not None)
                 if g is not None:
                     grad[i : i + chunk] = g
                 total += loss
@@ -188,7 +276,7 @@ def chunked_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     hold: Optional[ContextManager] = None,
-    head: Optional[LinearHead] = None,
+    head: "Optional[LinearHead | TiledHead]" = None,
 ) -> Tensor:
     """Cross-entropy of `targets` under `project(hidden)` logits, `chunk` positions at a time.
 
@@ -196,7 +284,7 @@ def chunked_cross_entropy(
     "mean" over the supervised positions (0 when there are none). `hold`: a context entered around all chunks
     (every chunk's forward and gradient run inside it), e.g. the model's `output_decoded()`, which decodes a
     quantized output weight on the GPU once instead of twice per chunk. `head`: the same projection as a
-    LinearHead (the model's `loss_head()`), computed block by block in one pass (`_head_chunk`) instead of through
+    LinearHead or TiledHead (the model's `loss_head()`), computed block by block in one pass instead of through
     `project`.
     """
     if reduction not in ("sum", "mean"):

@@ -25,7 +25,7 @@ from juno_py.kernels import elementwise
 from juno_py.models.attention import AttentionMask, attend
 from juno_py.models.config import ArchSpec, ModelArgs, arch_spec
 from juno_py.models.layout import TARGETS, Layout, resolve_layout
-from juno_py.models.loss import LinearHead, chunked_cross_entropy
+from juno_py.models.loss import LinearHead, TiledHead, chunked_cross_entropy
 from juno_py.weights.frozen import FrozenQuantLinear
 
 WEIGHTS_CACHES = ("none", "bf16", "fp32")
@@ -578,14 +578,23 @@ class Transformer(nn.Module):
         cap = self.args.final_logit_softcap
         return torch.tanh(logits / cap) * cap if cap > 0 else logits
 
-    def loss_head(self) -> Optional[LinearHead]:
-        """The output projection as a LinearHead for the chunked loss where a quantized W lives on the CPU: one
-        decode of W per chunk instead of two when it streams, and, cached or not, no `[positions, vocab]` buffer:
-        each block of W's rows meets the chunk's hidden states while its logits are still in cache (SmolLM2, bf16
-        cache, 2 cores: about 5 % of a LoRA step faster and 0.1 GiB less peak memory than the logits through
-        `project`). None on a GPU (the loss calls `project`)."""
+    def loss_head(self) -> Optional[LinearHead | TiledHead]:
+        """The output projection as a head that the chunked loss computes block by block, never holding
+        `[positions, vocab]` logits. Where a quantized W lives on the CPU, a LinearHead: one decode of W per chunk
+        instead of two when it streams, and each block of W's rows meets the chunk's hidden states while its logits
+        are still in cache (SmolLM2, bf16 cache, 2 cores: about 5 % of a LoRA step faster and 0.1 GiB less peak
+        memory than the logits through `project`). Where W's bytes are on a GPU, a TiledHead: tiles of W decoded
+        one at a time instead of all of W held decoded beside a chunk's logits over the whole vocabulary
+        (Gemma-3-270M, 8 × 512 tokens: 0.87 GiB at the loss's peak became about 0.1). None otherwise (the loss
+        calls `project`): float64 activations (exactness checks), an output that is not quantized."""
         out = self.output
-        if not isinstance(out, FrozenQuantLinear) or out.resident or self.act_dtype != torch.float32:
+        if not isinstance(out, FrozenQuantLinear):
+            return None
+        if out.resident:
+            if self.act_dtype not in (torch.float32, torch.bfloat16):
+                return None
+            return TiledHead(out, self.args.final_logit_softcap)
+        if self.act_dtype != torch.float32:
             return None
         return LinearHead(out, self.args.final_logit_softcap)
 
@@ -594,7 +603,8 @@ class Transformer(nn.Module):
         (`FrozenQuantLinear.decoded`) instead of twice per chunk; anything else is left as it is. A sharded model
         (`juno_py.train.sharded`) first gathers the projection's bytes here (`output_hold`)."""
         out = self.output
-        inner = out.decoded() if isinstance(out, FrozenQuantLinear) else contextlib.nullcontext()
+        decode = isinstance(out, FrozenQuantLinear) and not isinstance(self.loss_head(), TiledHead)
+        inner = out.decoded() if decode else contextlib.nullcontext()
         hold = getattr(self, "output_hold", None)
         return inner if hold is None else _nested(hold(), inner)
 

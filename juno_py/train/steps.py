@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 
 from juno_py.errors import JunoError
-from juno_py.models.loss import chunked_cross_entropy
+from juno_py.models.loss import HEAD_CHUNK_POSITIONS, TiledHead, chunked_cross_entropy
 from juno_py.train.data import Batch, Example, pad_batch
 
 if TYPE_CHECKING:
@@ -36,9 +36,11 @@ LOGITS_BYTES_GPU = 512 << 20
 
 
 def loss_chunk(model) -> int:
-    """Positions per loss chunk: as many as keep one chunk's fp32 logits within LOGITS_BYTES (LOGITS_BYTES_GPU when
-    the model is on a GPU), at least 128."""
+    """Positions per loss chunk: HEAD_CHUNK_POSITIONS for a TiledHead (its tiles bound the logits); else as many as
+    keep one chunk's fp32 logits within LOGITS_BYTES (LOGITS_BYTES_GPU when the model is on a GPU), at least 128."""
     head = model.loss_head()
+    if isinstance(head, TiledHead):  # tiles of W bound the logits: positions bound only the chunk's [n, D] buffers
+        return HEAD_CHUNK_POSITIONS
     if head is not None:  # one block of logits at a time: a quarter of the budget per block
         return max(128, LOGITS_BYTES // 4 // (4 * head.block_rows))
     budget = LOGITS_BYTES_GPU if model.embed.device.type == "cuda" else LOGITS_BYTES

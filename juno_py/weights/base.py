@@ -74,6 +74,10 @@ class FrozenBase(Protocol):
         """W[r0:r1, c0:c1] decoded exactly from the bytes, on their device."""
         ...
 
+    def dequantize_gather(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `index` (a 1-D integer tensor) of W decoded exactly from the bytes, on their device."""
+        ...
+
     def row_norms_sq(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Squared L2 norms of the exact rows `[out_features]`, computed once and kept."""
         ...

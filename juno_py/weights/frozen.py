@@ -290,6 +290,16 @@ class FrozenQuantLinear(nn.Module):
             w = w[:, c0:c1]
         return w.to(self.raw.device, dtype) if (w.device, w.dtype) != (self.raw.device, dtype) else w
 
+    def dequantize_gather(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `index` of W (a 1-D integer tensor of row numbers, each in `[0, n_out)`) decoded exactly from the
+        bytes, `[len(index), n_in]`, on the device of the bytes: the rows' bytes gathered, then decoded as a tile."""
+        raw = self.raw[index.to(self.raw.device)]
+        direct = dtype if dtype == torch.bfloat16 else torch.float32
+        w = quants.dequantize(
+            self._ggml_type, raw.cpu() if raw.device.type != "cpu" else raw, self._n_in, what=self.name, dtype=direct
+        )
+        return w.to(self.raw.device, dtype) if (w.device, w.dtype) != (self.raw.device, dtype) else w
+
     def set_weights_cache(self, cache: str) -> Self:
         """Keep ("bf16", "fp32") or drop ("none") a dequantized copy of W, decoded where the bytes are now (on a
         GPU: by the Triton kernels, after the move, so the copy is never built on the CPU)."""

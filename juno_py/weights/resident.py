@@ -48,6 +48,14 @@ class ResidentQuantLinear(FrozenQuantLinear, resident=True):
             return device_dequant.dequantize_tile(self.raw, self._ggml_type, self._n_in, rows, cols).to(dtype)
         return super().dequantize_tile(rows, cols, dtype)
 
+    def dequantize_gather(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `index` of W decoded exactly, on the device of the bytes: Triton where it runs (the rows' bytes
+        gathered into a tile of their own), else the torch codecs."""
+        if self._use_triton() and dtype in device_dequant.OUT_DTYPES:
+            raw = self.raw[index.to(self.raw.device)]
+            return device_dequant.dequantize_tile(raw, self._ggml_type, self._n_in, dtype=dtype)
+        return super().dequantize_gather(index, dtype)
+
     def _use_triton(self) -> bool:
         """Decode with the Triton kernels: on CUDA (auto) or when forced, for the types they cover."""
         if self.dequant == "torch" or not device_dequant.has_kernel(self._ggml_type):
@@ -124,7 +132,8 @@ class ResidentQuantLinear(FrozenQuantLinear, resident=True):
                 y = self._rows_product(xc, w, y, a, b, res)
                 del w
         assert y is not None  # n_out ≥ 1: the loop ran
-        return y.reshape(*x.shape[:-1], self._n_out)
+        # 2-D x: y itself, not a view of it, so a caller may write over it (the loss's gradient does)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self._n_out)
 
     def matmul_lora(self, x: torch.Tensor, xa: torch.Tensor, B: torch.Tensor, alpha: float) -> Optional[torch.Tensor]:
         """x·Wᵀ + alpha·xa·Bᵀ (no bias, no autograd) in one launch where the GEMV takes the product (1 to 4 tokens of
@@ -282,7 +291,8 @@ class ResidentQuantLinear(FrozenQuantLinear, resident=True):
             tile_u(a, b, hi, pair[: b - a].view(b - a, 2 * n_in))
             del hi, lo
         assert y is not None  # n_out ≥ 1: the loop ran
-        return y.reshape(*x.shape[:-1], self._n_out)
+        # 2-D x: y itself, not a view of it, so a caller may write over it (the loss's gradient does)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self._n_out)
 
     def _transpose_product(self, g: torch.Tensor) -> torch.Tensor:
         """`g·W` by blocks of columns of W: every product reduces over all n_out rows at once (fp32 accumulation)."""

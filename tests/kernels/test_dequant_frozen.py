@@ -379,8 +379,10 @@ def test_decoded_once_for_many_products(compute, monkeypatch):
 
 
 def test_chunked_loss_decodes_the_output_once(tiny_gguf, monkeypatch):
-    """The training loss over many chunks of positions decodes a quantized output weight once (`hold=`), and gives
-    the loss and hidden-state gradient of the per-chunk path."""
+    """The chunked loss through `project` over many chunks of positions decodes a quantized output weight once
+    (`hold=` the layer's `decoded()`), and gives the loss and hidden-state gradient of the per-chunk path. The
+    model's own loss takes its tiled head instead, which decodes W a tile at a time: its `output_decoded()` holds
+    nothing decoded."""
     from juno_py.models import load_model
     from juno_py.models.loss import chunked_cross_entropy
 
@@ -396,8 +398,10 @@ def test_chunked_loss_decodes_the_output_once(tiny_gguf, monkeypatch):
     gen = torch.Generator().manual_seed(8)
     hidden = torch.randn(48, out.in_features, generator=gen).to(DEVICE).bfloat16()
     targets = torch.randint(0, out.out_features, (48,), generator=gen).to(DEVICE)
+    with model.output_decoded():
+        assert out.weight_cache is None
     results = []
-    for hold in (None, model.output_decoded()):
+    for hold in (None, out.decoded()):
         h = hidden.clone().requires_grad_(True)
         calls = _count_decodes(monkeypatch)
         loss = chunked_cross_entropy(h, targets, model.project, chunk=16, reduction="sum", hold=hold)
