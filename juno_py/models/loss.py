@@ -276,7 +276,7 @@ def chunked_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     hold: Optional[ContextManager] = None,
-    head: "Optional[LinearHead | TiledHead]" = None,
+    head: Optional[LinearHead | TiledHead] = None,
 ) -> Tensor:
     """Cross-entropy of `targets` under `project(hidden)` logits, `chunk` positions at a time.
 
