@@ -123,12 +123,17 @@ def cross_entropy_grad(
 
 
 @triton.jit
-def _tanh(u):
-    """(tanh u, 1 − tanh² u) from one exponential that never overflows, e = e^(−2|u|): sign(u)·(1 − e)/(1 + e) and
+def _capped(x, cap, CAP: tl.constexpr):
+    """(c, dc/dx) of fp32 logits x under the soft cap c = cap·tanh(x/cap) (CAP), else (x, 1). tanh and its slope
+    1 − tanh² from one exponential that never overflows, e = e^(−2|u|) with u = x/cap: sign(u)·(1 − e)/(1 + e) and
     4e/(1 + e)², the slope without the cancellation of 1 − tanh² where tanh is near ±1."""
-    e = tl.exp(-2.0 * tl.abs(u))
-    r = (1.0 - e) / (1.0 + e)
-    return tl.where(u < 0, -r, r), 4.0 * e / ((1.0 + e) * (1.0 + e))
+    if CAP:
+        u = x / cap
+        e = tl.exp(-2.0 * tl.abs(u))
+        r = (1.0 - e) / (1.0 + e)
+        return cap * tl.where(u < 0, -r, r), 4.0 * e / ((1.0 + e) * (1.0 + e))
+    else:
+        return x, 1.0
 
 
 @triton.jit
@@ -165,19 +170,13 @@ def _online_tile_kernel(
     e_row = e_ptr + row.to(tl.int64) * stride_zr  # z's own buffer (bf16 through an int16 view)
     lanes = tl.arange(0, BLOCK)
     read_to = tl.where(valid, R, 0)
-    c_t = tl.load(z_row + tl.where(inside, hit, 0), mask=inside, other=0.0).to(tl.float32)
-    d_t = 1.0
-    if CAP:
-        th_t, d_t = _tanh(c_t / cap)
-        c_t = cap * th_t
+    z_t = tl.load(z_row + tl.where(inside, hit, 0), mask=inside, other=0.0).to(tl.float32)
+    c_t, d_t = _capped(z_t, cap, CAP)
     mx = tl.full([BLOCK], -3.4028234663852886e38, tl.float32)
     for b in range(BLOCKS):
         cols = b * BLOCK + lanes
         ok = cols < read_to
-        x = tl.load(z_row + cols, mask=ok, other=0.0).to(tl.float32)
-        if CAP:
-            th, _ = _tanh(x / cap)
-            x = cap * th
+        x, _ = _capped(tl.load(z_row + cols, mask=ok, other=0.0).to(tl.float32), cap, CAP)
         mx = tl.maximum(mx, tl.where(ok, x, -3.4028234663852886e38))
     m_old = tl.load(m_ptr + row)
     m_new = tl.maximum(m_old, tl.max(mx, axis=0))
@@ -185,10 +184,7 @@ def _online_tile_kernel(
     for b in range(BLOCKS):
         cols = b * BLOCK + lanes
         ok = cols < read_to
-        x = tl.load(z_row + cols, mask=ok, other=0.0).to(tl.float32)
-        if CAP:
-            th, d = _tanh(x / cap)
-            x = cap * th
+        x, d = _capped(tl.load(z_row + cols, mask=ok, other=0.0).to(tl.float32), cap, CAP)
         e = tl.exp(tl.where(ok & (cols != hit), x - m_new, -3.4028234663852886e38))  # 0 off the row and at t
         total += e
         if CAP:
