@@ -280,7 +280,17 @@ class FrozenQuantLinear(nn.Module):
         """W[r0:r1, c0:c1] decoded from the bytes, on the device of the bytes, by the torch codecs (on the CPU; whole
         rows decoded, the columns cut from them). The resident backend decodes with Triton where it runs."""
         (r0, r1), (c0, c1) = rows, cols
-        raw = self.raw[r0:r1]
+        return self._codec_rows(self.raw[r0:r1], dtype, (c0, c1))
+
+    def dequantize_gather(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `index` of W (a 1-D integer tensor of row numbers, each in `[0, n_out)`) decoded exactly from the
+        bytes, `[len(index), n_in]`, on the device of the bytes: the rows' bytes gathered, then decoded as a tile."""
+        return self._codec_rows(self.raw[index.to(self.raw.device)], dtype, (0, self._n_in))
+
+    def _codec_rows(self, raw: torch.Tensor, dtype: torch.dtype, cols: tuple[int, int]) -> torch.Tensor:
+        """Whole rows of bytes `raw` decoded by the torch codecs on the CPU, columns `cols` of them in `dtype`, on the
+        device of the bytes."""
+        c0, c1 = cols
         # whole rows in bf16: the codec rounds on its last pass instead of a separate conversion over memory
         direct = dtype if dtype == torch.bfloat16 and (c0, c1) == (0, self._n_in) else torch.float32
         w = quants.dequantize(
@@ -288,16 +298,6 @@ class FrozenQuantLinear(nn.Module):
         )
         if (c0, c1) != (0, self._n_in):
             w = w[:, c0:c1]
-        return w.to(self.raw.device, dtype) if (w.device, w.dtype) != (self.raw.device, dtype) else w
-
-    def dequantize_gather(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Rows `index` of W (a 1-D integer tensor of row numbers, each in `[0, n_out)`) decoded exactly from the
-        bytes, `[len(index), n_in]`, on the device of the bytes: the rows' bytes gathered, then decoded as a tile."""
-        raw = self.raw[index.to(self.raw.device)]
-        direct = dtype if dtype == torch.bfloat16 else torch.float32
-        w = quants.dequantize(
-            self._ggml_type, raw.cpu() if raw.device.type != "cpu" else raw, self._n_in, what=self.name, dtype=direct
-        )
         return w.to(self.raw.device, dtype) if (w.device, w.dtype) != (self.raw.device, dtype) else w
 
     def set_weights_cache(self, cache: str) -> Self:
