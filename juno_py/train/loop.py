@@ -534,11 +534,9 @@ def _peak_gpu_bytes(params) -> Optional[int]:
 def _bounded(params, world: distributed.World = distributed.SINGLE, sharded=None) -> bool:
     """Whether every weight is at most MAX_WEIGHT in magnitude (one read from the device; sharded: every rank's
     parts, the ranks agreeing)."""
-    parts = [t for t in (local_part(p).detach() for p in params) if t.numel()]  # a rank's part may be empty
-    if _plain(parts):
-        peaks = list(torch._foreach_norm(parts, math.inf)) if parts else []  # one launch, not one per parameter
-    else:
-        peaks = [torch.linalg.vector_norm(t, ord=math.inf) for t in parts]
+    # a rank's part (a plain tensor) may be empty
+    parts = [t for t in (local_part(p).detach() for p in params) if t.numel()]
+    peaks = list(torch._foreach_norm(parts, math.inf)) if parts else []  # one launch, not one per parameter
     ok = bool(torch.stack(peaks).max() <= MAX_WEIGHT) if peaks else True
     if sharded is not None:
         ok = world.max(0 if ok else 1) == 0
