@@ -209,7 +209,7 @@ class TiledHead:
         )
         acc = torch.zeros(n, layer.in_features, dtype=torch.float32, device=dev) if want_grad else None
         bias = layer.bias
-        step = self.tile_rows(n, torch.empty((), dtype=z_dtype).element_size())
+        step = self.tile_rows(n, z_dtype.itemsize)
         for a in range(0, layer.out_features, step):
             b = min(a + step, layer.out_features)
             w = layer.weight_cache[a:b] if layer.weight_cache is not None else layer.dequantize_rows(a, b, op)

@@ -599,7 +599,8 @@ class Transformer(nn.Module):
         return LinearHead(out, self.args.final_logit_softcap)
 
     def output_decoded(self):
-        """Context for the chunked loss: a quantized output projection on the GPU is decoded once for all chunks
+        """Context for the chunked loss: a quantized output projection on the GPU that the loss multiplies through
+        `project` (float64 activations; a TiledHead decodes its own tiles) is decoded once for all chunks
         (`FrozenQuantLinear.decoded`) instead of twice per chunk; anything else is left as it is. A sharded model
         (`juno_py.train.sharded`) first gathers the projection's bytes here (`output_hold`)."""
         out = self.output
