@@ -227,6 +227,7 @@ def main() -> None:
     ap.add_argument("--grad-checkpoint", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--expert-path", default="auto", choices=["auto", "grouped", "loop"], help="juno-py's experts")
     ap.add_argument("--skip-peer", action="store_true", help="juno-py only: no transformers + PEFT run")
+    ap.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"], help="juno-py's step graphs")
     ap.add_argument("--peer-only", action="store_true", help=argparse.SUPPRESS)  # the peer's own process
     ap.add_argument("--peer-attention-only", default="", help=argparse.SUPPRESS)  # why its expert LoRA failed
     harness.add_output_args(ap)
@@ -271,13 +272,23 @@ def main() -> None:
         schedule="constant",
         grad_checkpoint=args.grad_checkpoint,
         max_seq_len=args.seq,
-        cuda_graphs="off",
+        cuda_graphs=args.cuda_graphs,
     )
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     rec = MetricsRecorder()
     start = time.time()
-    train(model, adapters, examples, cfg, recorder=rec, progress=False, log=lambda m: print(m, file=sys.stderr))
+    said: list[str] = []
+    train(
+        model,
+        adapters,
+        examples,
+        cfg,
+        recorder=rec,
+        progress=False,
+        log=lambda m: said.append(m) or print(m, file=sys.stderr),
+    )
+    graphed = any("captured a CUDA graph" in m for m in said)
     steps = [e for e in rec.events if e.kind == "train_step"]
     stamps = [start] + [e.time for e in steps]
     times = [b - a for a, b in zip(stamps, stamps[1:])]
@@ -313,7 +324,7 @@ def main() -> None:
         f"{args.experts} experts of {args.n_ff_exp}, top {args.top_k}, vocab {args.vocab}; Q4_K (Q6_K output); LoRA "
         f"r={args.rank} on {args.targets} ({args.lora_experts}, {adapters.n_parameters():,} parameters); "
         f"{args.batch} x {args.seq} tokens a step; compute {args.compute_dtype}; grad checkpoint "
-        f"{args.grad_checkpoint}.",
+        f"{args.grad_checkpoint}; juno-py's steps {'replayed as a CUDA graph' if graphed else 'eager'}.",
         f"Router load, last step: worst imbalance {loads[-1]['imbalance_max']:.2f}, idle experts "
         f"{loads[-1]['idle_experts']}."
         if loads

@@ -68,6 +68,11 @@ class GatedActivation(torch.autograd.Function):
         return d_gate, d_up, None
 
 
+def _capturing(x: Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of x's device."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def gated(act, gate: Tensor, up: Tensor) -> Tensor:
     """`act(gate) · up`: the fused kernels on CUDA (`kernels.elementwise`: one pass forward, one backward), else
     through GatedActivation when a graph is being recorded."""
@@ -567,7 +572,8 @@ class Transformer(nn.Module):
         for blk in self.blocks:
             rope, m = ropes[self._rope_of_layer[blk.layer]], masks[blk.window]
             if self.checkpoint_blocks and torch.is_grad_enabled() and cache is None:
-                x = checkpoint(blk, x, rope, m, use_reentrant=False)
+                # inside a CUDA graph's capture the RNG state cannot be read; captured steps have no dropout
+                x = checkpoint(blk, x, rope, m, use_reentrant=False, preserve_rng_state=not _capturing(x))
             else:
                 x = blk(x, rope, m, cache)
         return self.norm(x)
@@ -670,12 +676,17 @@ class Transformer(nn.Module):
 
     def expert_load(self, reset: bool = False) -> dict[int, Tensor]:
         """Tokens routed to each expert per MoE block since the load was last reset: `{layer: counts [n_expert]}`
-        (`reset`: and start counting afresh)."""
+        (`reset`: copies of them, and counting starts afresh). A reset zeroes the counts in place, so the tensors a
+        captured training step adds into stay the ones read here."""
         out = {blk.layer: blk.moe.load for blk in self.blocks if blk.moe is not None and blk.moe.load is not None}
         if reset:
+            out = {layer: counts.clone() for layer, counts in out.items()}
             for blk in self.blocks:
-                if blk.moe is not None:
-                    blk.moe.load = None
+                if blk.moe is not None and blk.moe.load is not None:
+                    if blk.moe.load.is_inference():  # not writable outside inference mode
+                        blk.moe.load = None
+                    else:
+                        blk.moe.load.zero_()
         return out
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:

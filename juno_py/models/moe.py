@@ -390,7 +390,12 @@ class MoEFeedForward(nn.Module):
         counts = torch.zeros(self.n_expert, dtype=torch.long, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat)
         )
-        self.load = counts.detach() if self.load is None else self.load + counts.detach()
+        # added in place into a tensor that outlives the step, so a replayed CUDA graph of the step counts too (a
+        # tensor made under inference mode cannot be written outside it: a fresh one then)
+        if self.load is None or self.load.is_inference() or self.load.device != counts.device:
+            self.load = counts.detach().clone()
+        else:
+            self.load.add_(counts.detach())
         tokens = order // self.k
         w = weights.reshape(-1)[order].to(x.dtype).unsqueeze(-1)
         out = torch.zeros_like(xf)

@@ -46,22 +46,32 @@ def graph_blocker(model, cfg, net, optimizer: TrainOptimizer, trainable: Trainab
         return "the model is not on a CUDA device"
     if net is not None:
         return "data-parallel training (DDP all-reduces during backward)"
-    why = step_blocker(cfg, model.checkpoint_blocks)
+    moe = _moe_blocks(model)
+    if moe and not all(m.runs_grouped(torch.empty(0, device=model.embed.device, dtype=model.act_dtype)) for m in moe):
+        return "mixture-of-experts blocks on the per-expert loop (its group sizes are read on the host every step)"
+    why = step_blocker(cfg, model.checkpoint_blocks, launch_bound=bool(moe))
     if why is not None:
         return why
-    if getattr(getattr(model, "args", None), "n_expert", 0):
-        return "mixture-of-experts blocks (the tokens each expert takes change every step)"
     if optimizer.updates_in_backward:
         return "an optimizer that updates during backward (GaLore per-layer)"
     return trainable.graph_blocker()
 
 
-def step_blocker(cfg, checkpointing: bool) -> Optional[str]:
+def _moe_blocks(model) -> list:
+    """The model's mixture-of-experts feed-forwards (none for a dense model)."""
+    from juno_py.models.moe import MoEFeedForward
+
+    return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+
+
+def step_blocker(cfg, checkpointing: bool, launch_bound: bool = False) -> Optional[str]:
     """Why steps of this configuration cannot be captured (`checkpointing`: the model recomputes its blocks in
-    backward), or None."""
+    backward), or None. `launch_bound`: the model's step is bound by its launches even with checkpointing (the
+    grouped experts of an MoE model: routing, gathers and grouped products in every block), so a checkpointed step
+    is captured too."""
     if cfg.bptt_window:
         return "--bptt-window (windows carry a KV cache between captures)"
-    if checkpointing or cfg.grad_checkpoint:
+    if (checkpointing or cfg.grad_checkpoint) and not launch_bound:
         return "--grad-checkpoint (activation checkpointing)"
     if cfg.batch_size * cfg.max_seq_len >= MAX_GRAPH_TOKENS:
         return f"micro-batches of {cfg.batch_size} x {cfg.max_seq_len} tokens (at least {MAX_GRAPH_TOKENS})"
@@ -156,12 +166,20 @@ class GraphedSteps:
         try:
             for p in self.params:
                 p.grad = None
-            # warm-up on a side stream, as CUDA graph capture wants (lazy allocations, autograd's stream state)
+            # warm-up on a side stream, as CUDA graph capture wants (lazy allocations, autograd's stream state); the
+            # router load it counts is taken back, so the step counts its routing once (by the replay)
+            loads = getattr(self.model, "expert_load", None)
+            counted = {k: v.clone() for k, v in loads().items()} if loads is not None else {}
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 self._forward_backward(s)
             torch.cuda.current_stream().wait_stream(side)
+            for layer, v in (loads() if loads is not None else {}).items():
+                if layer in counted:
+                    v.copy_(counted[layer])
+                else:
+                    v.zero_()
             for p in self.params:
                 p.grad = None
             self.trainable.forget_derived()  # computed inside the graph, from the weights as they are at replay

@@ -157,3 +157,36 @@ def test_checkpointed_blocks_give_the_same_gradients(tiny_gguf):
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 20
     for name, g in grads[0].items():
         assert torch.allclose(g, grads[1][name], rtol=1e-5, atol=1e-7), name
+
+
+def test_a_reset_returns_the_counts_and_zeroes_them_in_place(tiny_gguf):
+    """The router load is counted into tensors that outlive a step (a replayed CUDA graph adds into them): a reset
+    hands out copies and zeroes the same tensors, which the next forward counts into again."""
+    model = ours(tiny_gguf("qwen3moe", GGMLType.Q8_0))
+    ids = sample_ids(16, seed=3)
+    with torch.no_grad():
+        model.logits(ids)
+    held = model.expert_load()
+    taken = model.expert_load(reset=True)
+    k = model.args.n_expert_used
+    assert sorted(taken) == sorted(held) == [0, 1]
+    for layer, counts in taken.items():
+        assert int(counts.sum()) == len(ids) * k and counts is not held[layer]
+        assert int(held[layer].abs().sum()) == 0  # zeroed where it lies
+    with torch.no_grad():
+        model.logits(ids)
+    again = model.expert_load()
+    for layer, counts in again.items():
+        assert counts is held[layer] and torch.equal(counts, taken[layer])  # the same routing, the same tensors
+
+
+def test_a_load_counted_under_inference_mode_is_replaced_not_written(tiny_gguf):
+    model = ours(tiny_gguf("qwen3moe", GGMLType.Q8_0))
+    ids = sample_ids(8, seed=4)
+    with torch.inference_mode():
+        model.logits(ids)
+    assert all(v.is_inference() for v in model.expert_load().values())
+    model.expert_load(reset=True)  # an inference tensor cannot be zeroed outside inference mode: dropped instead
+    with torch.no_grad():
+        model.logits(ids)
+    assert all(int(v.sum()) == len(ids) * model.args.n_expert_used for v in model.expert_load().values())

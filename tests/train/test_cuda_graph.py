@@ -243,6 +243,49 @@ def test_a_failing_capture_leaves_no_dora_state_behind(tiny_gguf, monkeypatch):
     assert _rel(got, ref) <= 1e-3
 
 
+def _run_moe(path, graphs, examples, checkpoint):
+    """A tiny qwen3moe trained with LoRA on attention and every expert; the run, as `_run` gives it, and the router
+    load's total per block of every step."""
+    from juno_py.metrics import MetricsRecorder
+
+    torch.manual_seed(0)
+    model = load_model(path, device="cuda", compute_dtype="bf16")
+    adapters = attach(model, "all", rank=4, alpha=8, seed=0)
+    cfg = TrainConfig(
+        lr=5e-3,
+        batch_size=4,
+        epochs=None,
+        schedule="constant",
+        max_seq_len=64,
+        max_steps=10,
+        cuda_graphs=graphs,
+        grad_checkpoint=checkpoint,
+    )
+    start = {k: v.detach().float().cpu().clone() for k, v in adapters.named_parameters()}
+    rec, log = MetricsRecorder(), []
+    result = train(model, adapters, examples, cfg, recorder=rec, progress=False, log=log.append)
+    moved = {k: v.detach().float().cpu() - start[k] for k, v in adapters.named_parameters()}
+    totals = [{layer: sum(c) for layer, c in e.values["counts"].items()} for e in rec.events if e.kind == "expert_load"]
+    return (result, moved, log), totals
+
+
+@needs_cuda
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointed"])
+def test_graphed_moe_training_matches_eager_and_counts_the_router_load(tiny_gguf, checkpoint):
+    """The grouped experts' step is captured (with activation checkpointing too), trains as the eager one does,
+    and every replayed step reports its own router load."""
+    path = tiny_gguf("qwen3moe", GGMLType.Q8_0)
+    examples = _examples([32] * 40)
+    eager, eager_load = _run_moe(path, "off", examples, checkpoint)
+    graphed, graphed_load = _run_moe(path, "on", examples, checkpoint)
+    assert any("captured a CUDA graph" in m for m in graphed[2]), graphed[2]
+    _close_runs(eager, graphed)
+    assert len(graphed_load) == len(eager_load) == 10
+    passes = 2 if checkpoint else 1  # a checkpointed block routes again when it is recomputed
+    for step in graphed_load + eager_load:
+        assert step and all(n == 4 * 32 * 2 * passes for n in step.values()), step  # batch x tokens x top-k
+
+
 @needs_cuda
 def test_cuda_graphs_are_refused_with_checkpointing(tiny_gguf):
     path = tiny_gguf("llama", GGMLType.Q8_0)
