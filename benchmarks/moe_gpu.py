@@ -97,6 +97,46 @@ PEER_EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 PEER_ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
+def profiled_recorder(last: int, cuda: bool):
+    """A MetricsRecorder that profiles the `last`-th training step (0: none) with torch.profiler, stepping the
+    profiler's schedule at each train_step event (after the device finished the step); its `close()` prints that
+    step's operations and kernels by device time. A steady step of the measured run itself, not the first step of
+    a fresh one (which runs eagerly and allocates the optimizer's state)."""
+    import torch
+
+    from juno_py.metrics import MetricsRecorder
+
+    class Recorder(MetricsRecorder):
+        prof: Any = None
+
+        def emit(self, kind: str, **values: Any):
+            event = super().emit(kind, **values)
+            if kind == "train_step" and self.prof is not None:
+                if cuda:
+                    torch.cuda.synchronize()
+                self.prof.step()
+            return event
+
+        def close(self) -> None:
+            if self.prof is None:
+                return
+            self.prof.__exit__(None, None, None)
+            sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+            print(f"\n### juno-py step {last}, by {'device' if cuda else 'CPU'} time\n", file=sys.stderr)
+            print(self.prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70), file=sys.stderr)
+            self.prof = None
+
+    rec = Recorder()
+    if last > 0:
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        warm = 1 if last > 1 else 0  # one step's warm-up of the profiler before the profiled one
+        rec.prof = profile(activities=acts, schedule=schedule(wait=last - 1 - warm, warmup=warm, active=1, repeat=1))
+        rec.prof.__enter__()
+    return rec
+
+
 def run_peer(a: argparse.Namespace) -> dict[str, Any]:
     """transformers + PEFT on the shape of `a`: {tokens_s, step_s, peak_gib, losses, experts_implementation,
     expert_lora, trainable}."""
@@ -228,6 +268,12 @@ def main() -> None:
     ap.add_argument("--expert-path", default="auto", choices=["auto", "grouped", "loop"], help="juno-py's experts")
     ap.add_argument("--skip-peer", action="store_true", help="juno-py only: no transformers + PEFT run")
     ap.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"], help="juno-py's step graphs")
+    ap.add_argument(
+        "--kernels",
+        action="store_true",
+        help="print torch.profiler's table of juno-py's last step (a steady one: graphed if the run is), by device "
+        "time; that step's time then includes the profiler's overhead",
+    )
     ap.add_argument("--peer-only", action="store_true", help=argparse.SUPPRESS)  # the peer's own process
     ap.add_argument("--peer-attention-only", default="", help=argparse.SUPPRESS)  # why its expert LoRA failed
     harness.add_output_args(ap)
@@ -241,7 +287,6 @@ def main() -> None:
     import torch
 
     from juno_py.lora import attach
-    from juno_py.metrics import MetricsRecorder
     from juno_py.models import Transformer
     from juno_py.models.moe import MoEFeedForward
     from juno_py.train.data import Example
@@ -276,7 +321,7 @@ def main() -> None:
     )
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    rec = MetricsRecorder()
+    rec = profiled_recorder(n_steps if args.kernels else 0, cuda)
     start = time.time()
     said: list[str] = []
     train(
@@ -289,6 +334,7 @@ def main() -> None:
         log=lambda m: said.append(m) or print(m, file=sys.stderr),
     )
     graphed = any("captured a CUDA graph" in m for m in said)
+    rec.close()
     steps = [e for e in rec.events if e.kind == "train_step"]
     stamps = [start] + [e.time for e in steps]
     times = [b - a for a, b in zip(stamps, stamps[1:])]
