@@ -363,9 +363,16 @@ def main() -> None:
     notes = [
         f"Mean over {len(timed)} steps after {args.warmup} warmup; peak: torch's max_memory_allocated after the "
         f"model was built, weights included. juno-py: {weight_gib:.2f} GiB of weights (F32 embeddings, norms and "
-        "router; the rest quantized); last step forward/backward/optimizer "
-        + "/".join(f"{last.get(k, 0.0):.0f}" for k in ("forward_ms", "backward_ms", "optimizer_ms"))
-        + f" ms; losses {[round(e.values['loss'], 3) for e in steps]}.",
+        "router; the rest quantized); "
+        + (
+            f"last step's graph replay (forward and backward) {last.get('forward_ms', 0.0):.0f} ms, optimizer "
+            f"{last.get('optimizer_ms', 0.0):.0f} ms"
+            if graphed
+            else "last step forward/backward/optimizer "
+            + "/".join(f"{last.get(k, 0.0):.0f}" for k in ("forward_ms", "backward_ms", "optimizer_ms"))
+            + " ms"
+        )
+        + f"; losses {[round(e.values['loss'], 3) for e in steps]}.",
         f"Synthetic qwen3moe: {args.layers} layers, hidden {args.n_embd}, {args.heads}/{args.kv_heads} heads of 128, "
         f"{args.experts} experts of {args.n_ff_exp}, top {args.top_k}, vocab {args.vocab}; Q4_K (Q6_K output); LoRA "
         f"r={args.rank} on {args.targets} ({args.lora_experts}, {adapters.n_parameters():,} parameters); "
