@@ -9,7 +9,8 @@ host, so on CUDA the step is captured once as a graph over static buffers (the t
 replayed per token: one launch for the whole model. The frozen products of one token go through the resident
 weights' GEMV (`weights.resident`, `kernels.matvec_triton`), which reads each weight byte once and writes the
 activations' dtype; a LoRA adds its x·Aᵀ product, whose term the GEMV adds to its sums (`matmul_lora`), DoRA
-composes as `AdaptedLinear` composes it at inference.
+composes as `AdaptedLinear` composes it at inference. On CUDA each residual addition runs with the norm after it,
+and RoPE with the cache writes, as one launch each (`kernels.decode_triton`, the unfused kernels' bits).
 
 Where the embedding table's bytes are a tensor on the model's device (a model built there) the step looks the
 token up itself from the static token tensor, inside the graph; a table in the file's memory map is looked up on
@@ -26,6 +27,7 @@ adapters in training with dropout, a cache other than batch 1 in the activations
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from functools import partial
 from typing import Any, Optional
@@ -37,7 +39,7 @@ from torch import Tensor
 from juno_py.gguf import quants
 from juno_py.kernels import dequant as device_dequant
 from juno_py.lora.adapters import SharedInputPlay
-from juno_py.models.model import KVCache, QuantEmbedding, Transformer, rope_cos_sin, rope_qk
+from juno_py.models.model import KVCache, QuantEmbedding, RMSNorm, Transformer, rope_cos_sin, rope_qk
 
 # the linears of a block that read one input: their adapters' x·Aᵀ run as one product (`SharedInputPlay`)
 SHARED_INPUTS = {"qkv": ("wq", "wk", "wv"), "gate_up": ("wgate", "wup")}
@@ -74,10 +76,11 @@ def _embedding_table(model: Transformer) -> Optional[tuple[Tensor, int, int, Opt
 class CudaGraphDecoder:
     """Decode steps for `model` over `cache` (a `KVCache` of batch 1 that `prefill` filled): `step(token)` feeds one
     token after the cached ones and returns the logits `[vocab]` for the next (a buffer the next step overwrites).
-    `graph`: capture the step as a CUDA graph on first use where the cache is on CUDA (False: always eager). Build with
+    `graph`: capture the step as a CUDA graph on first use where the cache is on CUDA (False: always eager). `fused`:
+    False runs the step without `kernels.decode_triton`'s fused kernels (None: where they apply). Build with
     `CudaGraphDecoder.build(model, cache)`, which returns None where the path does not apply."""
 
-    def __init__(self, model: Transformer, cache: KVCache, graph: Optional[bool] = None):
+    def __init__(self, model: Transformer, cache: KVCache, graph: Optional[bool] = None, fused: Optional[bool] = None):
         self.model, self.cache, self.args = model, cache, model.args
         a = self.args
         device, dtype = cache.k[0].device, cache.k[0].dtype
@@ -103,6 +106,11 @@ class CudaGraphDecoder:
             rope_cos_sin(self.positions, getattr(model, f"_inv_freq{i}"), a.rope_attn_factor, model.act_dtype)
             for i in range(len(model._rope_keys))
         ]
+        # the fused step kernels (`kernels.decode_triton`) where they take this model: CUDA (or the interpreter under
+        # JUNO_PY_KERNELS=fused), float32 or bfloat16 activations
+        self.fused = _step_kernels(model, cache) if fused is not False else None
+        self.fused_norms = self.fused is not None and _norms_fuse(model)
+        self.fused_rope = self.fused is not None and _rope_fuses(model)
         # per block, the linears that read one input played with one x·Aᵀ (`SharedInputPlay`), where they fit
         self.shared: dict[tuple[int, str], SharedInputPlay] = {}
         for blk in model.blocks:
@@ -130,10 +138,12 @@ class CudaGraphDecoder:
         return _dropout_blocker(model.output, "the output projection")
 
     @classmethod
-    def build(cls, model: Transformer, cache: KVCache, graph: Optional[bool] = None) -> Optional["CudaGraphDecoder"]:
+    def build(
+        cls, model: Transformer, cache: KVCache, graph: Optional[bool] = None, fused: Optional[bool] = None
+    ) -> Optional["CudaGraphDecoder"]:
         if cls.unsupported(model, cache) is not None:
             return None
-        return cls(model, cache, graph)
+        return cls(model, cache, graph, fused)
 
     # --- the step, on static tensors -------------------------------------------------------------------------
     def _attention(self, blk: Any, x: Tensor, rope: tuple[Tensor, Tensor], valid: Tensor) -> Tensor:
@@ -141,16 +151,21 @@ class CudaGraphDecoder:
         lin = blk.linears
         shared = self.shared.get((blk.layer, "qkv"))
         q, k, v = shared(x) if shared is not None else (lin["wq"](x), lin["wk"](x), lin["wv"](x))
-        q = q.to(blk.act_dtype).view(1, 1, a.n_head, a.head_dim)
-        k = k.to(blk.act_dtype).view(1, 1, a.n_head_kv, a.head_dim)
-        v = v.to(blk.act_dtype).view(1, 1, a.n_head_kv, a.head_dim_v)
-        if blk.spec.qk_norm:
-            q, k = blk.norms["attn_q_norm"](q), blk.norms["attn_k_norm"](k)
-        q, k = rope_qk(q, k, rope, blk.spec.rope_style)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         kc, vc = self.cache.k[blk.layer], self.cache.v[blk.layer]
-        kc.index_copy_(2, self.pos, k.to(kc.dtype))
-        vc.index_copy_(2, self.pos, v.to(vc.dtype))
+        if self.fused_rope:
+            # RoPE at the step's position and the cache writes in one launch (`rope`: the whole tables)
+            dt = blk.act_dtype
+            q = self.fused.rope_cache(q.to(dt), k.to(dt), v.to(dt), *rope, self.pos, kc, vc, blk.spec.rope_style)
+        else:
+            q = q.to(blk.act_dtype).view(1, 1, a.n_head, a.head_dim)
+            k = k.to(blk.act_dtype).view(1, 1, a.n_head_kv, a.head_dim)
+            v = v.to(blk.act_dtype).view(1, 1, a.n_head_kv, a.head_dim_v)
+            if blk.spec.qk_norm:
+                q, k = blk.norms["attn_q_norm"](q), blk.norms["attn_k_norm"](k)
+            q, k = rope_qk(q, k, rope, blk.spec.rope_style)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            kc.index_copy_(2, self.pos, k.to(kc.dtype))
+            vc.index_copy_(2, self.pos, v.to(vc.dtype))
         # grouped queries: the one query of each of a key/value head's query heads as that head's rows of queries
         # (query head h reads key/value head h // group, as SDPA's enable_gqa has it), so that SDPA runs its
         # masked kernels without grouped-query support (with it and a mask, CUDA falls back to the math path,
@@ -176,7 +191,12 @@ class CudaGraphDecoder:
         """Logits `[vocab]` of the token whose embedding is in `x_in` at the position in `pos`; reads no host value."""
         model = self.model
         blocks: list[Any] = list(model.blocks)
-        ropes = [(cos.index_select(1, self.pos), sin.index_select(1, self.pos)) for cos, sin in self.ropes]
+        # the rows of the RoPE tables at the position; the fused kernel reads them from the whole tables itself
+        ropes = (
+            self.ropes
+            if self.fused_rope
+            else [(cos.index_select(1, self.pos), sin.index_select(1, self.pos)) for cos, sin in self.ropes]
+        )
         # keys at or before the position, per sliding window (0: none): [1, 1, 1, max_len] masks, additive (0 or
         # -inf) in the activations' dtype, as SDPA turns a boolean mask into, made here once a step rather than by
         # SDPA in every block (two launches a block)
@@ -188,12 +208,38 @@ class CudaGraphDecoder:
             masks[w] = torch.where(valid, self.mask_zero, float("-inf")).view(1, 1, 1, -1)
         x = self.x_in if self.table is None else self._embed()
         rope_of = model._rope_of_layer
-        for blk in blocks:
-            rope, valid = ropes[rope_of[blk.layer]], masks[blk.window]
-            x = blk.around(x, partial(self._attention, blk, rope=rope, valid=valid), partial(self._feed_forward, blk))
-        logits = model.project(model.norm(x)[0, -1])
+        if self.fused_norms:
+            # each residual addition and the norm after it in one launch (`decode_triton.add_rms`): `Block.around`'s
+            # operations, the next block's input norm (the final norm after the last) taken with the addition
+            h = blocks[0].norms["attn_norm"](x)
+            for i, blk in enumerate(blocks):
+                rope, valid = ropes[rope_of[blk.layer]], masks[blk.window]
+                sandwich = blk.spec.sandwich_norms
+                attn = self._attention(blk, h, rope, valid)
+                x, h = self._add_norm(
+                    x, attn, blk.norms["ffn_norm"], blk.norms["post_attention_norm"] if sandwich else None
+                )
+                ffn = self._feed_forward(blk, h)
+                after = blocks[i + 1].norms["attn_norm"] if i + 1 < len(blocks) else model.norm
+                x, h = self._add_norm(x, ffn, after, blk.norms["post_ffw_norm"] if sandwich else None)
+            logits = model.project(h[0, -1])
+        else:
+            for blk in blocks:
+                rope, valid = ropes[rope_of[blk.layer]], masks[blk.window]
+                x = blk.around(
+                    x, partial(self._attention, blk, rope=rope, valid=valid), partial(self._feed_forward, blk)
+                )
+            logits = model.project(model.norm(x)[0, -1])
         self.picked = torch.stack([torch.argmax(logits), torch.isfinite(logits).all().to(torch.long)])
         return logits
+
+    def _add_norm(self, x: Tensor, h: Tensor, norm: Any, post: Any) -> tuple[Tensor, Tensor]:
+        """(x + post(h), norm(x + post(h))) in one launch; `post`: the block's sandwich norm of h, or None."""
+        assert self.fused is not None
+        dt = self.model.act_dtype
+        return self.fused.add_rms(
+            x, h.to(dt), norm.weight, norm.eps, post=(post.weight, post.eps) if post is not None else None
+        )
 
     def _embed(self) -> Tensor:
         """The embedding `[1, 1, n_embd]` of the token in `token`, from the table's bytes on the device: the rows
@@ -268,6 +314,42 @@ class CudaGraphDecoder:
                     stacklevel=2,
                 )
         return logits
+
+
+def _step_kernels(model: Transformer, cache: KVCache) -> Any:
+    """The `decode_triton` module where the fused step kernels take the model's activations on the cache's device
+    (the rules of `kernels.elementwise.fused_elementwise`), else None."""
+    from juno_py.kernels import elementwise
+
+    probe = cache.k[0].new_empty(0)
+    if elementwise.fused_elementwise(probe) is None or probe.dtype != model.act_dtype:
+        return None
+    return importlib.import_module("juno_py.kernels.decode_triton")
+
+
+def _fusable_norm(norm: Any, model: Transformer) -> bool:
+    """An RMSNorm of fp32 weights over the model's width that gives the activations' dtype (as `add_rms` does)."""
+    if not isinstance(norm, RMSNorm) or norm.weight.dtype != torch.float32 or norm.weight.shape != (model.args.n_embd,):
+        return False
+    return (norm.out_dtype or norm.weight.dtype) == model.act_dtype
+
+
+def _norms_fuse(model: Transformer) -> bool:
+    """Whether every residual addition of the model and the norm after it can run as one `add_rms`."""
+    norms = [model.norm]
+    for blk in model.blocks:
+        names = ["attn_norm", "ffn_norm"] + (
+            ["post_attention_norm", "post_ffw_norm"] if blk.spec.sandwich_norms else []
+        )
+        if any(n not in blk.norms for n in names):
+            return False
+        norms += [blk.norms[n] for n in names]
+    return all(_fusable_norm(n, model) for n in norms)
+
+
+def _rope_fuses(model: Transformer) -> bool:
+    """Whether every block's RoPE and cache writes can run as one `rope_cache` (no per-head q/k norms between)."""
+    return all(not blk.spec.qk_norm and blk.spec.rope_style in ("norm", "neox") for blk in model.blocks)
 
 
 __all__ = ["CudaGraphDecoder"]
