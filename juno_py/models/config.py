@@ -37,6 +37,22 @@ HF_FUSED_MODULES = {
     "wup": "mlp.gate_up_proj",
     "wdown": "mlp.down_proj",
 }
+# mixture-of-experts target -> the Hugging Face parameter holding it (`model.layers.N.<parameter>`), which PEFT
+# adapts through `target_parameters`: the router is a 2-D weight of its own module (not an nn.Linear), the experts
+# 3-D parameters `[n_expert, ...]` with gate and up fused in `gate_up_proj`. Within a module the parameters are
+# listed in the order transformers registers them, the order PEFT wraps them in.
+HF_MOE_PARAMETERS = {  # Qwen3MoeForCausalLM, MixtralForCausalLM: `[n_expert, n_out, n_in]`, gate rows first
+    "wrouter": "mlp.gate.weight",
+    "wgate_exps": "mlp.experts.gate_up_proj",
+    "wup_exps": "mlp.experts.gate_up_proj",
+    "wdown_exps": "mlp.experts.down_proj",
+}
+GPT_OSS_MOE_PARAMETERS = {  # GptOssForCausalLM: `[n_expert, n_in, n_out]`, gate and up outputs interleaved
+    "wrouter": "mlp.router.weight",
+    "wgate_exps": "mlp.experts.gate_up_proj",
+    "wup_exps": "mlp.experts.gate_up_proj",
+    "wdown_exps": "mlp.experts.down_proj",
+}
 
 
 @dataclass(frozen=True)
@@ -56,6 +72,11 @@ class ArchSpec:
     # targets whose GGUF rows are a per-head permutation of Hugging Face's: target -> ModelArgs field with the
     # head count the permutation runs over
     hf_permuted_rows: Mapping[str, str] = field(default_factory=dict, hash=False)
+    # each mixture-of-experts target's parameter in Hugging Face's model (`HF_MOE_PARAMETERS`); empty: none
+    hf_parameters: Mapping[str, str] = field(default_factory=dict, hash=False)
+    # Hugging Face modules or parameters whose fused targets' outputs alternate one by one (gpt-oss's gate_up_proj:
+    # gate, up, gate, up, ...) rather than following each other in target order
+    hf_interleaved: tuple[str, ...] = ()
     # mixture-of-experts feed-forward: "" (never), "optional" (when {arch}.expert_count > 0), "required"
     experts: str = ""
     # learned per-head attention sink logits (`attn_sinks`), added to each softmax's denominator
@@ -74,10 +95,15 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # Mistral-style models arrive as llama. llama.cpp's converter permutes Q and K rows so that rotating
     # adjacent pairs on the file's rows equals Hugging Face's rotate-half on its own rows.
     # Mixtral-style models are llama files with {arch}.expert_count > 0 and 3-D expert tensors.
-    "llama": ArchSpec(rope_style="norm", hf_permuted_rows={"wq": "n_head", "wk": "n_head_kv"}, experts="optional"),
+    "llama": ArchSpec(
+        rope_style="norm",
+        hf_permuted_rows={"wq": "n_head", "wk": "n_head_kv"},
+        experts="optional",
+        hf_parameters=HF_MOE_PARAMETERS,
+    ),
     "qwen2": ArchSpec(rope_style="neox", required_biases=("wq", "wk", "wv")),
     "qwen3": ArchSpec(rope_style="neox", qk_norm=True),
-    "qwen3moe": ArchSpec(rope_style="neox", qk_norm=True, experts="required"),
+    "qwen3moe": ArchSpec(rope_style="neox", qk_norm=True, experts="required", hf_parameters=HF_MOE_PARAMETERS),
     # llama.cpp disables Phi-3's sliding window; so do we. Hugging Face fuses its attention and MLP inputs.
     "phi3": ArchSpec(rope_style="neox", hf_modules=HF_FUSED_MODULES),
     # gpt-oss: biased attention with sinks, every other layer sliding (even layers), biased experts with a clamped
@@ -94,6 +120,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ffn_norm_tensor="post_attention_norm",
         sliding_rope_same=True,
         yarn_truncate=False,
+        hf_parameters=GPT_OSS_MOE_PARAMETERS,
+        hf_interleaved=("mlp.experts.gate_up_proj",),
     ),
     "gemma3": ArchSpec(
         rope_style="neox", activation="gelu_tanh", qk_norm=True, sandwich_norms=True, embed_scale=True, swa_pattern=6
