@@ -7,6 +7,13 @@ adapted there become one module adapter with A stacked and B block-diagonal; eac
 exactly through `alpha_pattern` (or, when its parts' scales differ, baked into B under a module scale of 1).
 Where the GGUF stores rows permuted relative to Hugging Face (llama's Q and K, by llama.cpp's converter), B's rows
 and the DoRA magnitude are un-permuted per head (head count for wq, KV-head count for wk); A never changes.
+
+Mixture-of-experts targets live in parameters, not modules (`hf_parameters`), and are exported through PEFT's
+`target_parameters` (its `ParamWrapper`, LoRA only): the router as a 2-D pair like a module's, each expert
+parameter as one pair over its `n_expert` experts, A `[n_expert·R, n_in]` expert-major and B `[n_out, R·n_expert]`
+rank-major, R the largest rank any expert needs (the others padded with zeros). Gate and up, one
+`gate_up_proj` there, stack per expert as a fused module's targets do (gate‖up, or interleaved where
+`hf_interleaved` says so); an every-expert entry is repeated on each expert.
 """
 
 from __future__ import annotations
@@ -15,8 +22,9 @@ import json
 import math
 import re
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -35,7 +43,8 @@ from juno_py.exchange.interop import (
 from juno_py.gguf import GGUFFile
 from juno_py.lora.format import MAX_ABS_ALPHA, AdapterEntry, Init, Mode, Scaling, read_adapter
 from juno_py.merge.targets import MergeError, ModelTargets
-from juno_py.models.layout import MOE_TARGETS, TARGETS
+from juno_py.models.config import ArchSpec
+from juno_py.models.layout import ALL_TARGETS, MOE_TARGETS, TARGETS
 from juno_py.progress import DEFAULT_INTERVAL, Progress
 
 CONFIG_FILE = "adapter_config.json"
@@ -52,8 +61,14 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.(?P<module>[^.]+\.[^.]+)$"
 
 
 # ----------------------------------------------------------------------------------------------- layout
+def hf_table(spec: ArchSpec) -> dict[str, str]:
+    """Every target's Hugging Face module (`hf_modules`) or, for mixture-of-experts targets, parameter."""
+    return {**spec.hf_modules, **spec.hf_parameters}
+
+
 def module_rows(targets: ModelTargets, target: str) -> tuple[int, int, int]:
-    """(lo, hi, rows of the module) of a logical target inside its Hugging Face module."""
+    """(lo, hi, rows of the module) of a logical target inside its Hugging Face module or parameter (for an expert
+    target: inside one expert's rows), in target order."""
     a = targets.args
     sizes = {
         "wq": a.q_dim,
@@ -63,11 +78,36 @@ def module_rows(targets: ModelTargets, target: str) -> tuple[int, int, int]:
         "wgate": a.n_ff,
         "wup": a.n_ff,
         "wdown": a.n_embd,
+        "wrouter": a.n_expert,
+        "wgate_exps": a.n_ff_exp,
+        "wup_exps": a.n_ff_exp,
+        "wdown_exps": a.n_embd,
     }
-    table = targets.spec.hf_modules
-    members = [t for t in TARGETS if table[t] == table[target]]
+    table = hf_table(targets.spec)
+    members = [t for t in ALL_TARGETS if table.get(t) == table[target]]
     lo = sum(sizes[t] for t in members[: members.index(target)])
     return lo, lo + sizes[target], sum(sizes[t] for t in members)
+
+
+def interleaved_rows(n_rows: int, n_parts: int) -> np.ndarray:
+    """Row i of a module whose `n_parts` equal targets alternate row by row is row `order[i]` in target order."""
+    return np.arange(n_rows).reshape(n_parts, n_rows // n_parts).T.reshape(-1)
+
+
+def peft_paths(parameters: Iterable[str], spec: ArchSpec) -> dict[str, str]:
+    """The module path under which PEFT saves each adapted parameter's pair (`model.layers.N.<parameter>`, without
+    the `base_model.model.` prefix). PEFT wraps a module's adapted parameters one inside the next, in the order
+    transformers registers them (`hf_parameters`' order), and names each pair by its wrapper: the last one at the
+    module's path, each earlier one a `.base_layer` deeper per adapted parameter of its module registered after it."""
+    order = list(dict.fromkeys(spec.hf_parameters.values()))
+    names = list(parameters)
+    out = {}
+    for name in names:
+        module = name.rpartition(".")[0]
+        rank = order.index(name.split(".", 3)[3])
+        later = [n for n in names if n.rpartition(".")[0] == module and order.index(n.split(".", 3)[3]) > rank]
+        out[name] = module + ".base_layer" * len(later)
+    return out
 
 
 def hf_rows(x: np.ndarray, n_head: int) -> np.ndarray:
@@ -108,6 +148,49 @@ def _base_row_norms(gguf, targets: ModelTargets, layer: int, target: str) -> np.
     return torch.linalg.vector_norm(w, dim=1).numpy()
 
 
+@dataclass
+class _Pair:
+    """What one Hugging Face module (`target_modules`) or parameter (`target_parameters`) receives: its parts per
+    expert of a 3-D expert parameter, or under None for a 2-D weight."""
+
+    n_rows: int  # rows of the module (of one expert)
+    parameter: bool
+    parts: dict[Optional[int], list[Part]] = field(default_factory=dict)
+
+    def flat(self) -> list[Part]:
+        """Every part, experts in order, each expert's parts by rows (the order factors are listed in)."""
+        return [p for x in sorted(self.parts, key=lambda x: -1 if x is None else x) for p in self.parts[x]]
+
+
+def stack_experts(
+    parts: dict[Optional[int], list[Part]], n_expert: int, n_rows: int, rank: int, factors: Sequence[Optional[float]]
+) -> tuple[np.ndarray, np.ndarray]:
+    """PEFT's pair of a 3-D expert parameter (`ParamWrapper`): A `[n_expert·rank, n_in]` with expert e's rows at
+    e·rank + k, B `[n_rows, rank·n_expert]` with expert e's column k at k·n_expert + e, so that PEFT's delta of
+    expert e is its scale times B_e·A_e. Each expert's parts stack as `stack_parts` stacks a fused module's, padded
+    with zeros to `rank`; an expert without parts gets zeros. `factors`: per part, in `_Pair.flat`'s order."""
+    n_in = next(p for ps in parts.values() for p in ps).entry.in_dim
+    A = np.zeros((n_expert, rank, n_in), dtype=np.float32)
+    B = np.zeros((n_rows, rank, n_expert), dtype=np.float32)
+    i = 0
+    for x in sorted(parts):
+        a, b, _ = stack_parts(parts[x], n_rows, factors[i : i + len(parts[x])])
+        i += len(parts[x])
+        A[x, : a.shape[0]] = a
+        B[:, : b.shape[1], x] = b
+    return A.reshape(n_expert * rank, n_in), B.reshape(n_rows, rank * n_expert)
+
+
+def _target_list(names: list[str], n_layer: int, short) -> list[str]:
+    """PEFT's target_modules / target_parameters: `short(inner name)` for each when every layer has all of them,
+    else the full names (`model.layers.N.<inner>`)."""
+    inner = {n.split(".", 3)[3] for n in names}
+    layers_of = {s: {int(n.split(".")[2]) for n in names if n.split(".", 3)[3] == s} for s in inner}
+    if all(layers_of[s] == set(range(n_layer)) for s in inner):
+        return sorted(short(s) for s in inner)
+    return sorted(names)
+
+
 def export_peft(
     base, adapter, output, progress: Optional[bool] = False, progress_interval: float = DEFAULT_INTERVAL
 ) -> Path:
@@ -122,12 +205,12 @@ def export_peft(
     output = Path(output)
     if output.exists() and not output.is_dir():
         raise MergeError(f"output {output}: exists and is not a folder (a PEFT adapter is a folder)")
-    moe = [e.key for e in entries if e.target in MOE_TARGETS]
-    if moe:
+    moe_dora = [e.key for e in entries if e.target in MOE_TARGETS and e.mode == Mode.DORA]
+    if moe_dora:
         raise MergeError(
-            f"{adapter}: entry {moe[0][:80]!r} adapts a mixture-of-experts router or expert: PEFT export covers the "
-            f"attention and dense MLP targets only (transformers keeps the experts in fused 3-D parameters, which "
-            f"PEFT's LoRA layers do not wrap): merge it instead (juno-py merge --adapter {adapter})"
+            f"{adapter}: entry {moe_dora[0][:80]!r} is DoRA on a mixture-of-experts router or expert: PEFT adapts "
+            f"those parameters (target_parameters) with LoRA only, expected LoRA entries there (or merge it: "
+            f"juno-py merge --adapter {adapter})"
         )
     modes = {e.mode for e in entries}
     if len(modes) > 1:
@@ -136,51 +219,68 @@ def export_peft(
     rslora = bool(entries) and all(e.scaling == Scaling.RSLORA for e in entries)
     with GGUFFile(base_path) as gguf:
         targets = ModelTargets(gguf)
-        table = targets.spec.hf_modules
-        groups: dict[str, list[Part]] = {}
+        spec, n_expert = targets.spec, targets.args.n_expert
+        table = hf_table(spec)
+        pairs: dict[str, _Pair] = {}
         for e in entries:
             targets.check_entry(e, adapter, force=True)  # a differing fingerprint warns (below); PEFT decides
-            lo, hi, _ = module_rows(targets, e.target)
-            name = LAYER_MODULE.format(layer=e.layer, module=table[e.target])
-            groups.setdefault(name, []).append(
-                Part(
-                    e, (lo, hi), _reorder(targets, e.target, e.B, True), _reorder(targets, e.target, e.magnitude, True)
+            if e.target not in table:
+                raise MergeError(
+                    f"{adapter}: entry {e.key[:80]!r}: no Hugging Face module or parameter is known for {e.target} "
+                    f"in {targets.args.architecture}, expected one of {', '.join(sorted(table))} (merge it instead)"
                 )
-            )
+            lo, hi, n_rows = module_rows(targets, e.target)
+            name = LAYER_MODULE.format(layer=e.layer, module=table[e.target])
+            pair = pairs.setdefault(name, _Pair(n_rows, e.target in MOE_TARGETS))
+            B, mag = _reorder(targets, e.target, e.B, True), _reorder(targets, e.target, e.magnitude, True)
+            places = [e.expert] if e.expert is not None or not e.on_experts else list(range(n_expert))
+            for x in places:
+                pair.parts.setdefault(x, []).append(Part(e, (lo, hi), B, mag))
         targets.warn_mismatches()
+        paths = peft_paths([n for n, p in pairs.items() if p.parameter], spec)
         tensors, ranks, alphas, records = {}, {}, {}, {}
-        bar = Progress(len(groups), "export", "module", enabled=progress, interval=progress_interval)
-        for name, parts in groups.items():
-            parts.sort(key=lambda p: p.rows)
-            layer = parts[0].entry.layer
-            n_rows = module_rows(targets, parts[0].entry.target)[2]
-            rank = sum(p.entry.rank for p in parts)
+        bar = Progress(len(pairs), "export", "module", enabled=progress, interval=progress_interval)
+        for name, pair in pairs.items():
+            for ps in pair.parts.values():
+                ps.sort(key=lambda p: p.rows)
+            parts = pair.flat()
+            e0 = parts[0].entry
+            rank = max(sum(p.entry.rank for p in ps) for ps in pair.parts.values())
             alpha, factors = _module_scale(parts, rank, rslora)
-            A, B, cols = stack_parts(parts, n_rows, factors)
-            tensors[f"{PREFIX}{name}.lora_A.weight"] = A
-            tensors[f"{PREFIX}{name}.lora_B.weight"] = B
-            if dora:
-                mag = np.empty(n_rows, dtype=np.float32)
-                covered = np.zeros(n_rows, dtype=bool)
-                for p in parts:
-                    mag[p.rows[0] : p.rows[1]] = p.magnitude
-                    covered[p.rows[0] : p.rows[1]] = True
-                # rows of the module no entry adapts: m = ‖W‖_row makes PEFT's g = 1 there
-                for t in TARGETS:
-                    if table[t] == table[parts[0].entry.target]:
-                        lo, hi, _ = module_rows(targets, t)
-                        if not covered[lo:hi].any():
-                            mag[lo:hi] = _reorder(targets, t, _base_row_norms(gguf, targets, layer, t), True)
-                tensors[f"{PREFIX}{name}.lora_magnitude_vector"] = mag
+            mag = None
+            if None in pair.parts:  # a 2-D weight
+                A, B, cols = stack_parts(parts, pair.n_rows, factors)
+                records[name] = part_records(parts, cols, factors)
+                if dora:
+                    mag = np.empty(pair.n_rows, dtype=np.float32)
+                    covered = np.zeros(pair.n_rows, dtype=bool)
+                    for p in parts:
+                        mag[p.rows[0] : p.rows[1]] = p.magnitude
+                        covered[p.rows[0] : p.rows[1]] = True
+                    # rows of the module no entry adapts: m = ‖W‖_row makes PEFT's g = 1 there
+                    for t in TARGETS:
+                        if spec.hf_modules[t] == spec.hf_modules[e0.target]:
+                            lo, hi, _ = module_rows(targets, t)
+                            if not covered[lo:hi].any():
+                                mag[lo:hi] = _reorder(targets, t, _base_row_norms(gguf, targets, e0.layer, t), True)
+            else:
+                A, B = stack_experts(pair.parts, n_expert, pair.n_rows, rank, factors)
+            if table[e0.target] in spec.hf_interleaved:
+                order = interleaved_rows(pair.n_rows, sum(v == table[e0.target] for v in table.values()))
+                B = B[order]
+                mag = None if mag is None else mag[order]
+            path = paths.get(name, name)
+            tensors[f"{PREFIX}{path}.lora_A.weight"] = A
+            tensors[f"{PREFIX}{path}.lora_B.weight"] = B
+            if mag is not None:
+                tensors[f"{PREFIX}{path}.lora_magnitude_vector"] = mag
             ranks[name], alphas[name] = rank, alpha
-            records[name] = part_records(parts, cols, factors)
             bar.update(1, name)
         bar.close()
     r = Counter(ranks.values()).most_common(1)[0][0] if ranks else 8
     alpha = Counter(alphas.values()).most_common(1)[0][0] if alphas else 8.0
-    short = {name.split(".", 3)[3] for name in groups}
-    layers_of = {s: {int(n.split(".")[2]) for n in groups if n.endswith(s)} for s in short}
-    every_layer = all(layers_of[s] == set(range(targets.n_layer)) for s in short)
+    modules = [n for n, p in pairs.items() if not p.parameter]
+    parameters = [n for n, p in pairs.items() if p.parameter]
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -189,7 +289,8 @@ def export_peft(
         "lora_alpha": alpha,
         "use_rslora": rslora,
         "use_dora": dora,
-        "target_modules": sorted(m.rsplit(".", 1)[1] for m in short) if every_layer else sorted(groups),
+        "target_modules": _target_list(modules, targets.n_layer, lambda s: s.rsplit(".", 1)[1]),
+        **({"target_parameters": _target_list(parameters, targets.n_layer, lambda s: s)} if parameters else {}),
         "rank_pattern": {n: v for n, v in sorted(ranks.items()) if v != r},
         "alpha_pattern": {n: v for n, v in sorted(alphas.items()) if v != alpha},
         "lora_dropout": 0.0,
@@ -299,6 +400,21 @@ def _weights(path: Path) -> tuple[Optional[str], dict[str, np.ndarray]]:
     return record, tensors
 
 
+def _adapts_parameters(module: str, parameter_modules: set[str]) -> bool:
+    """Whether a saved module path is PEFT's wrapper of parameters of one of `parameter_modules` in a layer
+    (`model.layers.N.mlp.experts`, with any `.base_layer` nesting)."""
+    names = module.split(".")
+    end = len(names)
+    while end and names[end - 1] == "base_layer":
+        end -= 1
+    for inner in parameter_modules:
+        k = inner.count(".") + 1
+        if end >= k + 2 and names[end - k - 2] == "layers" and names[end - k - 1].isdigit():
+            if ".".join(names[end - k : end]) == inner:
+                return True
+    return False
+
+
 def import_peft(base, folder, output) -> Path:
     """Read a PEFT LoRA/DoRA folder (ours or another tool's) into adapter.bin for `base`."""
     from juno_py.store import resolve_model
@@ -328,10 +444,16 @@ def import_peft(base, folder, output) -> Path:
     with GGUFFile(base_path) as gguf:
         targets = ModelTargets(gguf)
         table = targets.spec.hf_modules
+        moe_modules = {p.rpartition(".")[0] for p in targets.spec.hf_parameters.values()}
         for module, parts in sorted(modules.items()):
             where = f"{weights_path}: module {show(module)}"
             m = _LAYER.search(module)
             members = [t for t in TARGETS if m and table[t] == m.group("module")]
+            if _adapts_parameters(module, moe_modules):
+                raise MergeError(
+                    f"{where}: a mixture-of-experts router or expert adapter (PEFT target_parameters), which the "
+                    f"import does not read: expected attention or dense MLP modules"
+                )
             if not m or not members or not m.group("layer").isascii() or len(m.group("layer")) > 9:
                 raise MergeError(
                     f"{where}: not a module juno-py adapts in {targets.args.architecture} "
