@@ -279,6 +279,333 @@ def make_tokenization(out_dir: Path) -> None:
 GOLDEN_SETS["tokenization"] = make_tokenization
 
 
+# ---------------------------------------------------------------------------------------------- the moe set
+
+# the token ids every moe file is evaluated on (no tokenization: llama.cpp and juno-py both take the ids)
+MOE_IDS = (219, 23, 48, 64, 49, 217, 235, 157, 10, 25, 90, 117, 168, 129, 71, 43)
+MOE_N_CTX = 64
+# the smallest router gap allowed between the k-th and the (k+1)-th expert of any token and block (in router logits)
+MOE_MIN_MARGIN = 0.05
+
+_MOE_SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+# gpt-oss's YaRN: head size 8, base 1e7, factor 4 over 15000 original positions puts the correction range at
+# 1.07..1.93 dimensions, between two whole numbers, so juno-py's unrounded ramp (the checkpoints' `truncate: false`)
+# and llama.cpp's, rounded outwards to 1..2, give every pair the same frequency (pairs 0-1 kept, 2-3 divided by 4)
+_MOE_YARN = dict(
+    rope_type="yarn",
+    rope_theta=1.0e7,
+    factor=4.0,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    truncate=False,
+    original_max_position_embeddings=15000,
+)
+_ATTN_Q8 = [("blk.*.attn_*.weight", "Q8_0"), ("output.weight", "Q8_0"), ("token_embd.weight", "Q8_0")]
+
+# name -> the tiny architecture (`juno_py.testing.tiny_models.TINY_CONFIGS`), the seed of its random weights, config
+# overrides, and the types of its 2-D and 3-D weights as (fnmatch pattern, type), first match (else F32; norms,
+# biases, sinks and the router `ffn_gate_inp` are always F32, as llama.cpp's quantizer leaves them). The _f32 files
+# hold F32 weights only: llama.cpp's matmuls then take F32 activations. The _quant files' experts are quantized
+# (types of both activation paths: q8_0/q8_1 for Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 MXFP4, q8_K for Q4_K and Q6_K, whose
+# 256-value rows need n_ff_exp 256).
+MOE_MODELS: dict[str, dict] = {
+    "qwen3moe_f32": dict(
+        arch="qwen3moe",
+        seed=144,
+        tied=True,
+        config={
+            **_MOE_SMALL,
+            "intermediate_size": 16,
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 8,
+        },
+        types=[],
+    ),
+    "qwen3moe_quant": dict(
+        arch="qwen3moe",
+        seed=112,
+        config={
+            **_MOE_SMALL,
+            "intermediate_size": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 256,
+        },
+        types=_ATTN_Q8
+        + [
+            ("blk.0.ffn_gate_exps.weight", "Q8_0"),
+            ("blk.0.ffn_up_exps.weight", "Q4_0"),
+            ("blk.0.ffn_down_exps.weight", "Q4_K"),
+            ("blk.1.ffn_gate_exps.weight", "Q4_1"),
+            ("blk.1.ffn_up_exps.weight", "Q5_0"),
+            ("blk.1.ffn_down_exps.weight", "Q6_K"),
+        ],
+    ),
+    "mixtral_f32": dict(
+        arch="mixtral",
+        seed=35,
+        tied=True,
+        config={**_MOE_SMALL, "intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
+        types=[],
+    ),
+    "mixtral_quant": dict(
+        arch="mixtral",
+        seed=285,
+        config={**_MOE_SMALL, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2},
+        types=_ATTN_Q8
+        + [
+            ("blk.0.ffn_gate_exps.weight", "Q8_0"),
+            ("blk.0.ffn_up_exps.weight", "Q4_0"),
+            ("blk.0.ffn_down_exps.weight", "Q5_1"),
+            ("blk.1.ffn_gate_exps.weight", "Q4_1"),
+            ("blk.1.ffn_*_exps.weight", "Q8_0"),
+        ],
+    ),
+    "gpt_oss_f32": dict(
+        arch="gpt-oss",
+        seed=35,
+        config={
+            **_MOE_SMALL,
+            "intermediate_size": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 4,
+            "rope_parameters": _MOE_YARN,
+            "max_position_embeddings": 60000,
+        },
+        types=[],
+    ),
+    "gpt_oss_quant": dict(
+        arch="gpt-oss",
+        seed=154,
+        config={
+            **_MOE_SMALL,
+            "intermediate_size": 32,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 4,
+            "rope_parameters": _MOE_YARN,
+            "max_position_embeddings": 60000,
+        },
+        types=_ATTN_Q8 + [("blk.*.ffn_*_exps.weight", "MXFP4")],
+    ),
+}
+
+
+def moe_tensor_type(name: str, shape: tuple[int, ...], types: list[tuple[str, str]]) -> str:
+    """The type a moe file stores tensor `name` as: the first matching pattern's, else F32; 1-D tensors, biases and
+    the router always F32."""
+    from fnmatch import fnmatchcase
+
+    if len(shape) < 2 or name.endswith(".bias") or "ffn_gate_inp" in name:
+        return "F32"
+    return next((t for pattern, t in types if fnmatchcase(name, pattern)), "F32")
+
+
+def write_moe_model(path: Path, name: str) -> Path:
+    """The moe file `name` of MOE_MODELS at `path`: a random transformers model converted as llama.cpp's converter
+    does (`juno_py.testing.tiny_models`), its tensors encoded with juno-py's encoders as the spec's types say."""
+    from juno_py.gguf import GGMLType, GGUFWriter
+    from juno_py.gguf.quants import quantize
+    from juno_py.testing.tiny_models import gguf_metadata, gguf_tensors, hf_tiny_model, item_type
+
+    spec = MOE_MODELS[name]
+    model = hf_tiny_model(spec["arch"], spec["seed"], spec["config"])
+    tensors = gguf_tensors(spec["arch"], model)
+    if spec.get("tied"):  # the output projection is the embedding (llama.cpp and juno-py fall back to it)
+        tensors.pop("output.weight")
+    with GGUFWriter(path) as w:
+        for key, value, vtype in gguf_metadata(spec["arch"], model):
+            w.add_field(key, value, vtype, item_type(key))
+        w.add_field("general.name", f"golden-moe-{name}")
+        for tname, t in tensors.items():
+            t = t.detach().float().contiguous()
+            qtype = GGMLType[moe_tensor_type(tname, tuple(t.shape), spec["types"])]
+            w.add_tensor(tname, quantize(qtype, t.reshape(-1, t.shape[-1])), qtype, tuple(t.shape))
+    return path
+
+
+# llama.cpp's names of the routing tensors build_moe_ffn computes, per block: router logits, chosen experts, weights
+# (first name found wins). gpt-oss's router has a bias: the logits it ranks are `ffn_moe_logits + ffn_gate_inp.bias`,
+# which this llama.cpp names ffn_moe_probs (its SOFTMAX_WEIGHT gating applies no function before the top k);
+# `biased_router` reads those
+_ROUTING_TENSORS = {
+    "router_logits": ("ffn_moe_logits-{}",),
+    "experts": ("ffn_moe_topk-{}",),
+    "expert_weights": ("ffn_moe_weights_softmax-{}", "ffn_moe_weights_norm-{}"),
+}
+_BIASED_ROUTER_LOGITS = ("ffn_moe_logits_biased-{}", "ffn_moe_probs-{}")
+
+
+def llama_cpp_moe_run(
+    path: Path, ids, capture: bool = False, biased_router: bool = False, flash_attn: bool = False
+) -> dict[str, np.ndarray]:
+    """llama.cpp's logits of every position of `ids` (one batch, CPU, F32 KV cache, no flash attention unless asked:
+    as `llama_cpp.Llama(..., logits_all=True, type_k=0, type_v=0)` runs), float32 `[T, n_vocab]`. `capture`: also
+    the routing of every block, read through the scheduler's eval callback: router logits `[L, T, n_expert]`,
+    chosen experts `[L, T, k]` (largest first) and their weights `[L, T, k]`."""
+    import ctypes
+
+    import llama_cpp as L
+    from llama_cpp import _logger
+
+    _logger.set_verbose(False)
+    ggml = load_ggml()
+    ggml.ggml_get_name.restype = ctypes.c_char_p
+    ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
+    ggml.ggml_get_data.restype = ctypes.c_void_p
+    ggml.ggml_get_data.argtypes = [ctypes.c_void_p]
+    wanted: dict[str, tuple[str, int]] = {}
+    got: dict[str, np.ndarray] = {}
+
+    def read(t) -> np.ndarray:
+        # struct ggml_tensor: type (int32) at 0, ne[4] (int64) at 16, nb[4] (size_t) at 48
+        ggml_type = ctypes.c_int32.from_address(t).value
+        ne = list((ctypes.c_int64 * 4).from_address(t + 16))
+        nb = list((ctypes.c_size_t * 4).from_address(t + 48))
+        dtype = {0: np.float32, 26: np.int32}[ggml_type]
+        size = sum((n - 1) * b for n, b in zip(ne, nb)) + np.dtype(dtype).itemsize
+        buf = (ctypes.c_char * size).from_address(ggml.ggml_get_data(t))
+        a = np.ndarray(tuple(reversed(ne)), dtype, buffer=buf, strides=tuple(reversed(nb)))
+        return np.array(a)  # copied: the scheduler reuses the memory
+
+    def callback(t, ask, _user):
+        name = ggml.ggml_get_name(t).decode()
+        if ask:
+            return name in wanted
+        got[name] = read(t)
+        return True
+
+    L.llama_backend_init()
+    mp = L.llama_model_default_params()
+    # no extra buffer types: weights stay in ggml's own layout (no repacking into interleaved blocks, no AMX tiles,
+    # whose instructions this machine's kernel refuses: tilezero raises SIGILL)
+    mp.use_extra_bufts = False
+    model = L.llama_model_load_from_file(str(path).encode(), mp)
+    if not model:
+        raise RuntimeError(f"llama.cpp cannot load {path}")
+    n_layer = L.llama_model_n_layer(model)
+    routing = dict(_ROUTING_TENSORS, router_logits=_BIASED_ROUTER_LOGITS) if biased_router else _ROUTING_TENSORS
+    if capture:
+        wanted.update((n.format(il), (key, il)) for il in range(n_layer) for key, ns in routing.items() for n in ns)
+    cp = L.llama_context_default_params()
+    cp.n_ctx = cp.n_batch = cp.n_ubatch = MOE_N_CTX
+    cp.type_k = cp.type_v = 0  # F32 KV cache
+    cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    cp.n_threads = cp.n_threads_batch = 2
+    keep = L.ggml_backend_sched_eval_callback(callback)
+    if capture:
+        cp.cb_eval = keep
+    ctx = L.llama_init_from_model(model, cp)
+    batch = L.llama_batch_init(len(ids), 0, 1)
+    try:
+        for i, token in enumerate(ids):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, i, 1, 1
+            batch.seq_id[i][0] = 0
+        batch.n_tokens = len(ids)
+        if L.llama_decode(ctx, batch) != 0:
+            raise RuntimeError(f"llama_decode failed on {path}")
+        n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+        logits = np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(len(ids) * n_vocab,))
+        out = {"logits": np.array(logits, dtype=np.float32).reshape(len(ids), n_vocab)}
+    finally:
+        L.llama_batch_free(batch)
+        L.llama_free(ctx)
+        L.llama_model_free(model)
+    if capture:
+        for key, names in routing.items():
+            per_layer = []
+            for il in range(n_layer):
+                found = [got[n.format(il)] for n in names if n.format(il) in got]
+                if not found:
+                    raise RuntimeError(f"llama.cpp computed none of {names} for block {il} of {path}: {sorted(got)}")
+                per_layer.append(found[0].reshape(len(ids), -1))  # the first name llama.cpp computed
+            out[key] = np.stack(per_layer)
+    return out
+
+
+# merges: name -> the base (a MOE_MODELS name), the adapter's targets and expert layout, and its random factors
+# (rank 2, alpha 4, A from `seed`, B ~ N(0, b_std²)); `juno-py merge --requant source` writes the merged file
+MOE_MERGES: dict[str, dict] = {
+    # F32 base: the merged tensors are F32, so llama.cpp's logits must equal juno-py's playback of base + adapter
+    "qwen3moe_f32_merged": dict(base="qwen3moe_f32", targets="all,router", experts="per-expert", seed=33, b_std=0.2),
+    # quantized base: the adapted experts' and attention's changed blocks re-encoded in their own types
+    "mixtral_quant_merged": dict(base="mixtral_quant", targets="all", experts="shared", seed=67, b_std=0.2),
+}
+
+
+def write_moe_adapter(path: Path, base: Path, spec: dict) -> Path:
+    """A random-B adapter of the merge `spec` on the model at `base`, saved as adapter.bin at `path`."""
+    import torch
+
+    from juno_py.lora import attach
+    from juno_py.models import load_model
+
+    model = load_model(base)
+    aset = attach(model, spec["targets"], rank=2, alpha=4.0, seed=spec["seed"], experts=spec["experts"])
+    g = torch.Generator().manual_seed(spec["seed"])
+    with torch.no_grad():
+        for ad in aset.adapters.values():
+            ad.lora_B.normal_(0, spec["b_std"], generator=g)
+    return aset.save(path)
+
+
+def juno_merge(base: Path, adapter: Path, out: Path) -> Path:
+    """`juno-py merge --requant source`, as a user runs it."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "juno_py", "merge", "--model-path", str(base), "--adapter", str(adapter)]
+    cmd += ["--output", str(out), "--requant", "source", "--no-progress"]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=str(Path(__file__).resolve().parents[2]))
+    if done.returncode != 0:
+        raise SystemExit(f"juno-py merge failed:\n{done.stderr}")
+    return out
+
+
+def _save_llama_cpp_moe(npz: Path, gguf: Path, arch: str) -> None:
+    """llama.cpp's logits and routing of MOE_IDS on `gguf`, as float32 (experts int32) arrays in `npz`."""
+    plain = llama_cpp_moe_run(gguf, MOE_IDS)
+    run = llama_cpp_moe_run(gguf, MOE_IDS, capture=True, biased_router=arch == "gpt-oss")
+    # reading the routing splits the graph where the callback looks: the logits must not change
+    assert np.array_equal(plain["logits"], run["logits"]), f"{gguf}: the logits change when the routing is read"
+    k = run["experts"].shape[-1]
+    ranked = -np.sort(-run["router_logits"], axis=-1)
+    margin = float((ranked[..., k - 1] - ranked[..., k]).min())
+    np.savez_compressed(
+        npz,
+        ids=np.array(MOE_IDS, np.int32),
+        logits=plain["logits"].astype(np.float32),
+        router_logits=run["router_logits"].astype(np.float32),
+        experts=run["experts"].astype(np.int32),
+        expert_weights=run["expert_weights"].astype(np.float32),
+    )
+    lg = plain["logits"]
+    print(
+        f"{npz.name}: logits {lg.shape} range {lg.max() - lg.min():.3f}, routing {run['experts'].shape}, "
+        f"smallest gap between the k-th and (k+1)-th router logit {margin:.4f}"
+    )
+    if margin < MOE_MIN_MARGIN:
+        raise SystemExit(f"{gguf}: a routing near-tie ({margin:.4f} < {MOE_MIN_MARGIN}): pick another seed")
+
+
+def make_moe(out_dir: Path) -> None:
+    """moe_<name>.gguf for each of MOE_MODELS (written by juno-py's writer and encoders) with moe_<name>.npz, llama.cpp's
+    logits and routing of MOE_IDS; for each of MOE_MERGES the adapter moe_<name>.bin, the merged moe_<name>.gguf and
+    llama.cpp's moe_<name>.npz on it."""
+    for name, spec in MOE_MODELS.items():
+        gguf = write_moe_model(out_dir / f"moe_{name}.gguf", name)
+        _save_llama_cpp_moe(out_dir / f"moe_{name}.npz", gguf, spec["arch"])
+    for name, spec in MOE_MERGES.items():
+        base = out_dir / f"moe_{spec['base']}.gguf"
+        adapter = write_moe_adapter(out_dir / f"moe_{name}.bin", base, spec)
+        merged = juno_merge(base, adapter, out_dir / f"moe_{name}.gguf")
+        _save_llama_cpp_moe(out_dir / f"moe_{name}.npz", merged, MOE_MODELS[spec["base"]]["arch"])
+
+
+GOLDEN_SETS["moe"] = make_moe
+
+
 # ------------------------------------------------------------------------------------------------ reports
 
 
@@ -366,7 +693,62 @@ def report_iq4() -> None:
         print(f"{name}: " + ", ".join(parts))
 
 
-REPORTS = {"kquants": report_kquants, "iq4": report_iq4}
+def report_moe() -> None:
+    """Measurements quoted in tests/golden/README.md and docs/: for each committed moe file, juno-py's logits and
+    router logits against llama.cpp's (stored, and llama.cpp run again: with flash attention, and through
+    `llama_cpp.Llama` for the F32 files); then gpt-oss's YaRN on the tiny test configuration, where the correction
+    range falls between whole dimensions, against llama.cpp with and without its rounding of that range."""
+    import dataclasses
+    import tempfile
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    import juno_py.models.config as config
+    from juno_py.models import load_model
+    from juno_py.testing.tiny_models import write_tiny_gguf
+
+    def rel(a, b) -> float:
+        return float(np.abs(np.asarray(a, np.float64) - b).max() / (b.max() - b.min()))
+
+    def juno_logits(path) -> np.ndarray:
+        with torch.no_grad():
+            return load_model(path).logits(list(MOE_IDS)).double().numpy()
+
+    print("## juno-py (fp32) against llama.cpp: max |Δ| / range of llama.cpp's logits")
+    arch_of = {n: s["arch"] for n, s in MOE_MODELS.items()}
+    arch_of.update({n: MOE_MODELS[s["base"]]["arch"] for n, s in MOE_MERGES.items()})
+    for name, arch in arch_of.items():
+        gguf, stored = DATA_DIR / f"moe_{name}.gguf", np.load(DATA_DIR / f"moe_{name}.npz")
+        want = stored["logits"].astype(np.float64)
+        again = llama_cpp_moe_run(gguf, MOE_IDS)["logits"]
+        fa = llama_cpp_moe_run(gguf, MOE_IDS, flash_attn=True)["logits"]
+        parts = [f"juno-py {rel(juno_logits(gguf), want):.3g}", f"llama.cpp again {rel(again, want):.3g}"]
+        parts.append(f"llama.cpp with flash attention {rel(fa, want):.3g}")
+        if "_f32" in name and "_quant" not in name:
+            import llama_cpp
+
+            llm = llama_cpp.Llama(str(gguf), logits_all=True, n_ctx=MOE_N_CTX, type_k=0, type_v=0, verbose=False)
+            llm.eval(list(MOE_IDS))
+            parts.append(f"llama_cpp.Llama {rel(np.array(llm.scores[: len(MOE_IDS)]), want):.3g}")
+            llm.close()
+        print(f"{name} ({arch}): " + ", ".join(parts))
+
+    print("\n## gpt-oss YaRN on the tiny test configuration (head 16, base 1e4, factor 4, 32 original positions)")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_tiny_gguf(Path(tmp) / "gpt-oss.gguf", "gpt-oss")
+        want = llama_cpp_moe_run(path, MOE_IDS)["logits"].astype(np.float64)
+        spec = config.ARCHITECTURES["gpt-oss"]
+        try:
+            for truncate in (False, True):
+                config.ARCHITECTURES["gpt-oss"] = dataclasses.replace(spec, yarn_truncate=truncate)
+                how = "rounded outwards as llama.cpp does" if truncate else "unrounded (juno-py's gpt-oss)"
+                print(f"correction range {how}: max |Δ| / range {rel(juno_logits(path), want):.3g}")
+        finally:
+            config.ARCHITECTURES["gpt-oss"] = spec
+
+
+REPORTS = {"kquants": report_kquants, "iq4": report_iq4, "moe": report_moe}
 
 
 def main() -> None:
