@@ -7,7 +7,10 @@ one pass, for products that need fp32 accuracy on bf16 tensor cores (DoRA's U = 
 `dequant_matvec` fuses decoding into a matrix-vector product for a few tokens (playback decode), where writing a
 dequantized tile would cost more than the product: the GEMV of `matvec_triton` for the types playback meets
 (`GEMV_TYPES`, configured per type by `MATVEC_CONFIG` and JUNO_PY_GEMV), `dequant_triton.matvec_kernel` for the
-others. The kernels live in `dequant_triton` and `matvec_triton`, imported only when one first runs (Triton is optional; `@triton.jit` reads TRITON_INTERPRET when a kernel is defined).
+others. `dequant_matvec_group` runs the GEMV of 2 or 3 matrices that read one x in one launch (optionally with the
+gated activation of gate and up), bit for bit the separate unsplit launches. The kernels live in `dequant_triton`
+and `matvec_triton`, imported only when one first runs (Triton is optional; `@triton.jit` reads TRITON_INTERPRET
+when a kernel is defined).
 
 Numerics: every block type decodes as `code · scale (+ bias)` where the products are exact in fp32 (an f16
 scale of 11 significant bits times integers small enough that the product fits 24 bits), so only the one
@@ -29,7 +32,7 @@ import contextlib
 import importlib
 import importlib.util
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -556,6 +559,36 @@ def gemv_takes(ggml_type: int, tokens: int) -> bool:
     return ggml_type in GEMV_TYPES and 0 < tokens <= 4
 
 
+def _gemv_x(x: torch.Tensor, word: int, n_cols: int) -> tuple[torch.Tensor, int, int, bool]:
+    """(x as the GEMV reads it, its row stride in those elements, XI, XPACK): bf16 x as words of the XI values one
+    weight word's part multiplies (`_dot`'s XPACK) where its alignment allows, else x itself (unit column stride)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    xi = word
+    xpack = x.dtype == torch.bfloat16 and x.stride(0) % xi == 0 and x.data_ptr() % (2 * xi) == 0 and n_cols % xi == 0
+    if not xpack:
+        return x, x.stride(0), xi, False
+    return x.view(torch.int64 if xi == 4 else torch.int32), x.stride(0) // xi, xi, True
+
+
+def _lora_args(
+    lora: Optional[tuple[torch.Tensor, torch.Tensor, float]], x: torch.Tensor, n_rows: int, what: str
+) -> tuple[tuple, int]:
+    """The GEMV's LoRA arguments (xa, B, alpha, rank, xa's and B's row strides) and RP (a power of two ≥ the rank;
+    0 without a term, whose arguments are then placeholders the kernel never reads), checked against `x`'s tokens
+    and the `n_rows` rows."""
+    if lora is None:
+        return (x, x, 0.0, 0, 0, 0), 0
+    xa, lb, alpha = lora
+    tokens, rank = x.shape[0], xa.shape[-1]
+    if xa.shape != (tokens, rank) or lb.shape != (n_rows, rank) or xa.stride(-1) != 1 or lb.stride(-1) != 1:
+        raise ValueError(
+            f"{what}: LoRA xa {tuple(xa.shape)} and B {tuple(lb.shape)}: expected [{tokens}, r] and "
+            f"[{n_rows}, r] with contiguous rows"
+        )
+    return (xa, lb, float(alpha), rank, xa.stride(0), lb.stride(0)), max(2, 1 << (rank - 1).bit_length())
+
+
 def _gemv(
     raw: torch.Tensor,
     ggml_type: int,
@@ -574,14 +607,8 @@ def _gemv(
         split = 1
     word = mod.WORD_BYTES[t]
     rw = _words(raw, word)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
     n_rows, tokens = raw.shape[0], x.shape[0]
-    # bf16 x read as words of the values one weight word's part multiplies (`_dot`'s XPACK)
-    xi = word
-    xpack = x.dtype == torch.bfloat16 and x.stride(0) % xi == 0 and x.data_ptr() % (2 * xi) == 0 and n_cols % xi == 0
-    xk = x.view(torch.int64 if xi == 4 else torch.int32) if xpack else x
-    x_stride = x.stride(0) // xi if xpack else x.stride(0)
+    xk, x_stride, xi, xpack = _gemv_x(x, word, n_cols)
     block = mod.BLOCK_VALUES[t]
     n_blk = n_cols // block
     split_blk = _cdiv(_cdiv(n_blk, max(1, split)), kb) * kb
@@ -592,18 +619,7 @@ def _gemv(
     y = torch.empty(tokens, n_rows, dtype=out_dtype, device=raw.device)
     y_bits = y.view(torch.int16) if out_dtype == torch.bfloat16 else y
     grid = (_cdiv(n_rows, br), split)
-    if lora is not None:
-        xa, lb, alpha = lora
-        rank = xa.shape[-1]
-        if xa.shape != (tokens, rank) or lb.shape != (n_rows, rank) or xa.stride(-1) != 1 or lb.stride(-1) != 1:
-            raise ValueError(
-                f"dequant_matvec: LoRA xa {tuple(xa.shape)} and B {tuple(lb.shape)}: expected [{tokens}, r] and "
-                f"[{n_rows}, r] with contiguous rows"
-            )
-        extra = (xa, lb, float(alpha), rank, xa.stride(0), lb.stride(0))
-        rp = max(2, 1 << (rank - 1).bit_length())
-    else:
-        extra, rp = (x, x, 0.0, 0, 0, 0), 0
+    extra, rp = _lora_args(lora, x, n_rows, "dequant_matvec")
     consts = dict(
         TYPE=t,
         B=block,
@@ -641,6 +657,134 @@ def _gemv(
                 RP=rp,
                 BLOCK=1024 // max(rp, 1),
             )
+    return y
+
+
+# the gated activations the grouped GEMV can apply to gate and up (`elementwise_triton.ACTIVATIONS`), as its ACT
+GEMV_GROUP_ACTS = {"silu": 1, "gelu_tanh": 2}
+GroupPart = tuple[torch.Tensor, int, int, Optional[tuple[torch.Tensor, torch.Tensor, float]]]
+
+
+def gemv_group_takes(ggml_types: Sequence[int], n_cols: Sequence[int], tokens: int) -> bool:
+    """Whether `dequant_matvec_group` takes these parts: 2 or 3 of one GEMV type and one width, 1 to 4 tokens."""
+    return (
+        2 <= len(ggml_types) <= 3
+        and len(n_cols) == len(ggml_types)
+        and len(set(ggml_types)) == 1
+        and len(set(n_cols)) == 1
+        and gemv_takes(ggml_types[0], tokens)
+    )
+
+
+def dequant_matvec_group(
+    parts: Sequence[GroupPart],
+    x: torch.Tensor,
+    round_bf16: bool = True,
+    out_dtype: torch.dtype = torch.float32,
+    act: Optional[str] = None,
+    config: Optional[tuple[int, int, int, int]] = None,
+) -> torch.Tensor:
+    """`x · W_iᵀ` of 2 or 3 matrices that read the same x `[T ≤ 4, n_cols]`, in one launch
+    (`matvec_triton.gemv_group_kernel`). parts: (raw, ggml_type, n_cols, lora or None) each, one GEMV type and one
+    n_cols for all, lora = (xa `[T, r]`, B `[n_rows, r]`, alpha) as in `dequant_matvec`. Returns `[T, Σ n_rows]` in
+    `out_dtype`, part i's columns after those of the parts before it; each part bit for bit what `dequant_matvec`
+    gives with the same configuration unsplit (`config`, else the type's `gemv_config`, split-K forced to 1). `act`
+    ("silu" or "gelu_tanh"; two parts of equal rows, gate then up): `[T, n_rows]` holding act(gate)·up, bit for bit
+    `elementwise_triton.gated_forward` of the two products as `dequant_matvec` stores them."""
+    what = "dequant_matvec_group"
+    if not 2 <= len(parts) <= 3:
+        raise ValueError(f"{what}: {len(parts)} parts, expected 2 or 3")
+    types = sorted({int(p[1]) for p in parts})
+    if len(types) != 1:
+        raise ValueError(f"{what}: GGML types {[GGMLType(t).name for t in types]}, expected one type for all parts")
+    widths = sorted({int(p[2]) for p in parts})
+    if len(widths) != 1:
+        raise ValueError(f"{what}: n_cols {widths}, expected one width for all parts")
+    t, n_cols = types[0], widths[0]
+    if t not in GEMV_TYPES:
+        raise ValueError(f"{what}: GGML type {GGMLType(t).name} has no GEMV (types {sorted(GEMV_TYPES)})")
+    row_bytes = [_check(p[0], t, n_cols) for p in parts][0]
+    if x.dim() != 2 or x.shape[1] != n_cols or not gemv_takes(t, x.shape[0]):
+        raise ValueError(f"{what}: x {tuple(x.shape)}, expected [1 to 4 tokens, {n_cols}]")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"{what}: out_dtype {out_dtype}, expected torch.bfloat16 or torch.float32")
+    rows = [p[0].shape[0] for p in parts]
+    if act is not None and act not in GEMV_GROUP_ACTS:
+        raise ValueError(f"{what}: act {act!r}, expected None or one of {', '.join(GEMV_GROUP_ACTS)}")
+    if act is not None and (len(parts) != 2 or rows[0] != rows[1]):
+        raise ValueError(f"{what}: a gated activation needs two parts of equal rows (gate, up), got rows {rows}")
+    if len({p[0].device for p in parts} | {x.device}) != 1:
+        raise ValueError(
+            f"{what}: parts on {[str(p[0].device) for p in parts]} and x on {x.device}, expected one device"
+        )
+    mod = gemv_kernels()
+    br, kb, warps, _ = config or gemv_config(t)
+    word = mod.WORD_BYTES[t]
+    rws = [_words(p[0], word) for p in parts]
+    if interpreting() and x.device.type != "cpu":
+        # the interpreter copies each tensor argument to the host, where another tensor's offset means nothing: one
+        # buffer holds all parts
+        flat = torch.cat([rw.reshape(-1) for rw in rws]).split([rw.numel() for rw in rws])
+        rws = [f.view(rw.shape) for f, rw in zip(flat, rws)]
+    # parts 1 and 2 are addressed from part 0's words: each offset a whole number of words (each part word-aligned),
+    # passed in units of OA words, the largest power of two up to 16 bytes dividing them all (the rows' alignment)
+    offs = [rw.data_ptr() - rws[0].data_ptr() for rw in rws[1:]]
+    assert all(d % word == 0 for d in offs), "word-aligned parts"
+    offs = [d // word for d in offs]
+    oa = 16 // word
+    while any(d % oa for d in offs):
+        oa //= 2
+    offs = [d // oa for d in offs] + [0] * (3 - len(parts))
+    tokens = x.shape[0]
+    xk, x_stride, xi, xpack = _gemv_x(x, word, n_cols)
+    n_blk = n_cols // mod.BLOCK_VALUES[t]
+    row_words = row_bytes // word
+    ra = math.gcd(row_words, 16 // word)
+    # one RP for all parts (the term's sum runs in rank order, so padding leaves its bits as they are); a part
+    # without a term gets rank 0 and another part's factors as placeholders (one pointer type for every part)
+    loras = [_lora_args(p[3], x, n, what) for p, n in zip(parts, rows)]
+    terms = [a for a, rp in loras if rp]
+    if len({(a[0].dtype, a[1].dtype) for a in terms}) > 1:
+        raise ValueError(
+            f"{what}: LoRA factors of dtypes {[(str(a[0].dtype), str(a[1].dtype)) for a in terms]}, expected one pair"
+        )
+    rp = max(r for _, r in loras)
+    args3 = [a if r or not terms else (terms[0][0], terms[0][1], 0.0, 0, 0, 0) for a, r in loras]
+    args3 += [args3[0]] * (3 - len(parts))
+    gated = act is not None
+    y = torch.empty(tokens, rows[0] if gated else sum(rows), dtype=out_dtype, device=x.device)
+    y_bits = y.view(torch.int16) if out_dtype == torch.bfloat16 else y
+    programs = _cdiv(rows[0], br) if gated else sum(_cdiv(n, br) for n in rows)
+    if not programs:
+        return y
+    args = (rws[0].view(torch.uint8), rws[0], xk, y_bits, *(rows + [0] * (3 - len(parts))), *offs[:2])
+    args += (n_blk, row_words // ra, x_stride, y.stride(0), *args3[0], *args3[1], *args3[2])
+    with _on(x):
+        launch(
+            mod.gemv_group_kernel,
+            (programs,),
+            args,
+            warps,
+            TYPE=t,
+            B=mod.BLOCK_VALUES[t],
+            BLOCK_WORDS=mod.BLOCK_WORDS[t],
+            RA=ra,
+            OA=oa,
+            T=tokens,
+            ROUND_BF16=bool(round_bf16),
+            OUT_BF16=out_dtype == torch.bfloat16,
+            EVEN=n_blk % kb == 0,
+            MAGIC=GEMV_MAGIC_CODES,
+            HW_ROUND=GEMV_HW_ROUND and not interpreting(),
+            NPART=mod.PARTS[t],
+            XI=xi,
+            XPACK=xpack,
+            NG=len(parts),
+            ACT=GEMV_GROUP_ACTS[act] if gated else 0,
+            RP=rp,
+            BR=br,
+            KB=kb,
+        )
     return y
 
 
@@ -717,6 +861,9 @@ __all__ = [
     "dequant_matvec",
     "GEMV_TYPES",
     "gemv_takes",
+    "dequant_matvec_group",
+    "gemv_group_takes",
+    "GEMV_GROUP_ACTS",
     "MATVEC_CONFIG",
     "gemv_config",
     "parse_gemv_config",

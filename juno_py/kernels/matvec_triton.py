@@ -25,11 +25,21 @@ SPLIT = 1 writes y (fp32, or bf16 rounded to nearest even with integer operation
 partial sums `[SPLIT, T, n_rows]` that `gemv_finish_kernel` adds in split order (deterministic: the same bits every
 run, so a replayed CUDA graph equals the eager step). Either may add a LoRA term alpha · xa · Bᵀ (xa = x · Aᵀ
 computed before, `[T, rank]`; B `[n_rows, rank]`) to the fp32 sums before they are rounded and stored: a played
-adapter then costs its x · Aᵀ product and nothing more.
+adapter then costs its x · Aᵀ product and nothing more. Unsplit, the term is summed in rank order with elementwise
+operations (`_lora`), so its bits do not depend on the layout the compiler picks for it.
+
+`gemv_group_kernel` runs the unsplit GEMV of 2 or 3 matrices of one type and width that read one x (a block's q, k
+and v; its gate and up) in one launch, each part with its own row count and LoRA term, the parts addressed as word
+offsets from the first part's words; or, for gate and up, stores act(gate)·up (silu or gelu_tanh) instead, the
+activation of `elementwise_triton._gated_fwd_kernel` applied to the two products as the GEMV would have stored
+them. Both kernels share the step loop (`_accumulate`) and epilogue helpers, so each part's bits are
+`gemv_kernel`'s.
 """
 
 import triton
 import triton.language as tl
+
+from juno_py.kernels.elementwise_triton import _gate_sigmoid
 
 # GGML type numbers: Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14
 GEMV_TYPES = (2, 3, 8, 12, 13, 14)
@@ -193,6 +203,66 @@ def _store(out_ptr, y, rows, keep, OUT_BF16: tl.constexpr):
 
 
 @triton.jit
+def _accumulate(
+    raw8_ptr,
+    rw_ptr,
+    x_ptr,
+    x_stride,
+    row_w,
+    k_lo,
+    k_hi,
+    TYPE: tl.constexpr,
+    B: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    T: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    EVEN: tl.constexpr,
+    MAGIC: tl.constexpr,
+    HW_ROUND: tl.constexpr,
+    NPART: tl.constexpr,
+    XI: tl.constexpr,
+    XPACK: tl.constexpr,
+    BR: tl.constexpr,
+    KB: tl.constexpr,
+):
+    """The fp32 products of blocks [k_lo, k_hi) of BR rows with each of T tokens, unreduced: one accumulator of the
+    step's value shape per token (`_zeros`; tokens past T keep zeros). The rows' first words are at word offsets
+    `row_w` `[BR, 1, 1, 1, 1]` (int64) of `rw_ptr`."""
+    kk = tl.arange(0, KB)[None, :, None, None, None]
+    acc0 = _zeros(TYPE, BR, KB)
+    acc1 = _zeros(TYPE, BR, KB)
+    acc2 = _zeros(TYPE, BR, KB)
+    acc3 = _zeros(TYPE, BR, KB)
+    for k0 in range(k_lo, k_hi, KB):
+        bc = k0 + kk  # [1, KB, 1, 1, 1]
+        ok = bc < k_hi
+        if EVEN:
+            bcc = bc.to(tl.int64)
+        else:
+            bcc = tl.minimum(bc, k_hi - 1).to(tl.int64)
+        wb = row_w + bcc * BLOCK_WORDS
+        xb = bcc * B
+        for p in tl.static_range(NPART):
+            w, xo = _values(raw8_ptr, rw_ptr, wb, TYPE, p, MAGIC)
+            if ROUND_BF16:
+                if HW_ROUND:
+                    w = w.to(tl.bfloat16).to(tl.float32)
+                else:
+                    w = _round_bf16(w)
+            xo = xb + xo
+            if XPACK:
+                xo = xo // XI
+            acc0 += _dot(w, x_ptr, xo, ok, EVEN, XI, XPACK)
+            if T > 1:
+                acc1 += _dot(w, x_ptr + x_stride, xo, ok, EVEN, XI, XPACK)
+            if T > 2:
+                acc2 += _dot(w, x_ptr + 2 * x_stride, xo, ok, EVEN, XI, XPACK)
+            if T > 3:
+                acc3 += _dot(w, x_ptr + 3 * x_stride, xo, ok, EVEN, XI, XPACK)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def gemv_kernel(
     raw8_ptr,
     rw_ptr,
@@ -243,37 +313,28 @@ def gemv_kernel(
     row_w = (rows_c * (row_units * RA))[:, None, None, None, None]  # [BR, 1, 1, 1, 1]
     k_lo = s * split_blk
     k_hi = tl.minimum(k_lo + split_blk, n_blk)
-    kk = tl.arange(0, KB)[None, :, None, None, None]
-    acc0 = _zeros(TYPE, BR, KB)
-    acc1 = _zeros(TYPE, BR, KB)
-    acc2 = _zeros(TYPE, BR, KB)
-    acc3 = _zeros(TYPE, BR, KB)
-    for k0 in range(k_lo, k_hi, KB):
-        bc = k0 + kk  # [1, KB, 1, 1, 1]
-        ok = bc < k_hi
-        if EVEN:
-            bcc = bc.to(tl.int64)
-        else:
-            bcc = tl.minimum(bc, k_hi - 1).to(tl.int64)
-        wb = row_w + bcc * BLOCK_WORDS
-        xb = bcc * B
-        for p in tl.static_range(NPART):
-            w, xo = _values(raw8_ptr, rw_ptr, wb, TYPE, p, MAGIC)
-            if ROUND_BF16:
-                if HW_ROUND:
-                    w = w.to(tl.bfloat16).to(tl.float32)
-                else:
-                    w = _round_bf16(w)
-            xo = xb + xo
-            if XPACK:
-                xo = xo // XI
-            acc0 += _dot(w, x_ptr, xo, ok, EVEN, XI, XPACK)
-            if T > 1:
-                acc1 += _dot(w, x_ptr + x_stride, xo, ok, EVEN, XI, XPACK)
-            if T > 2:
-                acc2 += _dot(w, x_ptr + 2 * x_stride, xo, ok, EVEN, XI, XPACK)
-            if T > 3:
-                acc3 += _dot(w, x_ptr + 3 * x_stride, xo, ok, EVEN, XI, XPACK)
+    acc0, acc1, acc2, acc3 = _accumulate(
+        raw8_ptr,
+        rw_ptr,
+        x_ptr,
+        x_stride,
+        row_w,
+        k_lo,
+        k_hi,
+        TYPE,
+        B,
+        BLOCK_WORDS,
+        T,
+        ROUND_BF16,
+        EVEN,
+        MAGIC,
+        HW_ROUND,
+        NPART,
+        XI,
+        XPACK,
+        BR,
+        KB,
+    )
     if PARTIAL:
         base = y_ptr + s.to(tl.int64) * T * n_rows
         _store(base, _reduce(acc0), rows, keep, False)
@@ -308,12 +369,18 @@ def gemv_kernel(
 @triton.jit
 def _lora(rows, t, xa_ptr, lb_ptr, alpha, rank, xa_stride, lb_stride, RP: tl.constexpr):
     """alpha · Σ_j B[rows, j] · xa[t, j] over the adapter's rank (fp32; B `[n_rows, rank]` and xa `[T, rank]` in
-    their own dtypes): a LoRA term, added to the frozen product before it is rounded and stored."""
-    j = tl.arange(0, RP)[None, :]
-    ok = j < rank
-    b = tl.load(lb_ptr + rows.to(tl.int64)[:, None] * lb_stride + j, mask=ok, other=0.0).to(tl.float32)
-    xa = tl.load(xa_ptr + t * xa_stride + j, mask=ok, other=0.0).to(tl.float32)
-    return alpha * tl.sum(b * xa, axis=1)
+    their own dtypes): a LoRA term, added to the frozen product before it is rounded and stored. Summed in the order
+    of j, a column of B a step: elementwise operations only, whose bits do not depend on the layout the compiler
+    gives the rows (a reduction's order does, and the layout follows the code around it), so every kernel that adds
+    the term (`gemv_kernel`, `gemv_group_kernel`) adds the same bits. The loads of all RP steps are independent."""
+    b_row = lb_ptr + rows.to(tl.int64) * lb_stride
+    xa_row = xa_ptr + t * xa_stride
+    acc = tl.zeros(rows.shape, dtype=tl.float32)
+    for j in tl.static_range(RP):
+        # the row mask as a tensor of the rows' shape (the interpreter broadcasts a scalar mask as int32)
+        b = tl.load(b_row + j, mask=tl.full(rows.shape, j, tl.int32) < rank, other=0.0).to(tl.float32)
+        acc += b * tl.load(xa_row + j, mask=rank > j, other=0.0).to(tl.float32)
+    return alpha * acc
 
 
 @triton.jit
@@ -351,6 +418,259 @@ def gemv_finish_kernel(
         xa = tl.load(xa_ptr + t[:, None] * xa_stride + j, mask=jok, other=0.0).to(tl.float32)
         acc += alpha * tl.sum(b * xa, axis=1)
     _store(y_ptr + t * y_stride, acc, r, ok, OUT_BF16)
+
+
+@triton.jit
+def _pick(part, v0, v1, v2):
+    """v0, v1 or v2 for part 0, 1 or 2 (scalars or pointers; an argument equal to 1 arrives as a constant, and the
+    selection makes it a tensor)."""
+    return tl.where(part == 2, v2, tl.where(part == 1, v1, v0))
+
+
+@triton.jit
+def _group_out(
+    acc,
+    acc_up,
+    t,
+    y_ptr,
+    y_stride,
+    col,
+    part,
+    rows,
+    rows_c,
+    keep,
+    xa0_ptr,
+    lb0_ptr,
+    alpha0,
+    rank0,
+    xa0_stride,
+    lb0_stride,
+    xa1_ptr,
+    lb1_ptr,
+    alpha1,
+    rank1,
+    xa1_stride,
+    lb1_stride,
+    xa2_ptr,
+    lb2_ptr,
+    alpha2,
+    rank2,
+    xa2_stride,
+    lb2_stride,
+    RP: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    ACT: tl.constexpr,
+):
+    """Token t's results of a `gemv_group_kernel` program from its accumulators: `gemv_kernel`'s epilogue (the sum,
+    its part's LoRA term, the rounded store at column `col`), or with ACT the gated activation of gate (`acc`, part
+    0) and up (`acc_up`, part 1): each first rounded as `_store` would store it, then act(gate)·up as
+    `elementwise_triton._gated_fwd_kernel` computes and stores it. The LoRA term is added without a branch, the
+    part's arguments selected: `y + alpha · Σ` then compiles as in `gemv_kernel` (one fused multiply-add), while
+    with a branch a part LLVM moves the addition after the branches' join, apart from the product it rounds."""
+    y = _reduce(acc)
+    if ACT > 0:
+        if RP > 0:
+            y += _lora(rows_c, t, xa0_ptr, lb0_ptr, alpha0, rank0, xa0_stride, lb0_stride, RP)
+        u = _reduce(acc_up)
+        if RP > 0:
+            u += _lora(rows_c, t, xa1_ptr, lb1_ptr, alpha1, rank1, xa1_stride, lb1_stride, RP)
+        if OUT_BF16:
+            y = _round_bf16(y)
+            u = _round_bf16(u)
+        sig, _ = _gate_sigmoid(y, ACT == 2)
+        _store(y_ptr + t * y_stride, (y * sig) * u, rows, keep, OUT_BF16)
+    else:
+        if RP > 0:
+            y += _lora(
+                rows_c,
+                t,
+                _pick(part, xa0_ptr, xa1_ptr, xa2_ptr),
+                _pick(part, lb0_ptr, lb1_ptr, lb2_ptr),
+                _pick(part, alpha0, alpha1, alpha2),
+                _pick(part, rank0, rank1, rank2),
+                _pick(part, xa0_stride, xa1_stride, xa2_stride),
+                _pick(part, lb0_stride, lb1_stride, lb2_stride),
+                RP,
+            )
+        _store(y_ptr + t * y_stride + col, y, rows, keep, OUT_BF16)
+
+
+@triton.jit
+def gemv_group_kernel(
+    raw8_ptr,
+    rw_ptr,
+    x_ptr,
+    y_ptr,
+    rows0,
+    rows1,
+    rows2,
+    off1,
+    off2,
+    n_blk,
+    row_units,
+    x_stride,
+    y_stride,
+    xa0_ptr,
+    lb0_ptr,
+    alpha0,
+    rank0,
+    xa0_stride,
+    lb0_stride,
+    xa1_ptr,
+    lb1_ptr,
+    alpha1,
+    rank1,
+    xa1_stride,
+    lb1_stride,
+    xa2_ptr,
+    lb2_ptr,
+    alpha2,
+    rank2,
+    xa2_stride,
+    lb2_stride,
+    TYPE: tl.constexpr,
+    B: tl.constexpr,
+    BLOCK_WORDS: tl.constexpr,
+    RA: tl.constexpr,
+    OA: tl.constexpr,
+    T: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    EVEN: tl.constexpr,
+    MAGIC: tl.constexpr,
+    HW_ROUND: tl.constexpr,
+    NPART: tl.constexpr,
+    XI: tl.constexpr,
+    XPACK: tl.constexpr,
+    NG: tl.constexpr,
+    ACT: tl.constexpr,
+    RP: tl.constexpr,
+    BR: tl.constexpr,
+    KB: tl.constexpr,
+):
+    """`gemv_kernel` (unsplit) over NG = 2 or 3 matrices of one type and width that read the same x, in one
+    launch. Part i has rows_i rows; its words start off_i · OA words after rw_ptr's (part 0's; OA a power of two
+    dividing every offset, so the compiler keeps the rows' alignment), so the parts may be separate tensors. Without
+    ACT, programs 0 .. g0 − 1 take part 0's rows (g_i = cdiv(rows_i, BR)), the next g1 part 1's, then part 2's, and
+    y[t] (at y + t·y_stride) holds part i's columns from rows_0 + … + rows_{i−1} on. ACT (1 silu, 2 gelu_tanh;
+    NG = 2, rows1 = rows0): a program takes BR rows of gate (part 0) and the same rows of up (part 1) and stores
+    act(gate)·up `[T, rows0]` (`_group_out`). RP > 0 (a power of two ≥ every rank_i): each part adds its LoRA term
+    (xa_i `[T, rank_i]`, B_i `[rows_i, rank_i]`, alpha_i; rank_i = 0 for a part without one, whose term is then +0,
+    which leaves the sum's bits as they are). Each part's sums are `gemv_kernel`'s, bit for bit: the same steps,
+    accumulator shapes and reductions (each part's rows in a loop of their own) and the same epilogue."""
+    pid = tl.program_id(0)
+    if ACT > 0:
+        part = 0
+        col = 0
+        rows = pid * BR + tl.arange(0, BR)
+        keep = rows < rows0
+        rows_c = tl.minimum(rows, rows0 - 1).to(tl.int64)
+        row_w = (rows_c * (row_units * RA))[:, None, None, None, None]
+    else:
+        g0 = tl.cdiv(rows0, BR)
+        g1 = tl.cdiv(rows1, BR)
+        part = tl.where(pid >= g0, 1, 0)
+        if NG > 2:
+            part += tl.where(pid >= g0 + g1, 1, 0)
+        first = tl.where(part > 0, g0, 0) + tl.where(part > 1, g1, 0)
+        n = _pick(part, rows0, rows1, rows2)
+        col = tl.where(part > 0, rows0, 0) + tl.where(part > 1, rows1, 0)
+        rows = (pid - first) * BR + tl.arange(0, BR)
+        keep = rows < n
+        rows_c = tl.minimum(rows, n - 1).to(tl.int64)
+        off = _pick(part, 0, off1, off2).to(tl.int64) * OA
+        row_w = (off + rows_c * (row_units * RA))[:, None, None, None, None]
+    acc0, acc1, acc2, acc3 = _accumulate(
+        raw8_ptr,
+        rw_ptr,
+        x_ptr,
+        x_stride,
+        row_w,
+        0,
+        n_blk,
+        TYPE,
+        B,
+        BLOCK_WORDS,
+        T,
+        ROUND_BF16,
+        EVEN,
+        MAGIC,
+        HW_ROUND,
+        NPART,
+        XI,
+        XPACK,
+        BR,
+        KB,
+    )
+    if ACT > 0:
+        # up's rows in a loop of their own, as gate's: in one loop over both, the compiler may give one of the two
+        # accumulators another layout than `gemv_kernel`'s (sm_90: Q8_0, Q6_K), and so another order of its sum
+        up0, up1, up2, up3 = _accumulate(
+            raw8_ptr,
+            rw_ptr,
+            x_ptr,
+            x_stride,
+            row_w + _pick(1, 0, off1, off2).to(tl.int64) * OA,
+            0,
+            n_blk,
+            TYPE,
+            B,
+            BLOCK_WORDS,
+            T,
+            ROUND_BF16,
+            EVEN,
+            MAGIC,
+            HW_ROUND,
+            NPART,
+            XI,
+            XPACK,
+            BR,
+            KB,
+        )
+    else:
+        up0, up1, up2, up3 = acc0, acc1, acc2, acc3
+    for t in tl.static_range(T):
+        if t == 0:
+            acc, up = acc0, up0
+        elif t == 1:
+            acc, up = acc1, up1
+        elif t == 2:
+            acc, up = acc2, up2
+        else:
+            acc, up = acc3, up3
+        _group_out(
+            acc,
+            up,
+            t,
+            y_ptr,
+            y_stride,
+            col,
+            part,
+            rows,
+            rows_c,
+            keep,
+            xa0_ptr,
+            lb0_ptr,
+            alpha0,
+            rank0,
+            xa0_stride,
+            lb0_stride,
+            xa1_ptr,
+            lb1_ptr,
+            alpha1,
+            rank1,
+            xa1_stride,
+            lb1_stride,
+            xa2_ptr,
+            lb2_ptr,
+            alpha2,
+            rank2,
+            xa2_stride,
+            lb2_stride,
+            RP,
+            OUT_BF16,
+            ACT,
+        )
 
 
 @triton.jit

@@ -11,7 +11,7 @@ block by block. `dequant="triton"` runs this backend on CPU bytes too (the Trito
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, Self
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Self, Sequence
 
 import torch
 
@@ -164,6 +164,61 @@ class ResidentQuantLinear(FrozenQuantLinear, resident=True):
             lora=(xa2 if xa2.stride(-1) == 1 else xa2.contiguous(), B if B.stride(-1) == 1 else B.contiguous(), alpha),
         )
         return y.reshape(*x.shape[:-1], self._n_out)
+
+    @staticmethod
+    def matmul_group(
+        linears: Sequence[FrozenQuantLinear],
+        x: torch.Tensor,
+        loras: Sequence[Optional[tuple[torch.Tensor, torch.Tensor, float]]],
+        act: Optional[str] = None,
+    ) -> Optional[torch.Tensor]:
+        """x·W_iᵀ (+ alpha_i·xa_i·B_iᵀ where loras[i] = (xa_i, B_i, alpha_i) is given) of 2 or 3 linears that read
+        x, in one launch (`dequant_matvec_group`; no bias, no autograd): `[..., Σ n_out]`, linear i's columns after
+        those of the linears before it, each bit for bit what `matmul_lora` (or `matmul`) gives wherever their GEMV
+        runs unsplit. `act` ("silu" or "gelu_tanh"; gate and up, of equal n_out and without
+        biases): `[..., n_out]` holding act(gate)·up, the unfused `elementwise_triton.gated_forward` of those two
+        products bit for bit. None where the grouped GEMV does not apply (as for `matmul_lora`: 1 to 4 tokens of
+        one GEMV type and one n_in, no resident cache, not float64, on the GPU or under the interpreter; and LoRA
+        factors of one dtype pair): the caller then runs the linears one by one."""
+        if len(loras) != len(linears) or not all(isinstance(m, ResidentQuantLinear) for m in linears):
+            return None
+        lins = [m for m in linears if isinstance(m, ResidentQuantLinear)]
+        terms = [t for t in loras if t is not None]
+        if torch.is_grad_enabled() and (
+            x.requires_grad or any(t[0].requires_grad or t[1].requires_grad for t in terms)
+        ):
+            return None
+        n_in = x.shape[-1]
+        tokens = x.numel() // max(n_in, 1)
+        op, res = lins[0]._device_dtypes(x)
+        if (
+            op == torch.float64
+            or any(m._device_dtypes(x) != (op, res) or m.weight_cache is not None or m._n_in != n_in for m in lins)
+            or not device_dequant.gemv_group_takes([m._ggml_type for m in lins], [m._n_in for m in lins], tokens)
+            or any(t is not None and t[1].shape[0] != m._n_out for m, t in zip(lins, loras))
+            or (act is not None and act not in device_dequant.GEMV_GROUP_ACTS)
+            or (act is not None and (len(lins) != 2 or lins[0]._n_out != lins[1]._n_out))
+            or (act is not None and any(m.bias is not None for m in lins))
+            or len({m.raw.device for m in lins} | {x.device}) != 1
+            or len({(t[0].dtype, t[1].dtype) for t in terms}) > 1
+            or not all(m._use_triton() for m in lins)
+        ):
+            return None
+        parts: list[device_dequant.GroupPart] = []
+        for m, term in zip(lins, loras):
+            if term is not None:
+                xa, B, alpha = term
+                xa = xa.reshape(tokens, xa.shape[-1])
+                term = (
+                    xa if xa.stride(-1) == 1 else xa.contiguous(),
+                    B if B.stride(-1) == 1 else B.contiguous(),
+                    alpha,
+                )
+            parts.append((m.raw, m._ggml_type, n_in, term))
+        y = device_dequant.dequant_matvec_group(
+            parts, x.reshape(tokens, n_in).to(op), round_bf16=op == torch.bfloat16, out_dtype=res, act=act
+        )
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def _forward_step(self, xc: torch.Tensor) -> int:
         """Rows of W a forward tile decodes: `device_scratch_bytes` of W in the operands' dtype, in whole 256 rows."""
