@@ -20,12 +20,14 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
-from juno_py.kernels.dora_triton import FUSED_DTYPES, _launch, _out_arg, _store
+from juno_py.kernels.dora_triton import FUSED_DTYPES, INTERPRETED, _launch, _out_arg, _store
 from juno_py.kernels.elementwise_triton import _rms_warps
 from juno_py.kernels.launch import cdiv, next_pow2
 
 ROPE_CACHE_HEADS = 8  # heads (of q, k and v together) a rope_cache program
+ADD_RMS_XA_ROWS = 1  # rows of a LoRA's A an add_rms program multiplies (each program normalizes the row again)
 
 
 @triton.jit
@@ -56,15 +58,28 @@ def _add_rms_kernel(
     w_ptr,
     xo_ptr,
     y_ptr,
+    a_ptr,
+    xa_ptr,
     N,
+    R,
     eps_post,
     eps,
     POST: tl.constexpr,
     BF16: tl.constexpr,
+    RN_ADD: tl.constexpr,
+    XA: tl.constexpr,
+    RB: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Row `program_id`: h ← norm_post(h) when POST (stored value), s = x + h (stored value) into xo, y = norm(s)."""
-    row = tl.program_id(0).to(tl.int64)
+    """Row `program_id` (XA: the one row, every program): h ← norm_post(h) when POST (stored value), s = x + h
+    (stored value) into xo, y = norm(s). XA: program p also computes rows p·RB.. of xa = y · Aᵀ (A `[R, N]`, y as
+    stored), each row's products summed as `matvec_triton.lora_xa_kernel` sums them, and only program 0 stores xo
+    and y."""
+    pid = tl.program_id(0)
+    if XA:
+        row = 0
+    else:
+        row = pid.to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
     x = tl.load(x_ptr + row * N + cols, mask=ok, other=0.0).to(tl.float32)
@@ -72,10 +87,31 @@ def _add_rms_kernel(
     if POST:
         wp = tl.load(wpost_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         h = _as_stored(_rms_row(h, wp, N, eps_post), BF16)
-    s = _as_stored(x + h, BF16)
-    _store(xo_ptr + row * N + cols, s, ok, BF16)
+    # the sum rounded on its own, as torch adds the stored rows: on the GPU add_rn keeps the compiler from
+    # contracting the post norm's last product into it (one fma: one rounding fewer than the unfused kernels); the
+    # interpreter, which has no libdevice, never contracts
+    if RN_ADD:
+        s = _as_stored(libdevice.add_rn(x, h), BF16)
+    else:
+        s = _as_stored(x + h, BF16)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    _store(y_ptr + row * N + cols, _rms_row(s, w, N, eps), ok, BF16)
+    y = _rms_row(s, w, N, eps)
+    if XA:
+        first = cols < tl.where(pid == 0, N, 0)
+    else:
+        first = ok
+    _store(xo_ptr + row * N + cols, s, first, BF16)
+    _store(y_ptr + row * N + cols, y, first, BF16)
+    if XA:
+        r = pid * RB + tl.arange(0, RB)
+        keep = r < R
+        rc = tl.minimum(r, R - 1).to(tl.int64)[:, None]
+        a = tl.load(a_ptr + rc * N + cols[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
+        # the products into a zeroed accumulator, then summed: lora_xa_kernel's operations (the multiply is not
+        # contracted into the sum's additions)
+        acc = tl.zeros((RB, BLOCK), dtype=tl.float32)
+        acc += a * _as_stored(y, BF16)[None, :]
+        _store(xa_ptr + r, tl.sum(acc, axis=1), keep, BF16)
 
 
 def add_rms(
@@ -84,12 +120,15 @@ def add_rms(
     weight: torch.Tensor,
     eps: float,
     post: Optional[tuple[torch.Tensor, float]] = None,
-    out: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + h, RMSNorm(x + h) · weight) for x and h `[..., N]` of one dtype (bf16 or fp32; contiguous), the norm
-    weight fp32 `[N]`; `post`: (weight, eps) of an RMSNorm applied to h first. The sum goes to `out` (a tensor like
-    x; x itself is allowed) or a new tensor; the normalized rows are a new tensor in x's dtype."""
+    lora_a: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(x + h, RMSNorm(x + h) · weight, xa) for x and h `[..., N]` of one dtype (bf16 or fp32; contiguous), the norm
+    weight fp32 `[N]`; `post`: (weight, eps) of an RMSNorm applied to h first. New tensors in x's dtype. `lora_a`:
+    the concatenated A `[R, N]` (x's dtype, contiguous) of LoRAs that read the normalized row (one row only): xa is
+        its x·Aᵀ `[1, R]` from the same launch (None without `lora_a`): `dequant.lora_xa`'s bits where N ≤ 4096 (one
+    step of its row; wider rows are summed in another order)."""
     n = x.shape[-1]
+    rows = x.numel() // max(n, 1)
     if (
         x.dtype not in FUSED_DTYPES
         or h.dtype != x.dtype
@@ -99,27 +138,38 @@ def add_rms(
         or weight.shape != (n,)
         or weight.dtype != torch.float32
         or (post is not None and (post[0].shape != (n,) or post[0].dtype != torch.float32))
+        or (
+            lora_a is not None
+            and (rows != 1 or lora_a.dim() != 2 or lora_a.shape[1] != n or lora_a.dtype != x.dtype)
+            or (lora_a is not None and not lora_a.is_contiguous())
+        )
     ):
         raise ValueError(
             f"add_rms: x {tuple(x.shape)} {x.dtype}, h {tuple(h.shape)} {h.dtype}, weight {tuple(weight.shape)} "
-            f"{weight.dtype}: expected contiguous x and h of one shape and dtype (bf16 or fp32) and fp32 weights [{n}]"
+            f"{weight.dtype}: expected contiguous x and h of one shape and dtype (bf16 or fp32), fp32 weights [{n}], "
+            f"and for a LoRA A one row and A [R, {n}] in x's dtype"
         )
-    xo = torch.empty_like(x) if out is None else out
+    xo = torch.empty_like(x)
     y = torch.empty_like(x)
-    rows = x.numel() // max(n, 1)
+    xa = None if lora_a is None else torch.empty(1, lora_a.shape[0], dtype=x.dtype, device=x.device)
     if rows:
         block = next_pow2(n)
         wpost, eps_post = post if post is not None else (weight, 0.0)
+        a, r = (lora_a, lora_a.shape[0]) if lora_a is not None else (weight, 0)
         _launch(
             _add_rms_kernel,
-            (rows,),
-            (x, h, wpost, weight, _out_arg(xo), _out_arg(y), n, float(eps_post), float(eps)),
+            (cdiv(r, ADD_RMS_XA_ROWS) if lora_a is not None else rows,),
+            (x, h, wpost, weight, _out_arg(xo), _out_arg(y), a, _out_arg(xa) if xa is not None else y, n, r)
+            + (float(eps_post), float(eps)),
             _rms_warps(block),
             POST=post is not None,
             BF16=x.dtype == torch.bfloat16,
+            RN_ADD=not INTERPRETED,
+            XA=lora_a is not None,
+            RB=ADD_RMS_XA_ROWS,
             BLOCK=block,
         )
-    return xo, y
+    return xo, y, xa
 
 
 @triton.jit
@@ -248,4 +298,166 @@ def rope_cache(
     return qo
 
 
-__all__ = ["add_rms", "rope_cache"]
+@triton.jit
+def _attend_kernel(
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    o_ptr,
+    pos_ptr,
+    window,
+    scale,
+    D,
+    DV,
+    GROUP,
+    kc_head,
+    vc_head,
+    WINDOW: tl.constexpr,
+    BF16: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """Query head `program_id(0)` of one token at position `pos` over its key/value head's cache rows 0..pos (the last
+    `window` of them when WINDOW): softmax(q·kᵀ·scale)·v with an online softmax over blocks of BLOCK_N keys, fp32.
+    PARTIAL: the program takes only the rows of split `program_id(1)` (SPLIT_KEYS rows each) and writes its
+    unnormalized sums [acc `[DV]`, running max, sum of exponentials] to o `[heads, splits, DV + 2]` (fp32) for
+    `_attend_combine_kernel`; a split holding no row of the range writes zeros and a max of −inf."""
+    hq = tl.program_id(0)
+    hk = (hq // GROUP).to(tl.int64)
+    pos = tl.load(pos_ptr)
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(pos - window + 1, 0)
+    hi = pos + 1
+    if PARTIAL:
+        split = tl.program_id(1)
+        lo = tl.maximum(lo, split * SPLIT_KEYS)
+        hi = tl.minimum(hi, (split + 1) * SPLIT_KEYS)
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + hq * D + d, mask=d < D, other=0.0).to(tl.float32)
+    m = tl.full((1,), float("-inf"), tl.float32)
+    total = tl.zeros((1,), tl.float32)
+    acc = tl.zeros((BLOCK_DV,), tl.float32)
+    for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        valid = (n < hi) & (n >= lo)
+        k = tl.load(
+            kc_ptr + hk * kc_head + n[:, None] * D + d[None, :], mask=valid[:, None] & (d < D)[None, :], other=0.0
+        )
+        s = tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=0))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new)
+        total = total * alpha + tl.sum(p, axis=0)
+        v = tl.load(
+            vc_ptr + hk * vc_head + n[:, None] * DV + dv[None, :],
+            mask=valid[:, None] & (dv < DV)[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+        m = m_new
+    if PARTIAL:
+        base = o_ptr + (hq * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * (DV + 2)
+        tl.store(base + dv, acc, mask=dv < DV)
+        one = tl.arange(0, 1)
+        tl.store(base + DV + one, m)
+        tl.store(base + DV + 1 + one, total)
+    else:
+        _store(o_ptr + hq * DV + dv, acc / total, dv < DV, BF16)
+
+
+@triton.jit
+def _attend_combine_kernel(
+    part_ptr, o_ptr, DV, SPLITS, BF16: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr
+):
+    """Query head `program_id(0)`: the splits' sums [acc, max, total] `[SPLITS, DV + 2]` rescaled to their common max
+    and added: Σ acc·e^(m − M) / Σ total·e^(m − M)."""
+    hq = tl.program_id(0).to(tl.int64)
+    sp = tl.arange(0, BLOCK_S)
+    dv = tl.arange(0, BLOCK_DV)
+    ok = sp < SPLITS
+    base = part_ptr + hq * SPLITS * (DV + 2) + sp * (DV + 2)
+    m = tl.load(base + DV, mask=ok, other=float("-inf"))
+    total = tl.load(base + DV + 1, mask=ok, other=0.0)
+    big = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - big))
+    acc = tl.load(base[:, None] + dv[None, :], mask=ok[:, None] & (dv < DV)[None, :], other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(total * w, axis=0)
+    _store(o_ptr + hq * DV + dv, out, dv < DV, BF16)
+
+
+ATTEND_KEYS = 64  # keys an attend program takes a step
+ATTEND_SPLIT_KEYS = 256  # a longer cache is split into ranges of this many rows, one program each, then combined
+
+
+def attend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: torch.Tensor,
+    scale: float,
+    window: int = 0,
+) -> torch.Tensor:
+    """One token's attention: q `[HQ·D]` (any shape of that size, contiguous) at position `pos` (a one-element long
+    tensor on the device, read by the kernel) over the caches `[1, HK, max_len, D]` and `[1, HK, max_len, DV]` rows
+    0..pos (the last `window` of them when window > 0), query head h reading key/value head h // (HQ / HK); returns
+    `[HQ, DV]` in q's dtype. The keys after pos are never read: their rows may hold anything. A cache longer than
+    `ATTEND_SPLIT_KEYS` rows is taken in ranges of that many, one program per query head and range (those past the
+    position return at once), and a second launch combines them."""
+    _, hk, max_len, dim = k_cache.shape
+    dim_v = v_cache.shape[-1]
+    hq = q.numel() // dim
+    dtype = q.dtype
+    if (
+        dtype not in FUSED_DTYPES
+        or {k_cache.dtype, v_cache.dtype} != {dtype}
+        or q.numel() != hq * dim
+        or hq % max(hk, 1)
+        or not all(t.is_contiguous() for t in (q, k_cache, v_cache))
+        or k_cache.shape[0] != 1
+        or v_cache.shape[:3] != k_cache.shape[:3]
+        or pos.numel() != 1
+        or pos.dtype != torch.long
+        or window < 0
+    ):
+        raise ValueError(
+            f"attend: q {tuple(q.shape)} {dtype}, caches {tuple(k_cache.shape)} {k_cache.dtype} and "
+            f"{tuple(v_cache.shape)} {v_cache.dtype}, window {window}: expected one token's contiguous query heads (a "
+            f"multiple of the caches' heads), caches of batch 1 and one dtype (bf16 or fp32)"
+        )
+    out = torch.empty(hq, dim_v, dtype=dtype, device=q.device)
+    splits = cdiv(max_len, ATTEND_SPLIT_KEYS)
+    part = torch.empty(hq, splits, dim_v + 2, dtype=torch.float32, device=q.device) if splits > 1 else None
+    _launch(
+        _attend_kernel,
+        (hq, splits),
+        (q, k_cache, v_cache, part if part is not None else _out_arg(out), pos, int(window), float(scale), dim, dim_v)
+        + (hq // hk, max_len * dim, max_len * dim_v),
+        4,
+        WINDOW=window > 0,
+        BF16=dtype == torch.bfloat16,
+        SPLIT_KEYS=ATTEND_SPLIT_KEYS,
+        PARTIAL=part is not None,
+        BLOCK_N=ATTEND_KEYS,
+        BLOCK_D=next_pow2(dim),
+        BLOCK_DV=next_pow2(dim_v),
+    )
+    if part is not None:
+        _launch(
+            _attend_combine_kernel,
+            (hq,),
+            (part, _out_arg(out), dim_v, splits),
+            4,
+            BF16=dtype == torch.bfloat16,
+            BLOCK_S=next_pow2(splits),
+            BLOCK_DV=next_pow2(dim_v),
+        )
+    return out
+
+
+__all__ = ["add_rms", "rope_cache", "attend"]

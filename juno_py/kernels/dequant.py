@@ -39,7 +39,7 @@ import torch
 from juno_py.gguf import quants
 from juno_py.gguf.constants import GGML_BLOCK_SIZES, GGMLType
 from juno_py.kernels import split_bf16
-from juno_py.kernels.launch import interpreting, launch
+from juno_py.kernels.launch import interpreting, launch, row_warps
 
 # the codebook types read their grid points from a table on the device (`_grid_table`)
 CODEBOOK_TYPES = frozenset(
@@ -816,7 +816,7 @@ def lora_xa(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
             mod.lora_xa_kernel,
             (_cdiv(n_rows, rb),),
             (x, A, bits, n_rows, d, A.stride(0)),
-            8 if block >= 2048 else 4,
+            row_warps(block),  # add_rms's count: its fused product gives these bits
             OUT_BF16=x.dtype == torch.bfloat16,
             RB=rb,
             BLOCK=block,

@@ -21,7 +21,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from juno_py.kernels.dora_triton import FUSED_DTYPES, INTERPRETED, _launch, _out_arg, _store
-from juno_py.kernels.launch import cdiv, next_pow2
+from juno_py.kernels.launch import cdiv, next_pow2, row_warps
 
 ELEMENTWISE_BLOCK = 1024  # elements a program of the gated activations
 ROPE_HEADS = 8  # heads (of q and k together) a RoPE program
@@ -73,7 +73,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rms_warps(block: int) -> int:
-    return 8 if block >= 4096 else 4 if block >= 1024 else 2 if block >= 256 else 1
+    return row_warps(block)
 
 
 def rms_norm_forward(

@@ -77,6 +77,13 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
+def row_warps(block: int) -> int:
+    """The warps of a kernel whose program reduces one row of `block` (a power of two) values: the RMSNorm kernels,
+    the decode step's `add_rms` and a LoRA's x·Aᵀ (`lora_xa_kernel`). Kernels that must give each other's bits take
+    the same count, which fixes the order of a row's sums."""
+    return 8 if block >= 4096 else 4 if block >= 1024 else 2 if block >= 256 else 1
+
+
 def direct() -> bool:
     """Whether the shortcut is on (decided at the first launch; it turns itself off for good on an unexpected
     error)."""

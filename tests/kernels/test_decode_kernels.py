@@ -1,15 +1,17 @@
 """The decode step's fused kernels (`kernels.decode_triton`) give the unfused kernels' bits: `add_rms` equals
 torch's residual addition between `elementwise_triton`'s RMSNorm launches (with and without the sandwich norm of the
-added rows, in place or not), and `rope_cache` equals `elementwise_triton.rope_apply` followed by the cache writes
+added rows), and its LoRA product `lora_xa`'s, and `rope_cache` equals `elementwise_triton.rope_apply` followed by the cache writes
 (`index_copy_`), both RoPE styles, grouped-query heads and a value width other than the key's, at the first and the
-last position of the cache. Interpreted on the CPU (small shapes) or compiled on the GPU."""
+last position of the cache; `attend` is softmax attention over the cache rows up to the position (and inside the
+window) within fp32 rounding, never reading the rows after it. Interpreted on the CPU (small shapes) or compiled on the GPU."""
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from juno_py.kernels.decode_triton import add_rms, rope_cache  # noqa: E402
+from juno_py.kernels.decode_triton import add_rms, attend, rope_cache  # noqa: E402
+from juno_py.kernels.dequant import lora_xa  # noqa: E402
 from juno_py.kernels.elementwise_triton import rms_norm_forward, rope_apply  # noqa: E402
 from juno_py.models.model import rope_cos_sin, rope_inv_freq  # noqa: E402
 from tests.kernels.conftest import DEVICE  # noqa: E402
@@ -31,12 +33,14 @@ def test_add_rms_equals_the_addition_between_the_norm_kernels(dtype, post, n):
     added = rms_norm_forward(h, wp, 1e-5, dtype)[0] if post else h
     want_x = x + added
     want_y = rms_norm_forward(want_x, w, 1e-6, dtype)[0]
-    got_x, got_y = add_rms(x, h, w, 1e-6, post=(wp, 1e-5) if post else None)
-    assert _bits_equal(got_x, want_x) and _bits_equal(got_y, want_y)
+    got_x, got_y, none = add_rms(x, h, w, 1e-6, post=(wp, 1e-5) if post else None)
+    assert _bits_equal(got_x, want_x) and _bits_equal(got_y, want_y) and none is None
     assert not _bits_equal(got_y, rms_norm_forward(x, w, 1e-6, dtype)[0])  # the sum, not x, was normalized
-    xin = x.clone()
-    same_x, same_y = add_rms(xin, h, w, 1e-6, post=(wp, 1e-5) if post else None, out=xin)
-    assert same_x is xin and _bits_equal(xin, want_x) and _bits_equal(same_y, want_y)
+    # one row with a LoRA's A: every program normalizes the row, program 0 stores it, each multiplies its rows of A
+    A = torch.randn(37, n, generator=g).to(dtype).to(DEVICE)
+    one_x, one_y, xa = add_rms(x[1:2], h[1:2], w, 1e-6, post=(wp, 1e-5) if post else None, lora_a=A)
+    assert _bits_equal(one_x, want_x[1:2]) and _bits_equal(one_y, want_y[1:2])
+    assert xa.shape == (1, 37) and _bits_equal(xa, lora_xa(want_y[1:2], A))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -75,3 +79,35 @@ def test_rope_cache_refuses_mismatched_inputs():
         rope_cache(t, t, t, cos, cos, pos, cache, cache, "gptj")
     with pytest.raises(ValueError, match="rope_cache"):
         rope_cache(t, t, t, cos, cos, pos.int(), cache, cache, "norm")
+
+
+def _attention_reference(q, kc, vc, p, scale, window):
+    """fp64 softmax attention of one token's heads over cache rows 0..p (the last `window` when > 0)."""
+    hk, dim = kc.shape[1], kc.shape[-1]
+    q = q.double().view(hk, -1, dim)
+    lo = max(p - window + 1, 0) if window else 0
+    k, v = kc[0, :, lo : p + 1].double(), vc[0, :, lo : p + 1].double()
+    w = torch.softmax(q @ k.transpose(1, 2) * scale, dim=-1)
+    return (w @ v).reshape(-1, vc.shape[-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hq,hk,dim,dim_v,max_len", [(4, 2, 16, 16, 150), (3, 3, 64, 32, 70), (2, 1, 16, 16, 600)])
+def test_attend_equals_softmax_attention_over_the_cache_rows_up_to_the_position(dtype, hq, hk, dim, dim_v, max_len):
+    g = torch.Generator().manual_seed(hq * dim)
+    kc = (2 * torch.randn(1, hk, max_len, dim, generator=g)).to(dtype).to(DEVICE)
+    vc = torch.randn(1, hk, max_len, dim_v, generator=g).to(dtype).to(DEVICE)
+    # rows after the position hold garbage the kernel must not read: a huge key there would dominate the softmax
+    for p, window in [(0, 0), (max_len // 2, 0), (max_len - 1, 0), (max_len - 1, 5), (70 % max_len, 64), (3, 8)]:
+        q = torch.randn(hq * dim, generator=g).to(dtype).to(DEVICE)
+        kx, vx = kc.clone(), vc.clone()
+        kx[:, :, p + 1 :] = 1e4
+        vx[:, :, p + 1 :] = float("nan")
+        got = attend(q, kx, vx, torch.tensor([p], device=DEVICE), dim**-0.5, window)
+        want = _attention_reference(q, kc, vc, p, dim**-0.5, window)
+        err = (got.double() - want).abs().max().item()
+        # fp32: a few ulp of the values' range; bf16: the output's rounding (half an ulp) and the fp32 sums before it
+        bound = 1e-5 if dtype == torch.float32 else 2**-8 * want.abs().max().item() + 1e-5
+        assert err <= bound, f"p {p} window {window}: max |Δ| {err:.3g} > {bound:.3g}"
+        if window and p >= window:  # the rows before the window are left out
+            assert (want - _attention_reference(q, kc, vc, p, dim**-0.5, 0)).abs().max().item() > 10 * bound
