@@ -332,6 +332,12 @@ class SharedInputPlay:
 
     def __init__(self, A: torch.Tensor, parts: list[tuple[Any, int, int, torch.Tensor, float]]):
         self.A, self.parts = A, parts
+        # the parts whose bases' products can run as one grouped launch (`matmul_group`: one GGML type), by type
+        kinds: dict[Any, list[int]] = {}
+        for i, (m, *_) in enumerate(parts):
+            if hasattr(m.base, "matmul_group"):
+                kinds.setdefault(getattr(m.base, "ggml_type", None), []).append(i)
+        self.groups = [idx for idx in kinds.values() if len(idx) > 1]
 
     @staticmethod
     def build(modules: list[nn.Module], dtype: torch.dtype) -> Optional["SharedInputPlay"]:
@@ -351,20 +357,48 @@ class SharedInputPlay:
             return None
         return SharedInputPlay(torch.cat(As).contiguous(), parts)
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Each linear's output for x `[..., d]` (no autograd), as its own forward gives it."""
-        x2 = x.reshape(-1, x.shape[-1])
-        xa = lora_xa(x2, self.A) if x2.shape[0] == 1 else x2 @ self.A.T
+    def __call__(self, x: torch.Tensor, xa: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+        """Each linear's output for x `[..., d]` (no autograd), as its own forward gives it. `xa`: x·Aᵀ `[tokens, R]`
+        where the caller computed it (the decode step, in the launch that normalized x)."""
+        xa = self._xa(x, xa)
+        ys: list[Optional[torch.Tensor]] = [None] * len(self.parts)
+        for idx in self.groups:  # one launch for the parts of one GGML type (`matmul_group`)
+            parts = [self.parts[i] for i in idx]
+            bases = [m.base for m, *_ in parts]
+            y = type(bases[0]).matmul_group(bases, x, [(xa[:, lo:hi], B, c) for _, lo, hi, B, c in parts])
+            if y is not None:
+                at = 0
+                for i, b in zip(idx, bases):
+                    ys[i], at = y[..., at : at + b.out_features], at + b.out_features
         outs = []
-        for m, lo, hi, B, coef in self.parts:
-            xa_m = xa[:, lo:hi]
-            fused = getattr(m.base, "matmul_lora", None)
-            y = fused(x, xa_m, B, coef) if fused is not None else None
+        for (m, lo, hi, B, coef), y in zip(self.parts, ys):
             if y is None:
-                y = _add_lora(m.base.matmul(x), xa_m.reshape(*x.shape[:-1], hi - lo), B, coef)
+                xa_m = xa[:, lo:hi]
+                fused = getattr(m.base, "matmul_lora", None)
+                y = fused(x, xa_m, B, coef) if fused is not None else None
+                if y is None:
+                    y = _add_lora(m.base.matmul(x), xa_m.reshape(*x.shape[:-1], hi - lo), B, coef)
             bias: Optional[torch.Tensor] = getattr(m.base, "bias", None)
             outs.append(y + bias.to(y.dtype) if bias is not None else y)
         return outs
+
+    def gated(self, x: torch.Tensor, act: str, xa: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """act(gate)·up of a gate and an up (the two parts, in that order) in one grouped launch with their LoRA
+        terms (`matmul_group`'s gated mode: the bits of the two products and `elementwise.gated`), or None where it
+        does not apply; the caller then calls this play and the activation."""
+        if len(self.parts) != 2 or self.groups != [[0, 1]]:
+            return None
+        xa = self._xa(x, xa)
+        bases = [m.base for m, *_ in self.parts]
+        loras = [(xa[:, lo:hi], B, c) for _, lo, hi, B, c in self.parts]
+        y: Optional[torch.Tensor] = type(bases[0]).matmul_group(bases, x, loras, act=act)
+        return y
+
+    def _xa(self, x: torch.Tensor, xa: Optional[torch.Tensor]) -> torch.Tensor:
+        if xa is not None:
+            return xa
+        x2 = x.reshape(-1, x.shape[-1])
+        return lora_xa(x2, self.A) if x2.shape[0] == 1 else x2 @ self.A.T
 
 
 class AdaptedLinear(nn.Module):

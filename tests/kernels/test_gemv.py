@@ -178,12 +178,17 @@ def test_playback_lora_rides_on_the_gemv_with_the_forwards_logits(tiny_gguf, mon
     # 16 rows a program: the interpreter runs programs one after another
     monkeypatch.setitem(dequant.MATVEC_CONFIG, int(GGMLType.Q8_0), (16, 16, 4, 1))
     fused = []
-    real = dequant.dequant_matvec
+    real, real_group = dequant.dequant_matvec, dequant.dequant_matvec_group
     monkeypatch.setattr(
         dequant, "dequant_matvec", lambda *a, **k: fused.append(k.get("lora") is not None) or real(*a, **k)
     )
+    monkeypatch.setattr(
+        dequant,
+        "dequant_matvec_group",
+        lambda parts, *a, **k: fused.extend(p[3] is not None for p in parts) or real_group(parts, *a, **k),
+    )
     prompt, tokens = sample_ids(2, seed=1), sample_ids(2, seed=2)
     got = decoder_steps(CudaGraphDecoder, models[0], prompt, tokens, graph=False)
-    # every adapted product of the prefill (2 tokens) and the steps took the GEMV with its term
+    # every adapted product of the prefill (2 tokens) and the steps took the GEMV (alone or grouped) with its term
     assert sum(fused) == n_adapted * (1 + len(tokens))
     assert_logits_close(got, forward_steps(models[1], prompt, tokens))
