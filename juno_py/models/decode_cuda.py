@@ -10,9 +10,9 @@ replayed per token: one launch for the whole model. The frozen products of one t
 weights' GEMV (`weights.resident`, `kernels.matvec_triton`), which reads each weight byte once and writes the
 activations' dtype; a LoRA adds its x·Aᵀ product, whose term the GEMV adds to its sums (`matmul_lora`), DoRA
 composes as `AdaptedLinear` composes it at inference. On CUDA each residual addition runs with the norm after it,
-and RoPE with the cache writes, as one launch each (`kernels.decode_triton`, the unfused kernels' bits), and a
-cache of at most `ATTEND_MAX_KEYS` rows is attended by `decode_triton.attend`, which reads the position and the
-window itself and stops at the position (fp32 online softmax; no mask).
+and RoPE with the cache writes, as one launch each (`kernels.decode_triton`, the unfused kernels' bits), and the
+cache is attended by `decode_triton.attend`, which reads the position and the window itself and stops at the
+position (fp32 online softmax; no mask).
 
 Where the embedding table's bytes are a tensor on the model's device (a model built there) the step looks the
 token up itself from the static token tensor, inside the graph; a table in the file's memory map is looked up on
@@ -53,11 +53,6 @@ from juno_py.models.model import (
 
 # the linears of a block that read one input: their adapters' x·Aᵀ run as one product (`SharedInputPlay`)
 SHARED_INPUTS = {"qkv": ("wq", "wk", "wv"), "gate_up": ("wgate", "wup")}
-
-# the longest cache the fused attention takes: one program a query head streams its key/value head's rows up to
-# the position, where SDPA reads the whole masked cache with more programs. H100, the cache full, graphed: 8.2 µs
-# against SDPA's 10.7 at 160 keys (Llama-3-8B's heads), 39.7 against 25.5 at 1024
-ATTEND_MAX_KEYS = 256
 
 # decode steps run eagerly before the capture: Triton compiles (and autotunes) its kernels there, not in the graph
 WARMUP_STEPS = 2
@@ -126,9 +121,10 @@ class CudaGraphDecoder:
         self.fused = _step_kernels(model, cache) if fused is not False else None
         self.fused_norms = self.fused is not None and _norms_fuse(model)
         self.fused_rope = self.fused is not None and _rope_fuses(model)
-        # attention over the cache rows up to the position (fp32 online softmax) where the cache is short enough
-        # for one program a query head (`ATTEND_MAX_KEYS`); SDPA's kernels over the whole masked cache elsewhere
-        self.fused_attn = self.fused is not None and cache.max_len <= ATTEND_MAX_KEYS
+        # attention over the cache rows up to the position (fp32 online softmax) instead of SDPA's over the whole
+        # masked cache: H100, graphed, Llama-3-8B's heads, cache full, 8.2 µs against 11.0 at 160 keys, 22.9 against
+        # 82.1 at 4096, 73.4 against 317.6 at 16384 (and faster still while the cache fills)
+        self.fused_attn = self.fused is not None
         # per block, the linears that read one input played with one x·Aᵀ (`SharedInputPlay`), where they fit
         self.shared: dict[tuple[int, str], SharedInputPlay] = {}
         self.plain: dict[tuple[int, str], list[Any]] = {}
