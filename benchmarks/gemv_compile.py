@@ -55,6 +55,7 @@ def facts(compiled) -> dict:
 
 def gemv(t: int, br: int, kb: int, warps: int, tokens: int, lora: int, split: bool, xpack: bool) -> dict:
     from juno_py.kernels import matvec_triton as m
+    from juno_py.kernels.dequant import GEMV_HW_ROUND, GEMV_MAGIC_CODES
 
     word = m.WORD_BYTES[t]
     xtype = ("*i64" if word == 4 else "*i32") if xpack else "*bf16"
@@ -87,6 +88,8 @@ def gemv(t: int, br: int, kb: int, warps: int, tokens: int, lora: int, split: bo
         OUT_BF16=True,
         PARTIAL=split,
         EVEN=True,
+        MAGIC=GEMV_MAGIC_CODES,
+        HW_ROUND=GEMV_HW_ROUND,
         NPART=m.PARTS[t],
         XI=word,
         XPACK=xpack,
