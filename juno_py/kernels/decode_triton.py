@@ -23,8 +23,9 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from juno_py.kernels.dora_triton import FUSED_DTYPES, INTERPRETED, _launch, _out_arg, _store
-from juno_py.kernels.elementwise_triton import _rms_warps
+from juno_py.kernels.elementwise_triton import _rms_rstd, _rms_warps, _rope_pairs
 from juno_py.kernels.launch import cdiv, next_pow2
+from juno_py.kernels.matvec_triton import _round_bf16
 
 ROPE_CACHE_HEADS = 8  # heads (of q, k and v together) a rope_cache program
 ADD_RMS_XA_ROWS = 1  # rows of a LoRA's A an add_rms program multiplies (each program normalizes the row again)
@@ -32,22 +33,18 @@ ADD_RMS_XA_ROWS = 1  # rows of a LoRA's A an add_rms program multiplies (each pr
 
 @triton.jit
 def _as_stored(v, BF16: tl.constexpr):
-    """fp32 `v` as `_store` would store it and a load read it back: rounded to bf16 (nearest even, NaN kept) when
-    BF16, unchanged otherwise."""
+    """fp32 `v` as `_store` would store it and a load read it back: rounded to bf16 (`matvec_triton._round_bf16`)
+    when BF16, unchanged otherwise."""
     if BF16:
-        bits = v.to(tl.uint32, bitcast=True)
-        r = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        return tl.where(v != v, v, r.to(tl.float32, bitcast=True))
+        return _round_bf16(v)
     else:
         return v
 
 
 @triton.jit
 def _rms_row(x, w, N, eps):
-    """`_rms_fwd_kernel`'s product for one row held in registers: (x·rstd)·w with rstd = 1/sqrt(mean(x²) + eps)."""
-    ms = tl.sum(x * x, axis=0) / N
-    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(ms + eps))
-    return (x * rstd) * w
+    """`_rms_fwd_kernel`'s product for one row held in registers: (x·rstd)·w with its rstd (`_rms_rstd`)."""
+    return (x * _rms_rstd(x, N, eps)) * w
 
 
 @triton.jit
@@ -140,8 +137,13 @@ def add_rms(
         or (post is not None and (post[0].shape != (n,) or post[0].dtype != torch.float32))
         or (
             lora_a is not None
-            and (rows != 1 or lora_a.dim() != 2 or lora_a.shape[1] != n or lora_a.dtype != x.dtype)
-            or (lora_a is not None and not lora_a.is_contiguous())
+            and (
+                rows != 1
+                or lora_a.dim() != 2
+                or lora_a.shape[1] != n
+                or lora_a.dtype != x.dtype
+                or not lora_a.is_contiguous()
+            )
         )
     ):
         raise ValueError(
@@ -203,17 +205,7 @@ def _rope_cache_kernel(
     pos = tl.load(pos_ptr)
     h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
-    rot = d < 2 * HALF
-    if NEOX:
-        first = d < HALF
-        partner = tl.where(first, d + HALF, d - HALF)
-        j = tl.where(first, d, d - HALF)
-    else:
-        first = (d % 2) == 0
-        partner = d ^ 1
-        j = d // 2
-    j = tl.where(rot, j, 0)
-    partner = tl.where(rot, partner, d)
+    rot, first, partner, j = _rope_pairs(d, HALF, NEOX)
     is_q = h < HQ
     is_k = (h >= HQ) & (h < HQ + HK)
     is_v = (h >= HQ + HK) & (h < HQ + 2 * HK)

@@ -35,6 +35,14 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 
 # --- RMSNorm ---------------------------------------------------------------------------------------------------
 @triton.jit
+def _rms_rstd(x, N, eps):
+    """1/sqrt(mean(x²) + eps) of a row `x` (fp32, zeros past N), correctly rounded: the RMSNorm kernels' scale,
+    shared so that a fused kernel normalizes with these operations (`decode_triton.add_rms`)."""
+    ms = tl.sum(x * x, axis=0) / N
+    return tl.math.div_rn(1.0, tl.sqrt_rn(ms + eps))
+
+
+@triton.jit
 def _rms_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, N, stride_x, eps, Y_BF16: tl.constexpr, BLOCK: tl.constexpr):
     """Row `program_id`: rstd = 1/sqrt(mean(x²) + eps), y = (x·rstd)·w, fp32; rstd saved for backward."""
     row = tl.program_id(0).to(tl.int64)
@@ -42,8 +50,7 @@ def _rms_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, N, stride_x, eps, Y_BF16: tl.
     ok = cols < N
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    ms = tl.sum(x * x, axis=0) / N
-    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(ms + eps))
+    rstd = _rms_rstd(x, N, eps)
     tl.store(rstd_ptr + row, rstd)
     _store(y_ptr + row * N + cols, (x * rstd) * w, ok, Y_BF16)
 
@@ -243,6 +250,23 @@ class GatedFn(torch.autograd.Function):
 
 # --- RoPE ------------------------------------------------------------------------------------------------------
 @triton.jit
+def _rope_pairs(d, HALF, NEOX: tl.constexpr):
+    """For features d: (rotated: d < 2·HALF, first of its pair, its partner p, its pair's angle j) in the "neox"
+    halves (p = d ± HALF) or the "norm" adjacent pairs (p = d ^ 1); features past the rotated ones are their own
+    partner at angle 0. The RoPE kernels' table (`decode_triton` rotates with it too)."""
+    rot = d < 2 * HALF
+    if NEOX:
+        first = d < HALF
+        partner = tl.where(first, d + HALF, d - HALF)
+        j = tl.where(first, d, d - HALF)
+    else:
+        first = (d % 2) == 0
+        partner = d ^ 1
+        j = d // 2
+    return rot, first, tl.where(rot, partner, d), tl.where(rot, j, 0)
+
+
+@triton.jit
 def _rope_kernel(
     q_ptr,
     k_ptr,
@@ -278,17 +302,7 @@ def _rope_kernel(
     t = tok % T
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
-    rot = d < 2 * HALF
-    if NEOX:
-        first = d < HALF
-        partner = tl.where(first, d + HALF, d - HALF)
-        j = tl.where(first, d, d - HALF)
-    else:
-        first = (d % 2) == 0
-        partner = d ^ 1
-        j = d // 2
-    j = tl.where(rot, j, 0)
-    partner = tl.where(rot, partner, d)
+    rot, first, partner, j = _rope_pairs(d, HALF, NEOX)
     in_d = d < D
     is_q = h < HQ
     is_k = (h >= HQ) & (h < HQ + HK)

@@ -243,11 +243,9 @@ class CudaGraphDecoder:
         # keys at or before the position, per sliding window (0: none): [1, 1, 1, max_len] masks, additive (0 or
         # -inf) in the activations' dtype, as SDPA turns a boolean mask into, made here once a step rather than by
         # SDPA in every block (two launches a block); the fused attention takes the position and window itself
-        masks: dict[int, Any] = {}
-        for w in {blk.window for blk in blocks}:
-            if self.fused_attn:
-                masks[w] = None
-                continue
+        masks: dict[int, Tensor] = {}
+        windows = set() if self.fused_attn else {blk.window for blk in blocks}
+        for w in windows:
             valid = self.key_index <= self.pos
             if w:
                 valid = valid & (self.key_index > self.pos - w)
@@ -260,7 +258,7 @@ class CudaGraphDecoder:
             # and with it the x·Aᵀ of the LoRAs that read the normed row (`SharedInputPlay`)
             h, xa = blocks[0].norms["attn_norm"](x), None
             for i, blk in enumerate(blocks):
-                rope, valid = ropes[rope_of[blk.layer]], masks[blk.window]
+                rope, valid = ropes[rope_of[blk.layer]], masks.get(blk.window)
                 sandwich = blk.spec.sandwich_norms
                 attn = self._attention(blk, h, rope, valid, xa)
                 post = blk.norms["post_attention_norm"] if sandwich else None
@@ -273,7 +271,7 @@ class CudaGraphDecoder:
             logits = model.project(h[0, -1])
         else:
             for blk in blocks:
-                rope, valid = ropes[rope_of[blk.layer]], masks[blk.window]
+                rope, valid = ropes[rope_of[blk.layer]], masks.get(blk.window)
                 x = blk.around(
                     x, partial(self._attention, blk, rope=rope, valid=valid), partial(self._feed_forward, blk)
                 )
